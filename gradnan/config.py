@@ -1,0 +1,102 @@
+"""One configuration dataclass, settable by keyword arguments or ``GRADNAN_*`` environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional
+
+ENV_PREFIX = "GRADNAN_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A configuration value or name is wrong; the message names the field."""
+
+
+@dataclass(frozen=True)
+class GradnanConfig:
+    """Everything ``gradnan.install()`` can be told.
+
+    out_dir: where every rank writes its maps and records (shared by all ranks of a job).
+    maps: write the per-rank parameter-id -> global-name maps when the optimizer is built.
+    detect: check the grad norm (and fp16 loss-scale overflows) and localize non-finite gradients.
+    max_params_per_record: offending parameters listed in full per record; the rest are only counted.
+    skip_warn_after: consecutive fp16 loss-scale skips before a warning (then at 2x, 4x, ... that many).
+    strict: let an internal gradnan error propagate instead of logging it and carrying on.
+    log_level: level of the ``gradnan`` logger.
+    """
+
+    out_dir: str = "gradnan_out"
+    maps: bool = True
+    detect: bool = True
+    max_params_per_record: int = 64
+    skip_warn_after: int = 3
+    strict: bool = False
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            expected = {"str": str, "bool": bool, "int": int}[spec.type]
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ConfigError(
+                    f"gradnan config field '{spec.name}' must be {spec.type}, got {value!r}"
+                )
+        if self.max_params_per_record < 1:
+            raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
+        if self.skip_warn_after < 1:
+            raise ConfigError("gradnan config field 'skip_warn_after' must be >= 1")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
+
+
+def _parse(name: str, type_name: str, raw: str) -> Any:
+    text = raw.strip()
+    if type_name == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean (use 1/0, true/false)")
+    if type_name == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer") from None
+    return text
+
+
+def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The ``GRADNAN_*`` variables as config fields; an unknown ``GRADNAN_`` name is an error (typos)."""
+    environ = os.environ if environ is None else environ
+    by_env_name = {ENV_PREFIX + spec.name.upper(): spec for spec in fields(GradnanConfig)}
+    options = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        spec = by_env_name.get(key)
+        if spec is None:
+            known = ", ".join(sorted(by_env_name))
+            raise ConfigError(f"unknown environment variable {key} (known: {known})")
+        options[spec.name] = _parse(spec.name, spec.type, raw)
+    return options
+
+
+def resolve_config(
+    config: Optional[GradnanConfig] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    **options: Any,
+) -> GradnanConfig:
+    """Defaults < ``GRADNAN_*`` environment < ``config`` < keyword arguments."""
+    known = {spec.name for spec in fields(GradnanConfig)}
+    for name in options:
+        if name not in known:
+            raise ConfigError(f"unknown gradnan option '{name}' (known: {', '.join(sorted(known))})")
+    merged: Dict[str, Any] = options_from_env(environ)
+    if config is not None:
+        merged.update(dataclasses.asdict(config))
+    merged.update({name: value for name, value in options.items() if value is not None})
+    return GradnanConfig(**merged)

@@ -1,0 +1,100 @@
+"""``install()`` / ``uninstall()``: patch the Megatron surfaces that are there, say which are not."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from . import log
+from .config import GradnanConfig, resolve_config
+from .log import logger
+from .patches import Instrumentor, SurfaceMissing, all_instrumentors
+from .patches._megatron import rank_coordinates, versions
+from .runtime import Runtime
+
+
+@dataclass
+class Installation:
+    """What ``install()`` did: the surfaces patched, those missing (with why), and the live runtime."""
+
+    config: GradnanConfig
+    runtime: Runtime
+    patched: List[str] = field(default_factory=list)
+    missing: Dict[str, str] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    _instrumentors: List[Instrumentor] = field(default_factory=list, repr=False)
+
+    @property
+    def out_dir(self) -> str:
+        return self.config.out_dir
+
+    def summary(self) -> str:
+        lines = [f"gradnan installed, writing to {self.out_dir}"]
+        lines += [f"  patched: {name}" for name in self.patched]
+        lines += [f"  MISSING: {name}: {why}" for name, why in self.missing.items()]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def uninstall(self) -> None:
+        uninstall()
+
+
+_lock = threading.RLock()
+_current: Optional[Installation] = None
+
+
+def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = None,
+            **options: Any) -> Installation:
+    """Patch Megatron so non-finite gradients are named by rank and parameter. Call it before the
+    optimizer is built. A second call returns the first installation unchanged (nothing is wrapped
+    twice). Options: the fields of ``GradnanConfig``, also settable as ``GRADNAN_<FIELD>``."""
+    global _current
+    with _lock:
+        if _current is not None:
+            logger.info("already installed; keeping the first configuration")
+            return _current
+        resolved = resolve_config(config, out_dir=out_dir, **options)
+        resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
+        log.configure(resolved.log_level)
+        installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions))
+        for instrumentor in all_instrumentors():
+            try:
+                instrumentor.instrument(installation.runtime)
+            except SurfaceMissing as exc:
+                installation.missing[instrumentor.name] = str(exc)
+                continue
+            installation.patched.append(instrumentor.name)
+            installation._instrumentors.append(instrumentor)
+            note = instrumentor.version_note()
+            if note and note not in installation.notes:
+                installation.notes.append(note)
+        _current = installation
+        _announce(installation)
+        return installation
+
+
+def _announce(installation: Installation) -> None:
+    if not installation.patched:
+        logger.error("nothing could be patched, gradnan is inactive:\n%s", installation.summary())
+    elif installation.missing or installation.notes:
+        logger.warning("%s", installation.summary())
+    elif os.environ.get("RANK", "0") == "0":
+        logger.info("%s", installation.summary())
+
+
+def uninstall() -> None:
+    """Restore every patched Megatron attribute to the very object it was before ``install()``."""
+    global _current
+    with _lock:
+        if _current is None:
+            return
+        for instrumentor in reversed(_current._instrumentors):
+            instrumentor.uninstrument()
+        _current = None
+
+
+def current() -> Optional[Installation]:
+    return _current

@@ -1,0 +1,117 @@
+"""What gradnan reads from Megatron without patching it: rank coordinates, global parameter names, versions.
+
+Kept here so that the rest of gradnan never touches a Megatron name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..names import global_name
+from ._patcher import installed_version
+
+# Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
+_WRAPPER_CLASS_NAMES = frozenset(
+    {
+        "DistributedDataParallel",
+        "Float16Module",
+        "FullyShardedDataParallel",
+        "TorchFullyShardedDataParallel",
+        "MegatronFSDP",
+    }
+)
+_LAYER_PREFIX = re.compile(r"(^|\.)layers\.\d+$")
+
+
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    while type(chunk).__name__ in _WRAPPER_CLASS_NAMES and isinstance(
+        getattr(chunk, "module", None), torch.nn.Module
+    ):
+        chunk = chunk.module
+    return chunk
+
+
+def _layer_prefix_renames(model: torch.nn.Module) -> Dict[str, str]:
+    """Local ``...layers.<i>`` prefix -> global one, from ``TransformerLayer.layer_number`` (1-based, global)."""
+    renames = {}
+    for name, module in model.named_modules():
+        layer_number = getattr(module, "layer_number", None)
+        if isinstance(layer_number, int) and _LAYER_PREFIX.search(name) and ".mtp." not in f".{name}.":
+            head, _, _ = name.rpartition(".")
+            renames[name + "."] = f"{head}.{layer_number - 1}."
+    return renames
+
+
+def global_named_parameters(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
+    """Every parameter of the model chunks with its global name: wrapper prefixes stripped, global layer
+    numbers under pipeline (and virtual pipeline) parallelism."""
+    named = []
+    seen = set()
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        renames = _layer_prefix_renames(model)
+        for name, param in model.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                named.append((global_name(name, renames), param))
+    return named
+
+
+def global_param_names(chunks: Iterable[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
+    return {param: name for name, param in global_named_parameters(chunks)}
+
+
+def _call_or_none(getter_name: str) -> Optional[int]:
+    from megatron.core import parallel_state
+
+    getter = getattr(parallel_state, getter_name, None)
+    if getter is None:
+        return None
+    try:
+        value = getter()
+    except (AssertionError, RuntimeError, AttributeError, TypeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        try:
+            return f"cuda:{torch.cuda.current_device()}"
+        except RuntimeError:
+            return "cuda:?"
+    return "cpu"
+
+
+def rank_coordinates() -> Dict[str, object]:
+    """Global rank, world size, tp/pp/dp/cp/ep/vpp ranks and sizes, host and device of this process."""
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    coords: Dict[str, object] = {
+        "global_rank": dist.get_rank() if initialized else int(os.environ.get("RANK", 0)),
+        "world_size": dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "host": socket.gethostname(),
+        "device": _device_name(),
+        "pid": os.getpid(),
+    }
+    for axis, rank_getter, size_getter in (
+        ("tp", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+        ("pp", "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+        ("dp", "get_data_parallel_rank", "get_data_parallel_world_size"),
+        ("cp", "get_context_parallel_rank", "get_context_parallel_world_size"),
+        ("ep", "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
+    ):
+        coords[axis] = _call_or_none(rank_getter) if initialized else 0
+        coords[f"{axis}_size"] = _call_or_none(size_getter) if initialized else 1
+    return coords
+
+
+def versions() -> Dict[str, Optional[str]]:
+    megatron = installed_version("megatron-core")
+    return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}

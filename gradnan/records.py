@@ -1,0 +1,77 @@
+"""Where and how every rank writes its files. Formats are documented in docs/formats.md.
+
+    <out_dir>/maps/<rank tag>[_opt<k>].json     one parameter map per optimizer, written atomically
+    <out_dir>/records/<rank tag>.jsonl          append-only JSON lines, flushed and fsynced per record
+
+The rank tag starts with the global rank (unique per process) and carries the tp/pp/dp coordinates,
+plus cp/ep where their sizes are above 1: ``rank00003_tp1_pp0_dp1``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+MAP_SCHEMA = "gradnan.map"
+RECORD_SCHEMA = "gradnan.record"
+MAPS_DIR = "maps"
+RECORDS_DIR = "records"
+
+
+def rank_tag(coords: Mapping[str, Any]) -> str:
+    parts = [f"rank{int(coords['global_rank']):05d}"]
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        always = axis in ("tp", "pp", "dp")
+        if always or (coords.get(f"{axis}_size") or 1) > 1:
+            value = coords.get(axis)
+            parts.append(f"{axis}{value if value is not None else 'x'}")
+    return "_".join(parts)
+
+
+def map_path(out_dir: str, coords: Mapping[str, Any], optimizer_index: int) -> Path:
+    suffix = f"_opt{optimizer_index}" if optimizer_index else ""
+    return Path(out_dir) / MAPS_DIR / f"{rank_tag(coords)}{suffix}.json"
+
+
+def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
+    return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
+
+
+def json_float(value: float) -> Any:
+    """JSON has no NaN/Inf: non-finite floats are written as the strings "nan", "inf", "-inf"."""
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def write_json_atomic(path: Path, document: Mapping[str, Any]) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(document, stream, indent=1, allow_nan=False)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def append_record(path: Path, record: Mapping[str, Any]) -> None:
+    """One JSON line, flushed and fsynced before returning: the process may die right after."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+    with open(path, "a") as stream:
+        stream.write(line)
+        stream.flush()
+        os.fsync(stream.fileno())

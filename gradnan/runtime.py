@@ -1,0 +1,226 @@
+"""The state behind an installation: what the patches report to, and what writes maps and records.
+
+Patches translate Megatron calls into the events below (optimizer built, step begins, non-finite grad
+norm, loss-scale overflow) with plain data (``ParamSlot`` lists and gradient tensors); the runtime runs
+the pure detection functions and writes the results. It never raises into training unless
+``config.strict`` is set: an internal error is logged once per kind and the original behaviour goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from .config import GradnanConfig
+from .detect import offending_params
+from .log import logger
+from .maps import ParamSlot, map_document
+from .records import (
+    RECORD_SCHEMA,
+    SCHEMA_VERSION,
+    append_record,
+    json_float,
+    map_path,
+    records_path,
+    write_json_atomic,
+)
+
+SlotSource = Callable[[], Tuple[List[ParamSlot], List[Optional[torch.Tensor]]]]
+
+
+class _Tracked:
+    """What the runtime knows of one (outermost) optimizer."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.steps = 0
+        self.map_file: Optional[str] = None
+        self.consecutive_skips = 0
+        self.scale_collapse_reported = False
+
+
+class Runtime:
+    def __init__(self, config: GradnanConfig, coords: Callable[[], Dict[str, Any]],
+                 versions: Callable[[], Dict[str, Any]]) -> None:
+        self.config = config
+        self._coords = coords
+        self._versions = versions
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._tracked: "weakref.WeakKeyDictionary[Any, _Tracked]" = weakref.WeakKeyDictionary()
+        self._next_index = 0
+        self._chunks: List["weakref.ref[torch.nn.Module]"] = []
+        self._errors_logged: Set[str] = set()
+
+    # -- safety -------------------------------------------------------------------------------------
+
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn``; on an exception log it once per (what, type) and return None, unless strict."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            key = f"{what}:{type(exc).__name__}"
+            if key not in self._errors_logged:
+                self._errors_logged.add(key)
+                logger.error("internal error in %s (training goes on unchanged): %r", what, exc)
+            return None
+
+    # -- model chunks seen by the param-group builder ----------------------------------------------
+
+    def register_chunks(self, chunks: Sequence[torch.nn.Module]) -> None:
+        with self._lock:
+            live = [ref for ref in self._chunks if ref() is not None]
+            known = {id(ref()) for ref in live}
+            live += [weakref.ref(chunk) for chunk in chunks if id(chunk) not in known]
+            self._chunks = live
+
+    def known_chunks(self) -> List[torch.nn.Module]:
+        return [chunk for chunk in (ref() for ref in self._chunks) if chunk is not None]
+
+    # -- optimizer lifecycle -------------------------------------------------------------------------
+
+    def _track(self, optimizer: Any) -> Tuple[_Tracked, bool]:
+        with self._lock:
+            tracked = self._tracked.get(optimizer)
+            if tracked is not None:
+                return tracked, False
+            tracked = _Tracked(self._next_index)
+            self._next_index += 1
+            self._tracked[optimizer] = tracked
+            return tracked, True
+
+    def optimizer_built(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
+        tracked, new = self._track(optimizer)
+        if new and self.config.maps:
+            coords = self._coords()
+            path = map_path(self.config.out_dir, coords, tracked.index)
+            document = map_document(
+                coords, self._versions(), tracked.index, type(optimizer).__name__, slots()
+            )
+            write_json_atomic(path, document)
+            tracked.map_file = str(path)
+            logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
+
+    def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
+        self.optimizer_built(optimizer, slots)
+        tracked, _ = self._track(optimizer)
+        tracked.steps += 1
+        self._local.stepping = optimizer
+
+    def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None:
+        """``skipped``: the step applied no update (fp16 overflow); counts consecutive skips."""
+        if getattr(self._local, "stepping", None) is optimizer:
+            self._local.stepping = None
+        tracked, _ = self._track(optimizer)
+        if skipped is not None:
+            tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
+            if not skipped:
+                tracked.scale_collapse_reported = False
+
+    def stepping_optimizer(self) -> Optional[Any]:
+        return getattr(self._local, "stepping", None)
+
+    # -- detections ----------------------------------------------------------------------------------
+
+    def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot],
+                grads: Sequence[Optional[torch.Tensor]], extra: Dict[str, Any]) -> Dict[str, Any]:
+        tracked, _ = self._track(optimizer)
+        coords = self._coords()
+        found = offending_params(slots, grads)
+        limit = self.config.max_params_per_record
+        record = {
+            "schema": RECORD_SCHEMA,
+            "version": SCHEMA_VERSION,
+            "kind": kind,
+            "step": tracked.steps,
+            "time": time.time(),
+            "rank": coords,
+            "optimizer_index": tracked.index,
+            "map": tracked.map_file,
+            "local_nonfinite": bool(found),
+            "params": found[:limit],
+            "params_total": len(found),
+            **extra,
+        }
+        path = records_path(self.config.out_dir, coords)
+        append_record(path, record)
+        record["_path"] = str(path)
+        return record
+
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
+                            grads: Sequence[Optional[torch.Tensor]]) -> None:
+        record = self._record(optimizer, "nonfinite_grad_norm", slots, grads,
+                              {"grad_norm": json_float(norm)})
+        where = _where(record)
+        if record["params"]:
+            logger.error("step %d: grad norm is %s; %s on %s; record: %s", record["step"],
+                         record["grad_norm"], _describe_params(record), where, record["_path"])
+        else:
+            logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
+                           " came from another rank through the norm's all-reduce); record: %s",
+                           record["step"], record["grad_norm"], where, record["_path"])
+
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
+                            min_scale: Optional[float], slots: Sequence[ParamSlot],
+                            grads: Sequence[Optional[torch.Tensor]]) -> None:
+        tracked, _ = self._track(optimizer)
+        skips = tracked.consecutive_skips + 1  # this step's skip is counted when the step returns
+        chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
+        collapsed = scale is not None and min_scale is not None and scale <= min_scale
+        record = self._record(
+            optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
+            {"loss_scale": scale, "min_loss_scale": min_scale, "sub_optimizer": leaf,
+             "consecutive_skips": skips, "scale_collapsed": collapsed},
+        )
+        first = self.config.skip_warn_after
+        if collapsed and not tracked.scale_collapse_reported:
+            tracked.scale_collapse_reported = True
+            logger.error("step %d: loss scale collapsed to %s (its minimum) after %d skipped steps;"
+                         " %s; record: %s", record["step"], scale, skips,
+                         _describe_params(record), record["_path"])
+        elif skips >= first and _is_power_of_two(skips // first) and skips % first == 0:
+            logger.warning("step %d: %d consecutive fp16 steps skipped for gradient overflow"
+                           " (loss scale %s); %s; record: %s", record["step"], skips, scale,
+                           _describe_params(record), record["_path"])
+        else:
+            logger.debug("step %d: loss-scale overflow (scale %s), step skipped", record["step"], scale)
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _where(record: Dict[str, Any]) -> str:
+    rank = record["rank"]
+    axes = " ".join(f"{axis}{rank.get(axis)}" for axis in ("tp", "pp", "dp", "cp", "ep")
+                    if axis in ("tp", "pp", "dp") or (rank.get(f"{axis}_size") or 1) > 1)
+    return f"rank {rank['global_rank']} ({axes}, {rank['host']} {rank['device']})"
+
+
+def _describe_params(record: Dict[str, Any]) -> str:
+    params = record["params"]
+    if not params:
+        return "no local parameter gradient is non-finite"
+    first = params[0]
+    counts = ", ".join(f"{first[k]} {label}" for k, label in (("nan", "NaN"), ("inf", "Inf"))
+                       if first[k])
+    more = record["params_total"] - 1
+    tail = f" and {more} more parameter(s)" if more else ""
+    return (f"non-finite gradient in {first['name']} ({counts}, first at "
+            f"{first['first_bad_index']}){tail}")
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for a finite Python/NumPy number or one-element tensor; None counts as finite (no norm)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(float(value))

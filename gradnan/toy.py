@@ -1,0 +1,302 @@
+"""A tiny real Megatron-Core GPT trained on CPU with gloo: the demo's job, the tests' and benchmarks' harness.
+
+Everything Megatron here is the real library (``GPTModel``, Megatron DDP, ``get_megatron_optimizer``, the
+pipeline schedules); only CUDA is replaced by the CPU shim. Faults are injected on purpose, through
+``Injection``, into one named parameter's gradient on one rank at one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Put ``value`` into the gradient of parameter ``param`` (global name) on global ``rank`` at ``step``.
+
+    ``where="backward"``: a tensor hook changes the gradient as backward produces it, before any
+    data-parallel collective (what a bad card or a bad kernel does). ``where="main_grad"``: the element is
+    written into the reduced gradient right before ``optimizer.step()`` (a corruption after the collective).
+    ``index`` is the flat element index in the model parameter.
+    """
+
+    rank: int
+    step: int
+    param: str
+    value: str = "nan"
+    where: str = "main_grad"
+    index: int = 0
+
+    def number(self) -> float:
+        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[self.value]
+
+
+@dataclass(frozen=True)
+class TinyGPTJob:
+    world_size: int = 2
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "fp32"
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: Optional[int] = None
+    check_for_nan_in_grad: bool = False
+    steps: int = 3
+    micro_batches: int = 1
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: int = 64
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    seed: int = 1234
+    injections: Tuple[Injection, ...] = ()
+    gradnan: Optional[Dict[str, Any]] = None
+    results_dir: Optional[str] = None
+
+    def with_(self, **changes: Any) -> "TinyGPTJob":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: Optional[float]
+    grad_norm: Optional[float]
+    update_successful: bool
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    steps: List[StepResult] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _build_model(job: TinyGPTJob, pp_rank: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job.dtype]
+    config = TransformerConfig(
+        num_layers=job.num_layers,
+        hidden_size=job.hidden_size,
+        ffn_hidden_size=job.ffn_hidden_size or 4 * job.hidden_size,
+        num_attention_heads=job.num_heads,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=job.dtype == "bf16",
+        fp16=job.dtype == "fp16",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=job.vocab_size,
+        max_sequence_length=job.seq_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == job.pp - 1,
+    )
+    return config, model
+
+
+def _wrap_model(job: TinyGPTJob, config, model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if job.dtype != "fp32":
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=job.dtype != "fp32",
+        overlap_grad_reduce=job.overlap_grad_reduce,
+        use_distributed_optimizer=job.distributed_optimizer,
+        check_for_nan_in_grad=job.check_for_nan_in_grad,
+        bucket_size=job.bucket_size,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def _batches(job: TinyGPTJob, dp_rank: int):
+    generator = torch.Generator().manual_seed(job.seed + 7919 * dp_rank)
+    mask = torch.triu(torch.ones(job.seq_length, job.seq_length, dtype=torch.bool), diagonal=1)
+    position_ids = torch.arange(job.seq_length).unsqueeze(0).expand(job.micro_batch_size, -1)
+    while True:
+        tokens = torch.randint(
+            0, job.vocab_size, (job.micro_batch_size, job.seq_length + 1), generator=generator
+        )
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": position_ids,
+            "attention_mask": mask.view(1, 1, job.seq_length, job.seq_length),
+        }
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _param_by_global_name(chunks, name: str):
+    from gradnan.patches._megatron import global_param_names
+
+    for param, param_name in global_param_names(chunks).items():
+        if param_name == name:
+            return param
+    return None
+
+
+def _arm_backward_injections(job: TinyGPTJob, rank: int, step: int, chunks) -> List[Any]:
+    handles = []
+    for injection in job.injections:
+        if injection.rank != rank or injection.step != step or injection.where != "backward":
+            continue
+        param = _param_by_global_name(chunks, injection.param)
+        if param is None:
+            continue
+
+        def poison(grad, injection=injection):
+            grad = grad.clone()
+            grad.view(-1)[injection.index] = injection.number()
+            return grad
+
+        handles.append(param.register_hook(poison))
+    return handles
+
+
+def _apply_main_grad_injections(job: TinyGPTJob, rank: int, step: int, chunks) -> None:
+    for injection in job.injections:
+        if injection.rank != rank or injection.step != step or injection.where != "main_grad":
+            continue
+        param = _param_by_global_name(chunks, injection.param)
+        if param is not None:
+            param.main_grad.view(-1)[injection.index] = injection.number()
+
+
+def train(job: TinyGPTJob, rank: int) -> WorkerResult:
+    """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
+    import gradnan
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
+    )
+    try:
+        torch.manual_seed(job.seed)
+        model_parallel_cuda_manual_seed(job.seed)
+        config, model = _build_model(job, parallel_state.get_pipeline_model_parallel_rank())
+        chunk = _wrap_model(job, config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = chunk.no_sync
+        installation = gradnan.install(**job.gradnan) if job.gradnan is not None else None
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-3,
+                clip_grad=1.0,
+                bf16=job.dtype == "bf16",
+                fp16=job.dtype == "fp16",
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=job.distributed_optimizer,
+                initial_loss_scale=2.0**12,
+            ),
+            [chunk],
+        )
+        config.grad_scale_func = optimizer.scale_loss
+        result = WorkerResult(rank=rank)
+        batches = _batches(job, parallel_state.get_data_parallel_rank())
+        forward_backward = get_forward_backward_func()
+        for step in range(1, job.steps + 1):
+            chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            hooks = _arm_backward_injections(job, rank, step, [chunk])
+            losses = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=batches,
+                model=[chunk],
+                num_microbatches=job.micro_batches,
+                seq_length=job.seq_length,
+                micro_batch_size=job.micro_batch_size,
+                forward_only=False,
+            )
+            for hook in hooks:
+                hook.remove()
+            _apply_main_grad_injections(job, rank, step, [chunk])
+            update_successful, grad_norm, _ = optimizer.step()
+            loss = (
+                float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
+            )
+            result.steps.append(StepResult(step, loss, grad_norm, bool(update_successful)))
+        if installation is not None:
+            gradnan.uninstall()
+        return result
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _worker(rank: int, job: TinyGPTJob, port: int) -> None:
+    from gradnan.patches.cpu_shim import SHIM
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(job.world_size),
+    )
+    torch.set_num_threads(1)
+    SHIM.activate()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=job.world_size)
+    try:
+        result = train(job, rank)
+        if job.results_dir:
+            path = Path(job.results_dir) / f"rank{rank}.json"
+            path.write_text(json.dumps(dataclasses.asdict(result)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def launch(job: TinyGPTJob) -> Dict[int, WorkerResult]:
+    """Run ``job`` in ``job.world_size`` gloo processes; return each rank's losses and grad norms."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
+        job = job.with_(results_dir=job.results_dir or scratch)
+        mp.spawn(_worker, args=(job, _free_port()), nprocs=job.world_size, join=True)
+        results = {}
+        for rank in range(job.world_size):
+            raw = json.loads((Path(job.results_dir) / f"rank{rank}.json").read_text())
+            steps = [StepResult(**s) for s in raw.pop("steps")]
+            results[rank] = WorkerResult(steps=steps, **raw)
+        return results
