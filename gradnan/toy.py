@@ -27,7 +27,8 @@ class Injection:
     ``where="backward"``: a tensor hook changes the gradient as backward produces it, before any
     data-parallel collective (what a bad card or a bad kernel does). ``where="main_grad"``: the element is
     written into the reduced gradient right before ``optimizer.step()`` (a corruption after the collective).
-    ``index`` is the flat element index in the model parameter.
+    ``index`` is the flat element index in the model parameter; None picks the first element this rank's
+    optimizer steps (with the distributed optimizer, inside this rank's shard).
     """
 
     rank: int
@@ -35,7 +36,7 @@ class Injection:
     param: str
     value: str = "nan"
     where: str = "main_grad"
-    index: int = 0
+    index: Optional[int] = None
 
     def number(self) -> float:
         return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[self.value]
@@ -63,7 +64,6 @@ class TinyGPTJob:
     seed: int = 1234
     injections: Tuple[Injection, ...] = ()
     gradnan: Optional[Dict[str, Any]] = None
-    results_dir: Optional[str] = None
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -81,7 +81,7 @@ class StepResult:
 class WorkerResult:
     rank: int
     steps: List[StepResult] = field(default_factory=list)
-    error: Optional[str] = None
+    injected: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def _free_port() -> int:
@@ -176,31 +176,53 @@ def _param_by_global_name(chunks, name: str):
     return None
 
 
-def _arm_backward_injections(job: TinyGPTJob, rank: int, step: int, chunks) -> List[Any]:
-    handles = []
-    for injection in job.injections:
-        if injection.rank != rank or injection.step != step or injection.where != "backward":
-            continue
-        param = _param_by_global_name(chunks, injection.param)
-        if param is None:
-            continue
+def _owned_start(optimizer, param) -> int:
+    """First flat index of ``param`` that this rank's optimizer steps (its distributed-optimizer shard)."""
+    from gradnan.patches._optimizer_params import leaf_optimizers
 
-        def poison(grad, injection=injection):
+    for leaf in leaf_optimizers(optimizer):
+        if param in getattr(leaf, "model_param_gbuf_map", {}):
+            param_range = leaf._get_model_param_range_map(param)["param"]
+            if param_range.end <= param_range.start:
+                raise ValueError("this rank's distributed-optimizer shard holds none of the parameter")
+            return int(param_range.start)
+    return 0
+
+
+def _due(job: TinyGPTJob, rank: int, step: int, where: str):
+    for injection in job.injections:
+        if injection.rank == rank and injection.step == step and injection.where == where:
+            yield injection
+
+
+def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
+    param = _param_by_global_name(chunks, injection.param)
+    if param is None:
+        raise ValueError(f"no parameter named {injection.param} on this rank")
+    index = injection.index if injection.index is not None else _owned_start(optimizer, param)
+    return param, index
+
+
+def _arm_backward_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
+    handles = []
+    for injection in _due(job, rank, step, "backward"):
+        param, index = _resolve(injection, chunks, optimizer)
+
+        def poison(grad, value=injection.number(), index=index):
             grad = grad.clone()
-            grad.view(-1)[injection.index] = injection.number()
+            grad.view(-1)[index] = value
             return grad
 
         handles.append(param.register_hook(poison))
+        result.injected.append({**dataclasses.asdict(injection), "index": index})
     return handles
 
 
-def _apply_main_grad_injections(job: TinyGPTJob, rank: int, step: int, chunks) -> None:
-    for injection in job.injections:
-        if injection.rank != rank or injection.step != step or injection.where != "main_grad":
-            continue
-        param = _param_by_global_name(chunks, injection.param)
-        if param is not None:
-            param.main_grad.view(-1)[injection.index] = injection.number()
+def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
+    for injection in _due(job, rank, step, "main_grad"):
+        param, index = _resolve(injection, chunks, optimizer)
+        param.main_grad.view(-1)[index] = injection.number()
+        result.injected.append({**dataclasses.asdict(injection), "index": index})
 
 
 def train(job: TinyGPTJob, rank: int) -> WorkerResult:
@@ -243,7 +265,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         for step in range(1, job.steps + 1):
             chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            hooks = _arm_backward_injections(job, rank, step, [chunk])
+            hooks = _arm_backward_injections(job, rank, step, [chunk], optimizer, result)
             losses = forward_backward(
                 forward_step_func=_forward_step,
                 data_iterator=batches,
@@ -255,7 +277,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
             )
             for hook in hooks:
                 hook.remove()
-            _apply_main_grad_injections(job, rank, step, [chunk])
+            _apply_main_grad_injections(job, rank, step, [chunk], optimizer, result)
             update_successful, grad_norm, _ = optimizer.step()
             loss = (
                 float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
@@ -268,35 +290,46 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         parallel_state.destroy_model_parallel()
 
 
-def _worker(rank: int, job: TinyGPTJob, port: int) -> None:
+def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
     from gradnan.patches.cpu_shim import SHIM
 
+    world_size = jobs[0].world_size
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(job.world_size),
+        WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=job.world_size)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        result = train(job, rank)
-        if job.results_dir:
-            path = Path(job.results_dir) / f"rank{rank}.json"
+        for number, job in enumerate(jobs):
+            result = train(job, rank)
+            path = Path(results_dir) / f"job{number}_rank{rank}.json"
             path.write_text(json.dumps(dataclasses.asdict(result)))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def launch(job: TinyGPTJob) -> Dict[int, WorkerResult]:
-    """Run ``job`` in ``job.world_size`` gloo processes; return each rank's losses and grad norms."""
+def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
+    """Run the jobs one after another in one set of ``world_size`` gloo processes (start-up paid once)."""
     import torch.multiprocessing as mp
 
+    world_size = jobs[0].world_size
+    if any(job.world_size != world_size for job in jobs):
+        raise ValueError("launch_many needs jobs of one world size")
     with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
-        job = job.with_(results_dir=job.results_dir or scratch)
-        mp.spawn(_worker, args=(job, _free_port()), nprocs=job.world_size, join=True)
-        results = {}
-        for rank in range(job.world_size):
-            raw = json.loads((Path(job.results_dir) / f"rank{rank}.json").read_text())
-            steps = [StepResult(**s) for s in raw.pop("steps")]
-            results[rank] = WorkerResult(steps=steps, **raw)
-        return results
+        mp.spawn(_worker, args=(jobs, _free_port(), scratch), nprocs=world_size, join=True)
+        outcome = []
+        for number in range(len(jobs)):
+            per_rank = {}
+            for rank in range(world_size):
+                raw = json.loads((Path(scratch) / f"job{number}_rank{rank}.json").read_text())
+                raw["steps"] = [StepResult(**step) for step in raw["steps"]]
+                per_rank[rank] = WorkerResult(**raw)
+            outcome.append(per_rank)
+        return outcome
+
+
+def launch(job: TinyGPTJob) -> Dict[int, WorkerResult]:
+    """Run ``job`` in ``job.world_size`` gloo processes; return each rank's losses and grad norms."""
+    return launch_many([job])[0]

@@ -1,0 +1,130 @@
+"""Strict readers for the files gradnan writes. JSON only: opening a file never executes code from it.
+
+Each problem becomes a one-line message naming the file and what is wrong. A run directory in which
+some files are bad is still read: the good files are returned and the bad ones listed in ``problems``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from .records import MAP_SCHEMA, MAPS_DIR, RECORD_SCHEMA, RECORDS_DIR, SCHEMA_VERSION
+
+
+class ReadError(Exception):
+    """A file or directory gradnan cannot use; the message is one line."""
+
+
+def _check_schema(document: Any, schema: str, where: str) -> None:
+    if not isinstance(document, dict):
+        raise ReadError(f"{where}: not a JSON object")
+    if document.get("schema") != schema:
+        raise ReadError(f"{where}: not a {schema} document (schema={document.get('schema')!r})")
+    version = document.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ReadError(f"{where}: missing or invalid schema version")
+    if version > SCHEMA_VERSION:
+        raise ReadError(
+            f"{where}: {schema} version {version} is newer than this gradnan reads ({SCHEMA_VERSION});"
+            " upgrade gradnan"
+        )
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        message = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise ReadError(f"{where}: invalid JSON ({message})") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ReadError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def load_map(path: Path) -> Dict[str, Any]:
+    document = _parse_json(_read_text(path), str(path))
+    _check_schema(document, MAP_SCHEMA, str(path))
+    params = document.get("params")
+    rank = document.get("rank")
+    if not isinstance(params, list) or not isinstance(rank, dict):
+        raise ReadError(f"{path}: a map needs a 'params' list and a 'rank' object")
+    for position, entry in enumerate(params):
+        if not (isinstance(entry, dict) and isinstance(entry.get("id"), int)
+                and isinstance(entry.get("name"), str)):
+            raise ReadError(f"{path}: params[{position}] needs an integer 'id' and a string 'name'")
+    if not isinstance(rank.get("global_rank"), int):
+        raise ReadError(f"{path}: rank.global_rank is missing")
+    return document
+
+
+def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The records of one rank's file, and a problem per line that could not be used.
+
+    A last line without its newline is a record cut short (the process died while writing it)."""
+    text = _read_text(path)
+    records, problems = [], []
+    lines = text.split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = _parse_json(line, where)
+            _check_schema(record, RECORD_SCHEMA, where)
+            if not isinstance(record.get("step"), int) or not isinstance(record.get("rank"), dict):
+                raise ReadError(f"{where}: a record needs an integer 'step' and a 'rank' object")
+            if not isinstance(record.get("params"), list):
+                raise ReadError(f"{where}: a record needs a 'params' list")
+        except ReadError as exc:
+            cut_short = number == len(lines) and not text.endswith("\n")
+            problems.append(f"{where}: truncated last line (the rank died while writing it)"
+                            if cut_short else str(exc))
+            continue
+        records.append(record)
+    return records, problems
+
+
+@dataclass
+class RunFiles:
+    """Everything readable in a run directory, with one line per file or line that was not."""
+
+    run_dir: Path
+    maps: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
+    problems: List[str] = field(default_factory=list)
+
+    def all_records(self) -> List[Dict[str, Any]]:
+        return [record for records in self.records.values() for record in records]
+
+
+def read_run(run_dir: Path) -> RunFiles:
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ReadError(f"{run_dir}: no such directory")
+    if not run_dir.is_dir():
+        raise ReadError(f"{run_dir}: not a directory")
+    map_files = sorted((run_dir / MAPS_DIR).glob("*.json"))
+    record_files = sorted((run_dir / RECORDS_DIR).glob("*.jsonl"))
+    if not map_files and not record_files:
+        raise ReadError(f"{run_dir}: no gradnan maps or records here (expected {MAPS_DIR}/ and"
+                        f" {RECORDS_DIR}/ as written by gradnan.install(out_dir=...))")
+    files = RunFiles(run_dir)
+    for path in map_files:
+        try:
+            files.maps[path] = load_map(path)
+        except ReadError as exc:
+            files.problems.append(str(exc))
+    for path in record_files:
+        records, problems = load_records(path)
+        files.records[path] = records
+        files.problems += problems
+    return files

@@ -1,0 +1,50 @@
+"""Shared assertions over what a real run wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+from gradnan.reader import read_run
+
+
+def records_by_rank(run_dir: Path) -> Dict[int, List[Dict[str, Any]]]:
+    files = read_run(run_dir)
+    assert not files.problems, files.problems
+    by_rank: Dict[int, List[Dict[str, Any]]] = {}
+    for record in files.all_records():
+        by_rank.setdefault(record["rank"]["global_rank"], []).append(record)
+    return by_rank
+
+
+def map_names(map_file: str) -> Dict[int, str]:
+    from gradnan.reader import load_map
+
+    return {entry["id"]: entry["name"] for entry in load_map(Path(map_file))["params"]}
+
+
+def assert_origin(run_dir: Path, *, rank: int, step: int, param: str, value: str, index: int,
+                  kind: str) -> Dict[str, Any]:
+    """The first record on ``rank`` is at ``step``, names exactly ``param`` (one bad element at ``index``),
+    and the map file resolves the reported id to the same name. Returns that record."""
+    by_rank = records_by_rank(run_dir)
+    assert rank in by_rank, f"no record on rank {rank}; ranks with records: {sorted(by_rank)}"
+    record = min(by_rank[rank], key=lambda r: r["step"])
+    assert record["step"] == step
+    assert record["kind"] == kind
+    assert [p["name"] for p in record["params"]] == [param]
+    found = record["params"][0]
+    assert found["first_bad_flat"] == index
+    expected_counts = {"nan": (1, 0), "inf": (0, 1)}[value]
+    assert (found["nan"], found["inf"]) == expected_counts
+    assert map_names(record["map"])[found["id"]] == param
+    return record
+
+
+def assert_clean_elsewhere(run_dir: Path, *, origin: int, step: int) -> None:
+    """Every other rank's records at ``step`` (if any) name no local parameter."""
+    for rank, records in records_by_rank(run_dir).items():
+        if rank == origin:
+            continue
+        at_step = [r for r in records if r["step"] == step]
+        assert all(not r["params"] and not r["local_nonfinite"] for r in at_step), (rank, at_step)
