@@ -8,6 +8,7 @@ the pure detection functions and writes the results. It never raises into traini
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -42,6 +43,8 @@ class _Tracked:
         self.map_file: Optional[str] = None
         self.consecutive_skips = 0
         self.scale_collapse_reported = False
+        self.last_nonfinite_step: Optional[int] = None
+        self.consecutive_nonfinite = 0
 
 
 class Runtime:
@@ -158,10 +161,21 @@ class Runtime:
                             grads: Sequence[Optional[torch.Tensor]]) -> None:
         record = self._record(optimizer, "nonfinite_grad_norm", slots, grads,
                               {"grad_norm": json_float(norm)})
+        tracked, _ = self._track(optimizer)
+        consecutive = tracked.last_nonfinite_step == record["step"] - 1
+        tracked.consecutive_nonfinite = tracked.consecutive_nonfinite + 1 if consecutive else 1
+        tracked.last_nonfinite_step = record["step"]
+        count = tracked.consecutive_nonfinite
         where = _where(record)
-        if record["params"]:
-            logger.error("step %d: grad norm is %s; %s on %s; record: %s", record["step"],
-                         record["grad_norm"], _describe_params(record), where, record["_path"])
+        if count > 1:
+            level = logging.WARNING if _is_power_of_two(count) else logging.DEBUG
+            logger.log(level, "step %d: grad norm non-finite for %d consecutive steps on %s; %s",
+                       record["step"], count, where, _describe_params(record))
+        elif record["params"]:
+            logger.error("step %d: grad norm is %s; %s on %s; record: %s. Without a loss scaler"
+                         " Megatron applies this update: the weights become non-finite.",
+                         record["step"], record["grad_norm"], _describe_params(record), where,
+                         record["_path"])
         else:
             logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
                            " came from another rank through the norm's all-reduce); record: %s",

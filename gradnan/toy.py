@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -64,6 +65,7 @@ class TinyGPTJob:
     seed: int = 1234
     injections: Tuple[Injection, ...] = ()
     gradnan: Optional[Dict[str, Any]] = None
+    quiet: bool = False
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -299,6 +301,8 @@ def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> N
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    if jobs[0].quiet:
+        warnings.filterwarnings("ignore")
     SHIM.activate()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

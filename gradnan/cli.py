@@ -1,0 +1,95 @@
+"""The ``gradnan`` command: demo, report, maps. Bad input: one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .config import ConfigError
+from .reader import ReadError, read_run
+from .report import build_report, format_text
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        raise ReadError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gradnan", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo = commands.add_parser("demo", help="run the embedded tiny Megatron GPT with an injected NaN")
+    demo.add_argument("--out", default="gradnan_demo", help="run directory to create (default: %(default)s)")
+    report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
+    maps = commands.add_parser("maps", help="which parameter is id N on a rank")
+    maps.add_argument("run_dir", type=Path)
+    maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
+    maps.add_argument("--id", type=int, dest="param_id", help="optimizer parameter id from a record")
+    maps.add_argument("--json", action="store_true")
+    return parser
+
+
+def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
+    if wanted.isdigit():
+        return coords.get("global_rank") == int(wanted)
+    for token in wanted.replace("_", ",").replace("-", ",").split(","):
+        axis = token.rstrip("0123456789")
+        number = token[len(axis):]
+        if not axis or not number or str(coords.get(axis)) != number:
+            return False
+    return True
+
+
+def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    files = read_run(args.run_dir)
+    documents = [doc for doc in files.maps.values() if args.rank is None or _matches_rank(doc["rank"], args.rank)]
+    if not documents:
+        raise ReadError(f"{args.run_dir}: no map for rank {args.rank!r}")
+    rows = []
+    for document in documents:
+        for entry in document["params"]:
+            if args.param_id is None or entry["id"] == args.param_id:
+                rows.append({"rank": document["rank"]["global_rank"],
+                             "optimizer_index": document.get("optimizer_index", 0), **entry})
+    if args.param_id is not None and not rows:
+        raise ReadError(f"{args.run_dir}: no parameter with id {args.param_id} on rank {args.rank!r}")
+    return rows
+
+
+def _print_maps(rows: List[Dict[str, Any]]) -> None:
+    for row in rows:
+        shard = f" shard {row['shard']}" if row.get("shard") else ""
+        print(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')} {row.get('dtype')}{shard}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            print(run_demo(Path(args.out)))
+        elif args.command == "report":
+            report = build_report(read_run(args.run_dir))
+            print(json.dumps(report, indent=1) if args.json else format_text(report))
+        elif args.command == "maps":
+            rows = _maps_command(args)
+            if args.json:
+                print(json.dumps(rows, indent=1))
+            else:
+                _print_maps(rows)
+    except (ReadError, ConfigError) as exc:
+        print(f"gradnan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""GradnanConfig validation, GRADNAN_* parsing and the precedence of resolve_config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gradnan.config import ConfigError, GradnanConfig, options_from_env, resolve_config
+
+
+# --- GradnanConfig -----------------------------------------------------------------------------
+
+
+def test_defaults_match_the_documented_values():
+    config = GradnanConfig()
+    assert dataclasses.asdict(config) == {
+        "out_dir": "gradnan_out",
+        "maps": True,
+        "detect": True,
+        "max_params_per_record": 64,
+        "skip_warn_after": 3,
+        "strict": False,
+        "log_level": "INFO",
+    }
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GradnanConfig().detect = False  # type: ignore[misc]
+
+
+def test_config_error_is_a_value_error():
+    """Callers that catch ValueError for bad arguments also catch gradnan's config errors."""
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "field, bad_value",
+    [
+        ("out_dir", 5),
+        ("out_dir", None),
+        ("maps", "yes"),
+        ("maps", 1),  # an int is not a bool
+        ("detect", None),
+        ("strict", 0),
+        ("max_params_per_record", "64"),
+        ("max_params_per_record", 64.0),
+        ("skip_warn_after", None),
+        ("log_level", 20),
+    ],
+)
+def test_wrong_type_is_rejected_naming_the_field(field, bad_value):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        GradnanConfig(**{field: bad_value})
+
+
+@pytest.mark.parametrize("field", ["max_params_per_record", "skip_warn_after"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_bool_is_not_accepted_for_int_fields(field, flag):
+    """bool is a subclass of int in Python; the config must still refuse it."""
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        GradnanConfig(**{field: flag})
+
+
+@pytest.mark.parametrize("field", ["max_params_per_record", "skip_warn_after"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_counts_below_one_are_rejected(field, value):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        GradnanConfig(**{field: value})
+
+
+def test_counts_of_one_are_accepted():
+    config = GradnanConfig(max_params_per_record=1, skip_warn_after=1)
+    assert (config.max_params_per_record, config.skip_warn_after) == (1, 1)
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "info", "Warning", "ERROR", "critical"])
+def test_log_level_accepts_standard_levels_in_any_case(level):
+    assert GradnanConfig(log_level=level).log_level == level
+
+
+@pytest.mark.parametrize("level", ["VERBOSE", "", "10"])
+def test_log_level_rejects_unknown_levels(level):
+    with pytest.raises(ConfigError, match="'log_level'"):
+        GradnanConfig(log_level=level)
+
+
+# --- options_from_env --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "TRUE", "yes", "On", " true "])
+def test_env_truthy_booleans(raw):
+    assert options_from_env({"GRADNAN_DETECT": raw}) == {"detect": True}
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "False", "no", "OFF", "\t0\n"])
+def test_env_falsy_booleans(raw):
+    assert options_from_env({"GRADNAN_STRICT": raw}) == {"strict": False}
+
+
+def test_env_parses_each_type():
+    environ = {
+        "GRADNAN_OUT_DIR": " /tmp/run 1 ",
+        "GRADNAN_MAPS": "0",
+        "GRADNAN_MAX_PARAMS_PER_RECORD": " 12 ",
+        "GRADNAN_SKIP_WARN_AFTER": "-7",
+        "GRADNAN_LOG_LEVEL": "debug",
+    }
+    assert options_from_env(environ) == {
+        "out_dir": "/tmp/run 1",  # surrounding whitespace stripped, inner kept
+        "maps": False,
+        "max_params_per_record": 12,
+        "skip_warn_after": -7,  # parsing only; the range is checked by GradnanConfig
+        "log_level": "debug",
+    }
+
+
+def test_env_ignores_variables_without_the_prefix():
+    environ = {"PATH": "/usr/bin", "gradnan_detect": "0", "XGRADNAN_DETECT": "0", "GRADNAN_MAPS": "1"}
+    assert options_from_env(environ) == {"maps": True}
+
+
+def test_env_empty_mapping_gives_no_options():
+    assert options_from_env({}) == {}
+
+
+@pytest.mark.parametrize("raw", ["2", "maybe", "", "y"])
+def test_env_bad_boolean_names_the_variable(raw):
+    with pytest.raises(ConfigError, match="GRADNAN_MAPS") as info:
+        options_from_env({"GRADNAN_MAPS": raw})
+    assert "boolean" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["many", "1.5", "", "0x10"])
+def test_env_bad_integer_names_the_variable(raw):
+    with pytest.raises(ConfigError, match="GRADNAN_SKIP_WARN_AFTER") as info:
+        options_from_env({"GRADNAN_SKIP_WARN_AFTER": raw})
+    assert "integer" in str(info.value)
+
+
+def test_env_unknown_gradnan_variable_is_an_error():
+    """A typo such as GRADNAN_DETECTT must not be silently ignored."""
+    with pytest.raises(ConfigError, match="GRADNAN_DETECTT"):
+        options_from_env({"GRADNAN_DETECTT": "0"})
+
+
+def test_env_unknown_variable_message_lists_the_known_ones():
+    with pytest.raises(ConfigError) as info:
+        options_from_env({"GRADNAN_FOO": "1"})
+    message = str(info.value)
+    assert "GRADNAN_FOO" in message
+    assert "GRADNAN_OUT_DIR" in message and "GRADNAN_LOG_LEVEL" in message
+
+
+# --- resolve_config ----------------------------------------------------------------------------
+
+
+def test_resolve_with_nothing_gives_defaults():
+    assert resolve_config(environ={}) == GradnanConfig()
+
+
+def test_resolve_env_overrides_defaults():
+    config = resolve_config(environ={"GRADNAN_DETECT": "0", "GRADNAN_OUT_DIR": "from_env"})
+    assert config.detect is False
+    assert config.out_dir == "from_env"
+    assert config.maps is True  # untouched fields keep their default
+
+
+def test_resolve_config_object_overrides_env():
+    environ = {"GRADNAN_OUT_DIR": "from_env", "GRADNAN_SKIP_WARN_AFTER": "5"}
+    config = resolve_config(GradnanConfig(out_dir="from_config", skip_warn_after=7), environ=environ)
+    assert config.out_dir == "from_config"
+    assert config.skip_warn_after == 7
+
+
+def test_resolve_keyword_overrides_config_object_and_env():
+    environ = {"GRADNAN_OUT_DIR": "from_env", "GRADNAN_STRICT": "0"}
+    config = resolve_config(
+        GradnanConfig(out_dir="from_config", max_params_per_record=8),
+        environ=environ,
+        out_dir="from_keyword",
+        strict=True,
+    )
+    assert config.out_dir == "from_keyword"
+    assert config.strict is True
+    assert config.max_params_per_record == 8  # from the config object, not overridden
+
+
+def test_resolve_none_keyword_values_are_ignored():
+    """``install(out_dir=None)`` must fall through to the next source, not set out_dir to None."""
+    config = resolve_config(
+        GradnanConfig(out_dir="from_config"),
+        environ={"GRADNAN_DETECT": "0"},
+        out_dir=None,
+        detect=None,
+    )
+    assert config.out_dir == "from_config"
+
+
+def test_resolve_none_keyword_falls_back_to_env():
+    config = resolve_config(environ={"GRADNAN_OUT_DIR": "from_env"}, out_dir=None)
+    assert config.out_dir == "from_env"
+
+
+def test_resolve_unknown_keyword_is_an_error():
+    with pytest.raises(ConfigError, match="'outdir'"):
+        resolve_config(environ={}, outdir="x")
+
+
+def test_resolve_unknown_keyword_is_an_error_even_when_none():
+    with pytest.raises(ConfigError, match="'detekt'"):
+        resolve_config(environ={}, detekt=None)
+
+
+def test_resolve_validates_the_merged_result():
+    with pytest.raises(ConfigError, match="'max_params_per_record'"):
+        resolve_config(environ={"GRADNAN_MAX_PARAMS_PER_RECORD": "0"})
+    with pytest.raises(ConfigError, match="'skip_warn_after'"):
+        resolve_config(environ={}, skip_warn_after=True)
+
+
+def test_resolve_env_errors_propagate():
+    with pytest.raises(ConfigError, match="GRADNAN_NOPE"):
+        resolve_config(environ={"GRADNAN_NOPE": "1"}, out_dir="x")
+
+
+def test_resolve_does_not_modify_the_given_config():
+    original = GradnanConfig(out_dir="kept")
+    resolve_config(original, environ={}, out_dir="other")
+    assert original.out_dir == "kept"

@@ -1,0 +1,48 @@
+"""The kit never changes training: losses, grad norms and step outcomes are bitwise identical with and
+without it, on healthy runs and on a run where it detects and scans an injected NaN."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradnan.toy import Injection, TinyGPTJob, launch_many
+
+CASES = {
+    "tp2_bf16": TinyGPTJob(tp=2, dtype="bf16", steps=4),
+    "dp2_fp16_distopt": TinyGPTJob(dtype="fp16", distributed_optimizer=True, steps=4),
+    "pp2_fp32_nan": TinyGPTJob(pp=2, dtype="fp32", steps=4, micro_batches=2, injections=(
+        Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
+}
+
+
+def _bits(value):
+    return None if value is None else float(value).hex()
+
+
+def _trace(outcome):
+    return {rank: [(_bits(s.loss), _bits(s.grad_norm), s.update_successful) for s in result.steps]
+            for rank, result in outcome.items()}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("determinism")
+    jobs = []
+    for name, job in CASES.items():
+        jobs += [job, job.with_(gradnan={"out_dir": str(root / name)})]
+    results = launch_many(jobs)
+    return {name: (results[2 * i], results[2 * i + 1], root / name) for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bitwise_identical_with_and_without_the_kit(outcomes, name):
+    without, with_kit, _ = outcomes[name]
+    assert _trace(with_kit) == _trace(without)
+    assert len(_trace(without)[0]) == CASES[name].steps
+
+
+def test_the_injected_run_was_really_detected(outcomes):
+    """Guards the comparison above: the kit did act (scanned and recorded) in the injected case."""
+    _, with_kit, run_dir = outcomes["pp2_fp32_nan"]
+    assert any((run_dir / "records").glob("*.jsonl"))
+    assert "nan" in _trace(with_kit)[1][1][1]

@@ -1,0 +1,93 @@
+"""The runtime's log policy: loud once, quiet on repeats, never a flood (unit level, fake optimizer)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gradnan.config import GradnanConfig
+from gradnan.maps import ParamSlot
+from gradnan.runtime import Runtime
+
+COORDS = {"global_rank": 0, "world_size": 1, "host": "h", "device": "cpu", "tp": 0, "pp": 0, "dp": 0,
+          "tp_size": 1, "pp_size": 1, "dp_size": 1}
+
+
+class FakeOptimizer:
+    pass
+
+
+def _runtime(tmp_path, **options):
+    return Runtime(GradnanConfig(out_dir=str(tmp_path), **options), lambda: dict(COORDS), lambda: {})
+
+
+def _slot():
+    return ParamSlot(0, "decoder.layers.0.mlp.linear_fc1.weight", (4,), "torch.float16", 4, 0, 1.0, 1.0,
+                     False, 0, None, "torch.float32")
+
+
+def _overflow_steps(runtime, optimizer, count, scale=1024.0, min_scale=1.0):
+    grad = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+    for _ in range(count):
+        runtime.begin_step(optimizer, lambda: [_slot()])
+        runtime.loss_scale_overflow(optimizer, 0, scale, min_scale, [_slot()], [grad])
+        runtime.end_step(optimizer, skipped=True)
+
+
+def test_repeated_skips_warn_at_the_threshold_then_at_doubling_counts(tmp_path, caplog):
+    runtime, optimizer = _runtime(tmp_path, skip_warn_after=3), FakeOptimizer()
+    with caplog.at_level(logging.DEBUG, logger="gradnan"):
+        _overflow_steps(runtime, optimizer, 13)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [m.split(" consecutive")[0].split(": ")[1] for m in warned] == ["3", "6", "12"]
+
+
+def test_a_healthy_step_resets_the_skip_count(tmp_path, caplog):
+    runtime, optimizer = _runtime(tmp_path, skip_warn_after=3), FakeOptimizer()
+    with caplog.at_level(logging.WARNING, logger="gradnan"):
+        _overflow_steps(runtime, optimizer, 2)
+        runtime.begin_step(optimizer, lambda: [_slot()])
+        runtime.end_step(optimizer, skipped=False)
+        _overflow_steps(runtime, optimizer, 2)
+    assert not caplog.records
+
+
+def test_scale_collapse_is_reported_once_with_the_parameter(tmp_path, caplog):
+    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+    with caplog.at_level(logging.ERROR, logger="gradnan"):
+        _overflow_steps(runtime, optimizer, 4, scale=1.0, min_scale=1.0)
+    [collapse] = caplog.records
+    assert "collapsed" in collapse.getMessage()
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in collapse.getMessage()
+
+
+def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog):
+    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+    grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+    with caplog.at_level(logging.INFO, logger="gradnan"):
+        for _ in range(6):
+            runtime.begin_step(optimizer, lambda: [_slot()])
+            runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
+            runtime.end_step(optimizer, skipped=False)
+    levels = [r.levelname for r in caplog.records]
+    assert levels == ["ERROR", "WARNING", "WARNING"]  # step 1, then 2 and 4 consecutive
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict):
+    runtime = _runtime(tmp_path, strict=strict)
+
+    def broken():
+        raise KeyError("unexpected Megatron attribute")
+
+    if strict:
+        with pytest.raises(KeyError):
+            runtime.guarded("scan", broken)
+        return
+    with caplog.at_level(logging.ERROR, logger="gradnan"):
+        assert runtime.guarded("scan", broken) is None
+        assert runtime.guarded("scan", broken) is None
+    assert len(caplog.records) == 1
+    assert "training goes on unchanged" in caplog.text

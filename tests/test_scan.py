@@ -1,0 +1,265 @@
+"""The cheap finite check, the exact chunked scan, and flat -> multi-dimensional indices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+
+from gradnan.scan import NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices, unravel
+
+NAN = float("nan")
+INF = float("inf")
+FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def tensor_with(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+# --- finite_flag ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_finite_flag_true_for_finite_tensor(dtype):
+    flag = finite_flag(tensor_with([1.0, -2.0, 0.5], dtype))
+    assert flag.dtype == torch.bool and flag.dim() == 0
+    assert bool(flag) is True
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_finite_flag_false_for_any_nonfinite(dtype, bad):
+    assert bool(finite_flag(tensor_with([1.0, bad, 3.0], dtype))) is False
+
+
+def test_finite_flag_false_when_plus_and_minus_inf_cancel():
+    """inf + (-inf) is NaN, so opposite infinities cannot hide each other in the sum."""
+    assert bool(finite_flag(tensor_with([INF, -INF]))) is False
+
+
+def test_finite_flag_accumulates_fp16_in_float32():
+    """Eight fp16 maxima sum to ~5e5, over fp16's range but fine in the float32 accumulator."""
+    assert bool(finite_flag(torch.full((8,), 65504.0, dtype=torch.float16))) is True
+
+
+def test_finite_flag_accumulates_float64_in_float64():
+    """1e300 is not representable in float32; a float32 accumulator would report it as Inf."""
+    assert bool(finite_flag(tensor_with([1e300, 1e300], torch.float64))) is True
+
+
+# --- nonfinite_indices ------------------------------------------------------------------------
+
+
+def test_nonfinite_indices_skips_none_and_empty_tensors():
+    tensors = [
+        None,
+        torch.empty(0),
+        tensor_with([1.0, 2.0]),
+        tensor_with([NAN]),
+        None,
+        torch.empty(0, 3),
+        tensor_with([[0.0], [-INF]]),
+    ]
+    assert nonfinite_indices(tensors) == [3, 6]
+
+
+def test_nonfinite_indices_nothing_to_check():
+    assert nonfinite_indices([]) == []
+    assert nonfinite_indices([None, torch.empty(0)]) == []
+
+
+def test_nonfinite_indices_all_finite():
+    assert nonfinite_indices([tensor_with([1.0]), tensor_with([2.0], torch.bfloat16)]) == []
+
+
+def test_nonfinite_indices_mixed_dtypes():
+    tensors = [
+        tensor_with([INF], torch.float16),
+        tensor_with([1.0], torch.float64),
+        tensor_with([NAN], torch.bfloat16),
+    ]
+    assert nonfinite_indices(tensors) == [0, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_overflowing_sum_is_flagged_then_cleared_by_the_exact_scan(dtype):
+    """3e38 is finite in bf16/fp32 but two of them overflow the float32 accumulator: the cheap flag
+    over-reports (allowed), the exact scan must clear it (no false positive in the result)."""
+    overflowing = torch.full((2,), 3e38, dtype=dtype)
+    assert torch.isfinite(overflowing).all()
+    assert nonfinite_indices([overflowing]) == [0]
+    assert find_nonfinite([overflowing]) == []
+
+
+# --- find_nonfinite ---------------------------------------------------------------------------
+
+
+def test_find_nonfinite_positions_and_results_in_input_order():
+    tensors = [
+        tensor_with([INF, 1.0]),
+        None,
+        tensor_with([1.0, 2.0]),
+        tensor_with([5.0, NAN, -INF]),
+    ]
+    found = find_nonfinite(tensors)
+    assert [position for position, _ in found] == [0, 3]
+    first, second = (result for _, result in found)
+    assert (first.nan, first.pos_inf, first.neg_inf, first.first_bad) == (0, 1, 0, 0)
+    assert first.abs_max_finite == 1.0
+    assert (second.nan, second.pos_inf, second.neg_inf, second.first_bad) == (1, 0, 1, 1)
+    assert second.abs_max_finite == 5.0
+
+
+# --- locate -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_finite_tensor_is_none(dtype):
+    assert locate(tensor_with([0.0, -1.0, 2.5], dtype)) is None
+
+
+def test_locate_empty_tensor_is_none():
+    assert locate(torch.empty(0)) is None
+    assert locate(torch.empty(4, 0)) is None
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_counts_each_kind_exactly(dtype):
+    values = [0.5, NAN, INF, -6.5, NAN, -INF, INF, 2.0, NAN, -INF, INF, -0.25]
+    result = locate(tensor_with(values, dtype))
+    assert result == NonFinite(nan=3, pos_inf=3, neg_inf=2, first_bad=1, abs_max_finite=6.5)
+    assert result.inf == 5
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_abs_max_ignores_nonfinite_and_uses_magnitude(dtype):
+    """The largest finite magnitude is a negative value; the Inf elements must not count."""
+    result = locate(tensor_with([INF, 3.0, -12.0, -INF, 7.0, NAN], dtype))
+    assert result.abs_max_finite == 12.0
+    assert isinstance(result.abs_max_finite, float)
+
+
+def test_locate_all_nonfinite_has_zero_abs_max():
+    """No finite value at all: the masked-out elements count as 0."""
+    assert locate(tensor_with([NAN, INF, -INF])).abs_max_finite == 0.0
+
+
+def test_locate_returns_plain_python_numbers():
+    result = locate(tensor_with([1.0, NAN]))
+    assert all(type(v) is int for v in (result.nan, result.pos_inf, result.neg_inf, result.first_bad))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_first_bad_is_smallest_index_across_chunks(dtype):
+    """Chunks of 3 over 20 elements: bad values only in the 4th and 6th chunks, largest finite value
+    in the 2nd chunk. Counts and maxima must combine over chunks, first_bad must be the minimum."""
+    values = [1.0] * 20
+    values[4] = -9.0
+    values[17] = NAN
+    values[11] = INF
+    values[10] = -INF
+    result = locate(tensor_with(values, dtype), chunk_elements=3)
+    assert result == NonFinite(nan=1, pos_inf=1, neg_inf=1, first_bad=10, abs_max_finite=9.0)
+
+
+def test_locate_bad_value_in_last_partial_chunk():
+    values = [2.0] * 10
+    values[9] = NAN
+    result = locate(tensor_with(values), chunk_elements=4)
+    assert (result.nan, result.first_bad, result.abs_max_finite) == (1, 9, 2.0)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 2, 5, 7, 8, 1000])
+def test_locate_independent_of_chunk_size(chunk_elements):
+    values = [0.0, 1.0, NAN, 3.0, -INF, -4.0, INF, 0.5]
+    result = locate(tensor_with(values), chunk_elements=chunk_elements)
+    assert result == NonFinite(nan=1, pos_inf=1, neg_inf=1, first_bad=2, abs_max_finite=4.0)
+
+
+def test_locate_non_contiguous_transposed_tensor_uses_logical_order():
+    """Flat indices refer to the tensor as it is indexed (row-major), not to its storage."""
+    base = torch.zeros(3, 4)
+    base[0, 2] = NAN  # storage position 2
+    base[2, 1] = INF  # storage position 9
+    transposed = base.t()  # shape (4, 3); NaN at [2, 0] -> flat 6, Inf at [1, 2] -> flat 5
+    assert not transposed.is_contiguous()
+    result = locate(transposed, chunk_elements=2)
+    assert result.first_bad == 5
+    assert (result.nan, result.pos_inf) == (1, 1)
+    assert math.isinf(transposed[tuple(unravel(result.first_bad, transposed.shape))].item())
+
+
+def test_locate_strided_slice():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    base[1, 1] = NAN  # dropped by the slice below
+    base[2, 2] = -INF
+    view = base[:, ::2]  # columns 0 and 2 -> shape (3, 2); -Inf at [2, 1] -> flat 5
+    assert not view.is_contiguous()
+    result = locate(view)
+    assert (result.nan, result.neg_inf, result.first_bad) == (0, 1, 5)
+    assert result.abs_max_finite == 8.0  # finite values in the view: 0, 2, 4, 6, 8
+
+
+def test_locate_does_not_modify_input_or_track_grad():
+    tensor = tensor_with([1.0, NAN, 2.0]).requires_grad_()
+    before = tensor.detach().clone()
+    locate(tensor)
+    assert torch.equal(tensor.detach().isnan(), before.isnan())
+    assert tensor.grad is None
+
+
+# --- NonFinite --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "nan, pos_inf, neg_inf, kind",
+    [
+        (1, 0, 0, "nan"),
+        (0, 1, 0, "inf"),
+        (0, 0, 2, "inf"),
+        (0, 3, 4, "inf"),
+        (2, 1, 0, "nan+inf"),
+        (1, 0, 1, "nan+inf"),
+    ],
+)
+def test_nonfinite_kind(nan, pos_inf, neg_inf, kind):
+    result = NonFinite(nan=nan, pos_inf=pos_inf, neg_inf=neg_inf, first_bad=0, abs_max_finite=0.0)
+    assert result.kind == kind
+    assert result.inf == pos_inf + neg_inf
+
+
+# --- unravel ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (2, 3), (3, 1, 4), (2, 3, 4, 5), (1, 1, 6)])
+def test_unravel_matches_numpy_for_every_index(shape):
+    for flat in range(math.prod(shape)):
+        assert unravel(flat, shape) == [int(i) for i in numpy.unravel_index(flat, shape)]
+
+
+def test_unravel_hand_checked():
+    assert unravel(0, (4, 5)) == [0, 0]
+    assert unravel(5, (2, 3)) == [1, 2]
+    assert unravel(7, (2, 3, 4)) == [0, 1, 3]
+    assert unravel(13, (2, 3, 4)) == [1, 0, 1]
+
+
+def test_unravel_scalar_shape():
+    assert unravel(0, ()) == []
+
+
+def test_unravel_accepts_torch_size_and_round_trips():
+    tensor = torch.arange(24).reshape(2, 3, 4)
+    for flat in range(24):
+        index = unravel(flat, tensor.shape)
+        assert tensor[tuple(index)].item() == flat
+
+
+def test_unravel_with_large_shape():
+    shape = (50304, 4096)  # a vocabulary-sized embedding
+    row, col = 40000, 1234
+    assert unravel(row * shape[1] + col, shape) == [row, col]
+
