@@ -178,19 +178,6 @@ def _param_by_global_name(chunks, name: str):
     return None
 
 
-def _owned_start(optimizer, param) -> int:
-    """First flat index of ``param`` that this rank's optimizer steps (its distributed-optimizer shard)."""
-    from gradnan.patches._optimizer_params import leaf_optimizers
-
-    for leaf in leaf_optimizers(optimizer):
-        if param in getattr(leaf, "model_param_gbuf_map", {}):
-            param_range = leaf._get_model_param_range_map(param)["param"]
-            if param_range.end <= param_range.start:
-                raise ValueError("this rank's distributed-optimizer shard holds none of the parameter")
-            return int(param_range.start)
-    return 0
-
-
 def _due(job: TinyGPTJob, rank: int, step: int, where: str):
     for injection in job.injections:
         if injection.rank == rank and injection.step == step and injection.where == where:
@@ -198,10 +185,12 @@ def _due(job: TinyGPTJob, rank: int, step: int, where: str):
 
 
 def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
+    from gradnan.patches._optimizer_params import owned_start
+
     param = _param_by_global_name(chunks, injection.param)
     if param is None:
         raise ValueError(f"no parameter named {injection.param} on this rank")
-    index = injection.index if injection.index is not None else _owned_start(optimizer, param)
+    index = injection.index if injection.index is not None else owned_start(optimizer, param)
     return param, index
 
 
@@ -235,6 +224,8 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from gradnan.patches._megatron import destroy_model_parallel
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
@@ -289,7 +280,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
             gradnan.uninstall()
         return result
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:

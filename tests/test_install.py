@@ -18,15 +18,21 @@ PATCHED_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm",
 
 def _megatron_attributes():
     """Every attribute the kit may patch, as found in the owners' own __dict__ (absent -> None)."""
-    import megatron.core.optimizer as optimizer_module
-    import megatron.core.optimizer.muon as muon_module
-
     found = {(m.__name__, "_get_param_groups"): vars(m).get("_get_param_groups")
-             for m in (optimizer_module, muon_module)}
+             for m in _builder_modules()}
     for cls in optimizer_classes():
         for method in PATCHED_METHODS:
             found[(cls.__qualname__, method)] = vars(cls).get(method)
     return found
+
+
+def _builder_modules():
+    """The modules that bind the param-group builder (``optimizer.muon`` exists from core 0.15 on)."""
+    import importlib.util
+
+    names = ("megatron.core.optimizer", "megatron.core.optimizer.muon")
+    return [importlib.import_module(name) for name in names
+            if importlib.util.find_spec(name) is not None]
 
 
 @pytest.fixture(autouse=True)
@@ -74,11 +80,8 @@ def test_install_uninstall_install_again(tmp_path):
 
 
 def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
-    import megatron.core.optimizer as optimizer_module
-    import megatron.core.optimizer.muon as muon_module
-
-    monkeypatch.delattr(optimizer_module, "_get_param_groups")
-    monkeypatch.delattr(muon_module, "_get_param_groups")
+    for module in _builder_modules():
+        monkeypatch.delattr(module, "_get_param_groups")
     with caplog.at_level(logging.WARNING, logger="gradnan"):
         installation = gradnan.install(out_dir=str(tmp_path))
     [missing] = installation.missing

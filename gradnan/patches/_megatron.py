@@ -115,3 +115,13 @@ def rank_coordinates() -> Dict[str, object]:
 def versions() -> Dict[str, Optional[str]]:
     megatron = installed_version("megatron-core")
     return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}
+
+
+def destroy_model_parallel() -> None:
+    """``parallel_state.destroy_model_parallel()``, plus the globals megatron-core 0.12 forgets to reset
+    (a later layout in the same process would otherwise see the last one's position-embedding ranks)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if hasattr(parallel_state, "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+        parallel_state._POSITION_EMBEDDING_GLOBAL_RANKS = None

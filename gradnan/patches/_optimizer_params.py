@@ -101,3 +101,15 @@ def param_slots(
                 grads.append(_grad(opt_param))
         group_offset += len(groups)
     return slots, grads
+
+
+def owned_start(optimizer: Any, param: torch.nn.Parameter) -> int:
+    """First flat index of ``param`` that this rank's optimizer steps (inside its distributed-optimizer
+    shard; 0 for the other optimizers, which step whole parameters)."""
+    for leaf in leaf_optimizers(optimizer):
+        if param in getattr(leaf, "model_param_gbuf_map", {}):
+            param_range = leaf._get_model_param_range_map(param)["param"]
+            if param_range.end <= param_range.start:
+                raise ValueError("this rank's distributed-optimizer shard holds none of the parameter")
+            return int(param_range.start)
+    return 0

@@ -85,9 +85,26 @@ class CpuShim:
             self._patcher.set(torch.cuda, name, replacement)
         self._patcher.set(megatron_random, "_get_cuda_rng_state", _cpu_rng_state)
         self._patcher.set(megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state)
+        self._skip_empty_fp8_quantization()
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
         return self
+
+    def _skip_empty_fp8_quantization(self) -> None:
+        """megatron-core 0.12's distributed optimizer calls ``quantize_param_shard`` even with no FP8
+        parameters, and without Transformer Engine that raises; with none to quantize it has no work."""
+        from megatron.core.optimizer import distrib_optimizer
+
+        original = getattr(distrib_optimizer, "quantize_param_shard", None)
+        if original is None:
+            return
+
+        def quantize_param_shard(model_params, *args, **kwargs):
+            if len(model_params):
+                return original(model_params, *args, **kwargs)
+            return None
+
+        self._patcher.set(distrib_optimizer, "quantize_param_shard", quantize_param_shard)
 
     def deactivate(self) -> None:
         if self._mode is not None:
