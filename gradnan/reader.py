@@ -18,13 +18,17 @@ class ReadError(Exception):
     """A file or directory gradnan cannot use; the message is one line."""
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_schema(document: Any, schema: str, where: str) -> None:
     if not isinstance(document, dict):
         raise ReadError(f"{where}: not a JSON object")
     if document.get("schema") != schema:
         raise ReadError(f"{where}: not a {schema} document (schema={document.get('schema')!r})")
     version = document.get("version")
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not _is_int(version):
         raise ReadError(f"{where}: missing or invalid schema version")
     if version > SCHEMA_VERSION:
         raise ReadError(
@@ -58,10 +62,10 @@ def load_map(path: Path) -> Dict[str, Any]:
     if not isinstance(params, list) or not isinstance(rank, dict):
         raise ReadError(f"{path}: a map needs a 'params' list and a 'rank' object")
     for position, entry in enumerate(params):
-        if not (isinstance(entry, dict) and isinstance(entry.get("id"), int)
+        if not (isinstance(entry, dict) and _is_int(entry.get("id"))
                 and isinstance(entry.get("name"), str)):
             raise ReadError(f"{path}: params[{position}] needs an integer 'id' and a string 'name'")
-    if not isinstance(rank.get("global_rank"), int):
+    if not _is_int(rank.get("global_rank")):
         raise ReadError(f"{path}: rank.global_rank is missing")
     return document
 
@@ -80,7 +84,7 @@ def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
         try:
             record = _parse_json(line, where)
             _check_schema(record, RECORD_SCHEMA, where)
-            if not isinstance(record.get("step"), int) or not isinstance(record.get("rank"), dict):
+            if not _is_int(record.get("step")) or not isinstance(record.get("rank"), dict):
                 raise ReadError(f"{where}: a record needs an integer 'step' and a 'rank' object")
             if not isinstance(record.get("params"), list):
                 raise ReadError(f"{where}: a record needs a 'params' list")
@@ -124,7 +128,11 @@ def read_run(run_dir: Path) -> RunFiles:
         except ReadError as exc:
             files.problems.append(str(exc))
     for path in record_files:
-        records, problems = load_records(path)
+        try:
+            records, problems = load_records(path)
+        except ReadError as exc:
+            files.problems.append(str(exc))
+            continue
         files.records[path] = records
         files.problems += problems
     return files

@@ -55,6 +55,7 @@ def write_json_atomic(path: Path, document: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(temporary, 0o644)  # mkstemp makes it 0600; maps are read by other users' tools
         with os.fdopen(handle, "w") as stream:
             json.dump(document, stream, indent=1, allow_nan=False)
             stream.write("\n")

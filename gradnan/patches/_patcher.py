@@ -98,6 +98,9 @@ class Instrumentor:
         except (SurfaceMissing, ImportError, AttributeError) as exc:
             self._patcher.undo()
             raise SurfaceMissing(str(exc)) from exc
+        except Exception as exc:  # an unexpected surface shape: leave nothing half-patched
+            self._patcher.undo()
+            raise SurfaceMissing(f"unexpected {type(exc).__name__}: {exc}") from exc
         if not self.active:
             raise SurfaceMissing("nothing to patch")
 

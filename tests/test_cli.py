@@ -1,0 +1,93 @@
+"""The ``gradnan`` command as a user runs it: the demo, report, maps, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gradnan.demo import DEMO_PARAM, DEMO_RANK, DEMO_STEP
+
+
+def gradnan(*args, cwd=None):
+    command = [sys.executable, "-m", "gradnan", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    result = gradnan("demo", "--out", out)
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_demo_names_the_injected_rank_and_parameter(demo):
+    out, result = demo
+    assert f"First failing step: {DEMO_STEP}" in result.stdout
+    holders = result.stdout.split("Ranks holding non-finite gradients:")[1].split("Ranks that only")[0]
+    assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in holders
+    assert "rank 0 " not in holders
+    assert DEMO_PARAM.rsplit(".", 1)[0] in result.stdout
+    assert str(out / "maps") in result.stdout and str(out / "records") in result.stdout
+
+
+def test_report_json_names_the_parameter(demo):
+    out, _ = demo
+    result = gradnan("report", out, "--json")
+    report = json.loads(result.stdout)
+    [holder] = report["incident"]["holders"]
+    assert holder["global_rank"] == DEMO_RANK
+    assert [p["name"] for p in holder["params"]] == [DEMO_PARAM]
+    assert [r["global_rank"] for r in report["incident"]["receivers"]] == [0]
+
+
+def test_maps_resolves_the_reported_id(demo):
+    out, _ = demo
+    report = json.loads(gradnan("report", out, "--json").stdout)
+    param_id = report["incident"]["holders"][0]["params"][0]["id"]
+    for rank in (str(DEMO_RANK), "tp1,pp0,dp0"):
+        result = gradnan("maps", out, "--rank", rank, "--id", param_id)
+        assert result.returncode == 0
+        assert result.stdout.strip().endswith(f"{DEMO_PARAM} [64, 32] torch.bfloat16")
+
+
+def test_demo_refuses_to_write_into_an_existing_run(demo):
+    out, _ = demo
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    result = gradnan("demo", "--out", out)
+    assert result.returncode == 2
+    assert "already holds a gradnan run" in result.stderr
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (("report", "/nonexistent/run"), "no such directory"),
+    (("report",), "required: run_dir"),
+    (("maps", "{empty}"), "no gradnan maps or records"),
+    (("maps", "{demo}", "--rank", "7"), "no map for rank '7'"),
+    (("maps", "{demo}", "--id", "99999"), "no parameter with id 99999"),
+    (("frobnicate",), "invalid choice"),
+])
+def test_bad_input_gets_one_line_and_exit_2(demo, tmp_path, args, message):
+    out, _ = demo
+    args = [str(a).format(demo=out, empty=tmp_path) for a in args]
+    result = gradnan(*args)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_report_lists_a_corrupt_rank_file_and_still_reports_the_others(demo, tmp_path):
+    out, _ = demo
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    damaged = copy / "records" / "rank00000_tp0_pp0_dp0.jsonl"
+    damaged.write_text(damaged.read_text()[:-40])
+    result = gradnan("report", copy)
+    assert result.returncode == 0
+    assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in result.stdout
+    assert "truncated last line" in result.stdout

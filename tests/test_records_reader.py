@@ -1,0 +1,556 @@
+"""File names, atomic/append writers (gradnan.records) and the strict readers (gradnan.reader)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy
+import pytest
+import torch
+
+from gradnan.maps import ParamSlot, map_document
+from gradnan.reader import ReadError, load_map, load_records, read_run
+from gradnan.records import (
+    MAP_SCHEMA,
+    MAPS_DIR,
+    RECORD_SCHEMA,
+    RECORDS_DIR,
+    SCHEMA_VERSION,
+    append_record,
+    json_float,
+    map_path,
+    rank_tag,
+    records_path,
+    write_json_atomic,
+)
+
+
+def coords(global_rank: int = 0, **overrides: Any) -> Dict[str, Any]:
+    """Rank coordinates shaped like ``rank_coordinates()`` returns on a single process."""
+    values: Dict[str, Any] = {
+        "global_rank": global_rank, "world_size": 1, "local_rank": 0, "host": "node-a",
+        "device": "cpu", "pid": 1234,
+        "tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "dp": 0, "dp_size": 1,
+        "cp": 0, "cp_size": 1, "ep": 0, "ep_size": 1,
+    }
+    values.update(overrides)
+    return values
+
+
+def slot(param_id: int, name: str, shape=(4, 3), shard=None) -> ParamSlot:
+    return ParamSlot(
+        id=param_id, name=name, shape=tuple(shape), dtype="torch.bfloat16", numel=math.prod(shape),
+        group=0, wd_mult=1.0, lr_mult=None, is_expert=False, optimizer=0, shard=shard,
+        main_dtype="torch.float32",
+    )
+
+
+def a_map_document(rank: Dict[str, Any] = None) -> Dict[str, Any]:
+    return map_document(
+        rank or coords(),
+        {"megatron-core": "0.16.1", "torch": "2.13.0"},
+        0,
+        "ChainedOptimizer",
+        [slot(0, "embedding.word_embeddings.weight", (16, 8)),
+         slot(1, "decoder.layers.0.mlp.linear_fc1.weight", (8, 8), shard=(0, 32))],
+    )
+
+
+def a_record(step: int, rank: Dict[str, Any] = None, *, param_id: int = 1) -> Dict[str, Any]:
+    """A record shaped like ``Runtime._record`` writes (minus the in-memory ``_path``)."""
+    return {
+        "schema": RECORD_SCHEMA, "version": SCHEMA_VERSION, "kind": "nonfinite_grad_norm",
+        "step": step, "time": 1700000000.5, "rank": rank or coords(), "optimizer_index": 0,
+        "map": "/run/maps/rank00000_tp0_pp0_dp0.json", "local_nonfinite": True,
+        "params": [{
+            "id": param_id, "name": "decoder.layers.0.mlp.linear_fc1.weight", "kind": "nan",
+            "nan": 1, "inf": 0, "pos_inf": 0, "neg_inf": 0, "first_bad_flat": 9,
+            "first_bad_index": [1, 1], "abs_max_finite": 0.25, "near_limit": False, "numel": 64,
+            "shard": [0, 32], "is_expert": False,
+        }],
+        "params_total": 1, "grad_norm": "nan",
+    }
+
+
+def assert_one_line_naming(error: BaseException, path: Path) -> str:
+    message = str(error)
+    assert "\n" not in message
+    assert str(path) in message
+    return message
+
+
+# --- rank_tag / paths -------------------------------------------------------------------------
+
+
+def test_rank_tag_has_tp_pp_dp_always():
+    assert rank_tag({"global_rank": 3, "tp": 1, "pp": 0, "dp": 1}) == "rank00003_tp1_pp0_dp1"
+
+
+def test_rank_tag_zero_pads_global_rank_to_five_digits():
+    assert rank_tag(coords(7)).startswith("rank00007_")
+    assert rank_tag(coords(12345)).startswith("rank12345_")
+    assert rank_tag(coords(123456)).startswith("rank123456_")  # wider ranks are not cut
+
+
+def test_rank_tag_omits_cp_and_ep_of_size_one_or_unknown():
+    assert rank_tag(coords(0, cp=0, cp_size=1, ep=0, ep_size=1)) == "rank00000_tp0_pp0_dp0"
+    assert rank_tag(coords(0, cp_size=None, ep_size=None)) == "rank00000_tp0_pp0_dp0"
+    assert rank_tag({"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}) == "rank00000_tp0_pp0_dp0"
+
+
+def test_rank_tag_includes_cp_and_ep_when_larger_than_one():
+    assert rank_tag(coords(5, tp=1, dp=0, cp=1, cp_size=2)) == "rank00005_tp1_pp0_dp0_cp1"
+    assert rank_tag(coords(5, ep=3, ep_size=4)) == "rank00005_tp0_pp0_dp0_ep3"
+    assert rank_tag(coords(9, cp=1, cp_size=2, ep=2, ep_size=4)) == "rank00009_tp0_pp0_dp0_cp1_ep2"
+
+
+def test_rank_tag_marks_unknown_coordinates_with_x():
+    assert rank_tag({"global_rank": 2, "tp": None, "pp": 1}) == "rank00002_tpx_pp1_dpx"
+
+
+def test_rank_tags_of_different_ranks_differ():
+    tags = {rank_tag(coords(r, tp=r % 2, dp=r // 2, dp_size=2, tp_size=2)) for r in range(4)}
+    assert len(tags) == 4
+
+
+def test_map_path_first_optimizer_has_no_suffix():
+    assert map_path("/out", coords(1), 0) == Path("/out") / MAPS_DIR / "rank00001_tp0_pp0_dp0.json"
+
+
+def test_map_path_later_optimizers_have_index_suffix():
+    assert map_path("/out", coords(1), 1) == Path("/out/maps/rank00001_tp0_pp0_dp0_opt1.json")
+    assert map_path("out", coords(1), 12).name == "rank00001_tp0_pp0_dp0_opt12.json"
+
+
+def test_records_path():
+    assert records_path("/out", coords(2, pp=1)) == Path("/out") / RECORDS_DIR / "rank00002_tp0_pp1_dp0.jsonl"
+
+
+# --- json_float -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(1.5, 1.5), (0.0, 0.0), (-3, -3.0), (float("nan"), "nan"), (float("inf"), "inf"),
+     (float("-inf"), "-inf")],
+)
+def test_json_float(value, expected):
+    assert json_float(value) == expected
+
+
+def test_json_float_accepts_zero_dim_tensors_and_numpy():
+    assert json_float(torch.tensor(float("nan"))) == "nan"
+    assert json_float(numpy.float32(-numpy.inf)) == "-inf"
+    assert type(json_float(torch.tensor(2.0))) is float
+
+
+def test_json_float_output_is_strict_json():
+    values = [json_float(v) for v in (1.0, float("nan"), float("inf"), float("-inf"))]
+    assert json.loads(json.dumps(values, allow_nan=False)) == [1.0, "nan", "inf", "-inf"]
+
+
+# --- write_json_atomic ------------------------------------------------------------------------
+
+
+def test_write_json_atomic_creates_parents_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "a" / "b" / "doc.json"
+    write_json_atomic(path, {"x": [1, 2], "y": "z"})
+    assert json.loads(path.read_text()) == {"x": [1, 2], "y": "z"}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["doc.json"]
+
+
+def test_write_json_atomic_replaces_existing_file_via_rename(tmp_path, mocker):
+    """The new content goes to a temporary in the same directory which is renamed over the target."""
+    path = tmp_path / "doc.json"
+    path.write_text('{"old": true}\n')
+    replace = mocker.spy(os, "replace")
+    write_json_atomic(path, {"new": True})
+    assert json.loads(path.read_text()) == {"new": True}
+    replace.assert_called_once()
+    source, target = replace.call_args.args
+    assert Path(source).parent == tmp_path and Path(target) == path
+    assert not Path(source).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+
+
+def test_write_json_atomic_keeps_old_file_when_serialization_fails(tmp_path):
+    """allow_nan=False: a NaN float is a ValueError, raised after part of the JSON was written."""
+    path = tmp_path / "doc.json"
+    path.write_text('{"old": true}\n')
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"ok": 1, "bad": float("nan")})
+    assert path.read_text() == '{"old": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+
+
+def test_write_json_atomic_cleans_up_when_rename_fails(tmp_path, mocker):
+    path = tmp_path / "doc.json"
+    path.write_text("old")
+    mocker.patch("gradnan.records.os.replace", side_effect=OSError("disk gone"))
+    with pytest.raises(OSError, match="disk gone"):
+        write_json_atomic(path, {"new": 1})
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+
+
+def test_write_json_atomic_failure_without_previous_file_leaves_nothing(tmp_path):
+    path = tmp_path / "maps" / "doc.json"
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"bad": float("inf")})
+    assert list(path.parent.iterdir()) == []
+
+
+# --- append_record ----------------------------------------------------------------------------
+
+
+def test_append_record_appends_one_compact_line_each(tmp_path):
+    path = tmp_path / "records" / "r.jsonl"
+    append_record(path, {"step": 1, "a": [1, 2]})
+    append_record(path, {"step": 2})
+    text = path.read_text()
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "a": [1, 2]}, {"step": 2}]
+    assert lines[0] == '{"step":1,"a":[1,2]}'
+
+
+def test_append_record_keeps_existing_content(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"step":0}\n')
+    append_record(path, {"step": 1})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+
+
+def test_append_record_rejects_nan_without_writing(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(path, {"step": 1})
+    with pytest.raises(ValueError):
+        append_record(path, {"step": 2, "grad_norm": float("nan")})
+    assert path.read_text() == '{"step":1}\n'
+
+
+# --- load_map ---------------------------------------------------------------------------------
+
+
+def test_load_map_round_trips_a_written_map(tmp_path):
+    document = a_map_document(coords(3, tp=1, tp_size=2))
+    path = map_path(str(tmp_path), document["rank"], 0)
+    write_json_atomic(path, document)
+    loaded = load_map(path)
+    assert loaded == document
+    assert loaded["params"][1]["shape"] == [8, 8]
+    assert loaded["params"][1]["shard"] == [0, 32]
+    assert loaded["params"][0]["shard"] is None
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_load_map_missing_file(tmp_path):
+    path = tmp_path / "nope.json"
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    assert "cannot read" in assert_one_line_naming(info.value, path)
+
+
+def test_load_map_invalid_json(tmp_path):
+    path = write_text(tmp_path / "m.json", '{"schema": "gradnan.map",\n "version": ')
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    assert "invalid JSON" in assert_one_line_naming(info.value, path)
+
+
+def test_load_map_not_utf8(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_bytes(b'{"name": "\xff\xfe"}')
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    assert "UTF-8" in assert_one_line_naming(info.value, path)
+
+
+@pytest.mark.parametrize("body", ["[1, 2]", '"text"', "3"])
+def test_load_map_not_an_object(tmp_path, body):
+    path = write_text(tmp_path / "m.json", body)
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    assert "not a JSON object" in assert_one_line_naming(info.value, path)
+
+
+def test_load_map_wrong_schema(tmp_path):
+    document = dict(a_map_document(), schema=RECORD_SCHEMA)
+    path = write_text(tmp_path / "m.json", json.dumps(document))
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    message = assert_one_line_naming(info.value, path)
+    assert MAP_SCHEMA in message and RECORD_SCHEMA in message
+
+
+def test_load_map_future_version(tmp_path):
+    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=SCHEMA_VERSION + 1)))
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    message = assert_one_line_naming(info.value, path)
+    assert "newer" in message and "upgrade" in message
+
+
+@pytest.mark.parametrize("version", [None, "1", 1.0, True])
+def test_load_map_missing_or_non_integer_version(tmp_path, version):
+    document = a_map_document()
+    if version is None:
+        del document["version"]
+    else:
+        document["version"] = version
+    path = write_text(tmp_path / "m.json", json.dumps(document))
+    with pytest.raises(ReadError, match="version") as info:
+        load_map(path)
+    assert_one_line_naming(info.value, path)
+
+
+@pytest.mark.parametrize(
+    "bad_entry",
+    [{"name": "w"}, {"id": 1}, {"id": "1", "name": "w"}, {"id": 1, "name": None}, "w", 1],
+)
+def test_load_map_param_entry_needs_id_and_name(tmp_path, bad_entry):
+    document = a_map_document()
+    document["params"].append(bad_entry)
+    path = write_text(tmp_path / "m.json", json.dumps(document))
+    with pytest.raises(ReadError) as info:
+        load_map(path)
+    assert "params[2]" in assert_one_line_naming(info.value, path)
+
+
+@pytest.mark.parametrize("field, value", [("params", None), ("params", {}), ("rank", None), ("rank", [])])
+def test_load_map_needs_params_list_and_rank_object(tmp_path, field, value):
+    document = dict(a_map_document(), **{field: value})
+    path = write_text(tmp_path / "m.json", json.dumps(document))
+    with pytest.raises(ReadError, match="'params' list and a 'rank' object") as info:
+        load_map(path)
+    assert_one_line_naming(info.value, path)
+
+
+def test_load_map_needs_global_rank(tmp_path):
+    document = a_map_document()
+    del document["rank"]["global_rank"]
+    path = write_text(tmp_path / "m.json", json.dumps(document))
+    with pytest.raises(ReadError, match="global_rank") as info:
+        load_map(path)
+    assert_one_line_naming(info.value, path)
+
+
+# --- load_records -----------------------------------------------------------------------------
+
+
+def write_records(path: Path, *records: Dict[str, Any]) -> Path:
+    for record in records:
+        append_record(path, record)
+    return path
+
+
+def test_load_records_round_trips_appended_records(tmp_path):
+    written = [a_record(1), a_record(2, param_id=0), a_record(5)]
+    path = write_records(tmp_path / "r.jsonl", *written)
+    records, problems = load_records(path)
+    assert records == written
+    assert problems == []
+
+
+def test_load_records_empty_file(tmp_path):
+    path = write_text(tmp_path / "r.jsonl", "")
+    assert load_records(path) == ([], [])
+
+
+def test_load_records_skips_blank_lines(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n" + json.dumps(a_record(1)) + "\n   \n" + json.dumps(a_record(2)) + "\n\n")
+    records, problems = load_records(path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert problems == []
+
+
+def test_load_records_truncated_last_line_keeps_earlier_records(tmp_path):
+    path = write_records(tmp_path / "r.jsonl", a_record(1), a_record(2))
+    partial = json.dumps(a_record(3), separators=(",", ":"))
+    with open(path, "a") as stream:
+        stream.write(partial[: len(partial) // 2])  # the rank died mid-write: no newline
+    records, problems = load_records(path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}:3:")
+    assert "truncated" in problems[0]
+    assert "\n" not in problems[0]
+
+
+def test_load_records_complete_last_line_without_newline_is_kept(tmp_path):
+    """Only a line that fails to parse is a cut-short record; a whole one missing its newline is fine."""
+    path = write_text(tmp_path / "r.jsonl", json.dumps(a_record(1)) + "\n" + json.dumps(a_record(2)))
+    records, problems = load_records(path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert problems == []
+
+
+def test_load_records_bad_middle_line_is_reported_not_as_truncated(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(a_record(1)) + "\n{not json\n" + json.dumps(a_record(3)) + "\n")
+    records, problems = load_records(path)
+    assert [r["step"] for r in records] == [1, 3]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}:2:")
+    assert "invalid JSON" in problems[0] and "truncated" not in problems[0]
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"schema": MAP_SCHEMA}, "not a gradnan.record document"),
+        ({"version": SCHEMA_VERSION + 1}, "newer"),
+        ({"step": "3"}, "integer 'step'"),
+        ({"step": None}, "integer 'step'"),
+        ({"rank": 0}, "'rank' object"),
+        ({"params": None}, "'params' list"),
+        ({"params": {"id": 1}}, "'params' list"),
+    ],
+)
+def test_load_records_invalid_record_is_a_problem_with_line_number(tmp_path, change, expected):
+    path = write_records(tmp_path / "r.jsonl", a_record(1), dict(a_record(2), **change), a_record(3))
+    records, problems = load_records(path)
+    assert [r["step"] for r in records] == [1, 3]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}:2:")
+    assert expected in problems[0]
+    assert "\n" not in problems[0]
+
+
+def test_load_records_missing_file_is_read_error(tmp_path):
+    path = tmp_path / "none.jsonl"
+    with pytest.raises(ReadError) as info:
+        load_records(path)
+    assert_one_line_naming(info.value, path)
+
+
+# --- read_run ---------------------------------------------------------------------------------
+
+
+def write_run(run_dir: Path, ranks=(0, 1)) -> Dict[str, Path]:
+    """A small two-rank run as the runtime lays it out. Returns the written files by role."""
+    written = {}
+    for rank in ranks:
+        rank_coords = coords(rank, dp=rank, dp_size=len(ranks))
+        written[f"map{rank}"] = map_path(str(run_dir), rank_coords, 0)
+        write_json_atomic(written[f"map{rank}"], a_map_document(rank_coords))
+        written[f"records{rank}"] = records_path(str(run_dir), rank_coords)
+        write_records(written[f"records{rank}"], a_record(1, rank_coords), a_record(2, rank_coords))
+    return written
+
+
+def test_read_run_reads_every_map_and_record(tmp_path):
+    written = write_run(tmp_path)
+    files = read_run(tmp_path)
+    assert files.run_dir == tmp_path
+    assert files.problems == []
+    assert set(files.maps) == {written["map0"], written["map1"]}
+    assert files.maps[written["map1"]]["rank"]["global_rank"] == 1
+    assert set(files.records) == {written["records0"], written["records1"]}
+    assert sorted((r["rank"]["global_rank"], r["step"]) for r in files.all_records()) == [
+        (0, 1), (0, 2), (1, 1), (1, 2)
+    ]
+
+
+def test_read_run_accepts_a_string_path(tmp_path):
+    write_run(tmp_path, ranks=(0,))
+    files = read_run(str(tmp_path))
+    assert isinstance(files.run_dir, Path)
+    assert len(files.maps) == 1 and len(files.all_records()) == 2
+
+
+def test_read_run_with_only_records(tmp_path):
+    path = write_records(records_path(str(tmp_path), coords(0)), a_record(1))
+    files = read_run(tmp_path)
+    assert files.maps == {} and files.problems == []
+    assert files.records == {path: [a_record(1)]}
+
+
+def test_read_run_ignores_leftover_temporary_files(tmp_path):
+    """A rank killed inside write_json_atomic leaves ``.<name>.XXXX.tmp``; it is not a map."""
+    write_run(tmp_path, ranks=(0,))
+    write_text(tmp_path / MAPS_DIR / ".rank00001_tp0_pp0_dp0.json.abc123.tmp", '{"sch')
+    files = read_run(tmp_path)
+    assert files.problems == [] and len(files.maps) == 1
+
+
+def test_read_run_missing_directory(tmp_path):
+    run_dir = tmp_path / "missing"
+    with pytest.raises(ReadError) as info:
+        read_run(run_dir)
+    assert "no such directory" in assert_one_line_naming(info.value, run_dir)
+
+
+def test_read_run_not_a_directory(tmp_path):
+    run_dir = write_text(tmp_path / "file.txt", "x")
+    with pytest.raises(ReadError) as info:
+        read_run(run_dir)
+    assert "not a directory" in assert_one_line_naming(info.value, run_dir)
+
+
+@pytest.mark.parametrize("subdirs", [(), (MAPS_DIR, RECORDS_DIR)])
+def test_read_run_empty_directory(tmp_path, subdirs):
+    for name in subdirs:
+        (tmp_path / name).mkdir()
+    with pytest.raises(ReadError) as info:
+        read_run(tmp_path)
+    assert "no gradnan maps or records" in assert_one_line_naming(info.value, tmp_path)
+
+
+def test_read_run_with_a_corrupt_map_returns_the_rest(tmp_path):
+    written = write_run(tmp_path)
+    written["map1"].write_text('{"schema": "gradnan.map", "params": [')
+    files = read_run(tmp_path)
+    assert set(files.maps) == {written["map0"]}
+    assert len(files.all_records()) == 4
+    assert len(files.problems) == 1
+    assert str(written["map1"]) in files.problems[0] and "invalid JSON" in files.problems[0]
+
+
+def test_read_run_collects_problems_from_maps_and_record_lines(tmp_path):
+    written = write_run(tmp_path)
+    written["map0"].write_text(json.dumps(dict(a_map_document(), version=SCHEMA_VERSION + 1)))
+    with open(written["records1"], "a") as stream:
+        stream.write('{"schema":"gradnan.rec')
+    files = read_run(tmp_path)
+    assert set(files.maps) == {written["map1"]}
+    assert [r["step"] for r in files.records[written["records1"]]] == [1, 2]
+    assert len(files.problems) == 2
+    assert any(str(written["map0"]) in p and "newer" in p for p in files.problems)
+    assert any(p.startswith(f"{written['records1']}:3:") and "truncated" in p for p in files.problems)
+
+
+def test_read_run_with_an_unreadable_records_file_returns_the_rest(tmp_path):
+    """The module promises that bad files are listed in ``problems`` while good ones are returned;
+    that must hold for a records file that is not UTF-8 as it does for a corrupt map."""
+    written = write_run(tmp_path)
+    written["records1"].write_bytes(b"\xff\xfe garbage\n")
+    files = read_run(tmp_path)
+    assert len(files.maps) == 2
+    assert [r["step"] for r in files.records[written["records0"]]] == [1, 2]
+    assert len(files.problems) == 1 and str(written["records1"]) in files.problems[0]
+
+
+def test_maps_are_readable_by_others(tmp_path):
+    """Maps are shared with other users' tools: not the 0600 that mkstemp gives."""
+    path = tmp_path / "maps" / "m.json"
+    write_json_atomic(path, a_map_document())
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("field", ["step", "version"])
+def test_a_boolean_is_not_an_integer_in_a_record(tmp_path, field):
+    record = {**a_record(1), field: True}
+    path = write_text(tmp_path / "r.jsonl", json.dumps(record) + "\n")
+    records, problems = load_records(path)
+    assert records == [] and len(problems) == 1 and field in problems[0]
