@@ -23,6 +23,10 @@ class GradnanConfig:
     out_dir: where every rank writes its maps and records (shared by all ranks of a job).
     maps: write the per-rank parameter-id -> global-name maps when the optimizer is built.
     detect: check the grad norm (and fp16 loss-scale overflows) and localize non-finite gradients.
+    pre_reduction: check each rank's local gradients before the data-parallel collective, to tell the
+        rank that produced a NaN from those that received it: "auto" (flags kept on the device, read
+        only after a non-finite norm; immediate where Megatron's check_for_nan_in_grad is on), "sync"
+        (read at once, record written before the collective), or "off".
     max_params_per_record: offending parameters listed in full per record; the rest are only counted.
     skip_warn_after: consecutive fp16 loss-scale skips before a warning (then at 2x, 4x, ... that many).
     strict: let an internal gradnan error propagate instead of logging it and carrying on.
@@ -32,6 +36,7 @@ class GradnanConfig:
     out_dir: str = "gradnan_out"
     maps: bool = True
     detect: bool = True
+    pre_reduction: str = "auto"
     max_params_per_record: int = 64
     skip_warn_after: int = 3
     strict: bool = False
@@ -45,6 +50,9 @@ class GradnanConfig:
                 raise ConfigError(
                     f"gradnan config field '{spec.name}' must be {spec.type}, got {value!r}"
                 )
+        if self.pre_reduction not in ("auto", "sync", "off"):
+            raise ConfigError(
+                f"gradnan config field 'pre_reduction' must be auto, sync or off, got {self.pre_reduction!r}")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:

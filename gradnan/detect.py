@@ -47,6 +47,7 @@ def offending_params(
                 "numel": slot.numel,
                 "shard": list(slot.shard) if slot.shard else None,
                 "is_expert": slot.is_expert,
+                "order": slot.order,
             }
         )
     return offending

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .records import MAP_SCHEMA, SCHEMA_VERSION
 
@@ -14,7 +14,8 @@ class ParamSlot:
     """One parameter as the optimizer steps it.
 
     ``id`` is its position in the optimizer's parameters (``get_parameters()``, concatenated over a
-    ``ChainedOptimizer``'s sub-optimizers): the id a record reports. ``shape``/``dtype``/``numel`` are the
+    ``ChainedOptimizer``'s sub-optimizers): the id a record reports. ``order`` is its position in the
+    model's parameter registration (forward) order on this rank; backward order is the reverse. ``shape``/``dtype``/``numel`` are the
     model parameter's. ``shard`` is the ``[start, end)`` slice of the flattened model parameter this rank
     steps (distributed optimizer), else None.
     """
@@ -31,6 +32,7 @@ class ParamSlot:
     optimizer: int
     shard: Optional[Tuple[int, int]]
     main_dtype: str
+    order: int = -1
 
     def to_json(self) -> Dict[str, Any]:
         document = asdict(self)
@@ -57,14 +59,3 @@ def map_document(
         "params": [slot.to_json() for slot in slots],
     }
 
-
-def names_by_id(document: Mapping[str, Any]) -> Dict[int, str]:
-    return {int(entry["id"]): entry["name"] for entry in document["params"]}
-
-
-def slot_for_id(slots: Sequence[ParamSlot], param_id: int) -> Optional[ParamSlot]:
-    return next((slot for slot in slots if slot.id == param_id), None)
-
-
-def slots_summary(slots: List[ParamSlot]) -> str:
-    return f"{len(slots)} parameters, {sum(slot.numel for slot in slots)} elements"

@@ -1,18 +1,26 @@
 """Merge every rank's maps and records into one answer for the whole job (pure: RunFiles in, dict out).
 
-The text view is for people (fits one screen for a small job), the JSON (``gradnan.report`` schema,
-docs/formats.md) for scripts.
+The first failing step is the earliest step with any record. Its origin is decided by evidence, best
+first: ranks whose LOCAL gradients were non-finite before the data-parallel collective
+(``pre_reduction`` records); else, where every checked rank was clean before the collective, the ranks
+holding non-finite gradients at the grad norm (the value arose after the collective); else, with no
+pre-reduction check at all, the holders, marked unconfirmed. Every other rank with a record at that
+step only received it. The text view is for people (one screen for a small job), the JSON
+(``gradnan.report``, docs/formats.md) for scripts.
 """
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Dict, List, Optional
 
 from .reader import RunFiles
 
 REPORT_SCHEMA = "gradnan.report"
 REPORT_VERSION = 1
-INCIDENT_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow")
+NORM_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow")
+PRE_REDUCTION = "pre_reduction"
+FORWARD_SHARE = 0.9
 _AXES = ("tp", "pp", "dp", "cp", "ep")
 
 
@@ -22,6 +30,7 @@ def _rank_view(coords: Dict[str, Any]) -> Dict[str, Any]:
     for axis in _AXES:
         if axis in ("tp", "pp", "dp") or (coords.get(f"{axis}_size") or 1) > 1:
             view[axis] = coords.get(axis)
+    view["dp_size"] = coords.get("dp_size")
     return view
 
 
@@ -34,79 +43,168 @@ def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
     return ranks
 
 
+def _params_per_rank(files: RunFiles) -> Dict[int, int]:
+    counts: Dict[int, int] = {}
+    for document in files.maps.values():
+        rank = document["rank"]["global_rank"]
+        counts[rank] = counts.get(rank, 0) + len(document["params"])
+    return counts
+
+
 def module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
-def _holder(record: Dict[str, Any]) -> Dict[str, Any]:
-    return {
-        **_rank_view(record["rank"]),
-        "kind": record["kind"],
-        "params_total": record.get("params_total", len(record["params"])),
-        "params": [
-            {key: param.get(key) for key in
-             ("id", "name", "kind", "nan", "inf", "first_bad_index", "abs_max_finite", "near_limit")}
-            for param in record["params"]
-        ],
-    }
+def _backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
+    """Later pipeline stages and later-registered parameters come first in backward."""
+    return (-(rank.get("pp") or 0), -(param.get("order") if isinstance(param.get("order"), int) else -1))
 
 
-def _parameters_by_module(holders: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _param_view(param: Dict[str, Any]) -> Dict[str, Any]:
+    return {key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
+                                            "abs_max_finite", "near_limit", "order")}
+
+
+def _rank_entry(record: Dict[str, Any]) -> Dict[str, Any]:
+    params = sorted(record["params"], key=lambda p: _backward_key(record["rank"], p))
+    return {**_rank_view(record["rank"]), "kind": record["kind"],
+            "params_total": record.get("params_total", len(params)),
+            "params": [_param_view(p) for p in params]}
+
+
+def _parameters_by_module(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Offending parameters across the given ranks, grouped by module, modules in backward order."""
     modules: Dict[str, Dict[str, Any]] = {}
-    for holder in holders:
-        for param in holder["params"]:
-            module = modules.setdefault(module_of(param["name"]), {"module": module_of(param["name"]),
-                                                                   "params": {}})
-            entry = module["params"].setdefault(
-                param["name"], {"name": param["name"], "ranks": [], "nan": 0, "inf": 0,
-                                "near_limit": False})
-            entry["ranks"].append(holder["global_rank"])
-            entry["nan"] += param["nan"]
-            entry["inf"] += param["inf"]
-            entry["near_limit"] = entry["near_limit"] or bool(param.get("near_limit"))
+    keyed = sorted(((_backward_key(e, p), e["global_rank"], p) for e in entries for p in e["params"]),
+                   key=lambda item: item[0])
+    for _, rank, param in keyed:
+        module = modules.setdefault(module_of(param["name"]),
+                                    {"module": module_of(param["name"]), "params": {}})
+        entry = module["params"].setdefault(param["name"], {"name": param["name"], "ranks": [], "nan": 0,
+                                                            "inf": 0, "near_limit": False})
+        entry["ranks"].append(rank)
+        entry["nan"] += param["nan"]
+        entry["inf"] += param["inf"]
+        entry["near_limit"] = entry["near_limit"] or bool(param.get("near_limit"))
     return [{"module": m["module"], "params": list(m["params"].values())} for m in modules.values()]
+
+
+def _decide_origin(at_step: List[Dict[str, Any]]) -> Dict[str, Any]:
+    pre = [r for r in at_step if r["kind"] == PRE_REDUCTION and r["params"]]
+    norm = [r for r in at_step if r["kind"] in NORM_KINDS]
+    holders = [r for r in norm if r["params"]]
+    checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite")]
+    if pre:
+        return {"basis": "before_collective", "records": pre}
+    if holders and checked:
+        return {"basis": "after_collective", "records": holders}
+    if holders:
+        return {"basis": "unconfirmed", "records": holders}
+    return {"basis": "none", "records": []}
+
+
+def _pattern(origin: List[Dict[str, Any]], params_per_rank: Dict[int, int]) -> Dict[str, Any]:
+    """Forward: (nearly) every gradient on the origin rank is bad, so the loss or an activation already
+    was. Backward: only some are; the first in backward order is where it started."""
+    shares = [entry["params_total"] / params_per_rank[entry["global_rank"]]
+              for entry in origin if params_per_rank.get(entry["global_rank"])]
+    if shares and min(shares) >= FORWARD_SHARE:
+        return {"pass": "forward", "share_nonfinite": min(shares), "first_in_backward": None,
+                "first_rank": None}
+    firsts = [(_backward_key(entry, entry["params"][0]), entry["params"][0]["name"], entry["global_rank"])
+              for entry in origin if entry["params"]]
+    _, first, first_rank = min(firsts) if firsts else (None, None, None)
+    return {"pass": "backward" if shares else "unknown",
+            "share_nonfinite": min(shares) if shares else None, "first_in_backward": first,
+            "first_rank": first_rank}
+
+
+def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
+             parameters: List[Dict[str, Any]]) -> Dict[str, Any]:
+    evidence = []
+    replicas = sorted({entry.get("dp") for entry in origin})
+    dp_size = max((entry.get("dp_size") or 1 for entry in origin), default=1)
+    overflow = any(p["near_limit"] for module in parameters for p in module["params"])
+    if overflow:
+        evidence.append("the largest finite gradient values are near the dtype's limit (overflow)")
+    if basis == "unconfirmed":
+        evidence.append("no pre-reduction check ran (pre_reduction=off or no Megatron DDP): the ranks "
+                        "named hold the bad values but may have received them")
+    if pattern["pass"] == "forward":
+        evidence.append(f"{pattern['share_nonfinite']:.0%} of the origin's gradients are non-finite: "
+                        "the loss or an activation was already bad in the forward pass")
+    elif pattern["first_in_backward"]:
+        evidence.append(f"first non-finite gradient in backward order: {pattern['first_in_backward']}"
+                        f" on rank {pattern['first_rank']}")
+    if basis == "after_collective":
+        evidence.append("every rank's local gradients were finite before the data-parallel collective: "
+                        "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
+    if not origin:
+        cause, summary = "unknown", "no rank held a non-finite gradient (only the norm was non-finite)"
+    elif dp_size == 1 and pattern["pass"] != "forward" and not overflow:
+        where = ", ".join(f"rank {e['global_rank']} ({e['host']} {e['device']})" for e in origin)
+        cause = "undetermined"
+        summary = (f"{where} produced it; with one data-parallel replica there is no peer on other data"
+                   " to compare with: replay the step or run a self-test to tell hardware from data")
+    elif dp_size > 1 and len(replicas) == 1 and pattern["pass"] != "forward" and not overflow:
+        first = sorted(origin, key=lambda e: e["global_rank"] != pattern["first_rank"])
+        where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
+        if len(origin) > 1:
+            where += f"; its model-parallel peers in the replica received it in backward"
+        cause = "hardware"
+        summary = (f"one data-parallel replica of {dp_size} (dp{replicas[0]}) produced it while its peers, "
+                   f"on different data, did not: suspect {where}; or a batch only it saw")
+        evidence.append(f"origin: dp replica {replicas[0]} only; the other {dp_size - 1} replica(s) were "
+                        "clean before the collective")
+    else:
+        cause = "data_or_numerics"
+        scope = "every data-parallel replica" if len(replicas) == dp_size else f"replica(s) {replicas}"
+        summary = (f"{scope} went non-finite"
+                   + (" in the forward pass" if pattern["pass"] == "forward" else "")
+                   + (": overflow" if overflow else "")
+                   + "; points at the data or the numerics, not one device")
+    return {"cause": cause, "summary": summary, "evidence": evidence}
 
 
 def build_report(files: RunFiles) -> Dict[str, Any]:
     ranks = _known_ranks(files)
-    incidents = [r for r in files.all_records() if r.get("kind") in INCIDENT_KINDS]
+    incidents = [r for r in files.all_records() if r.get("kind") in NORM_KINDS + (PRE_REDUCTION,)]
     report: Dict[str, Any] = {
-        "schema": REPORT_SCHEMA,
-        "version": REPORT_VERSION,
-        "run_dir": str(files.run_dir),
-        "ranks_seen": sorted(ranks),
-        "problems": list(files.problems),
-        "first_step": None,
-        "incident": None,
-        "later_steps": [],
+        "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
+        "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
+        "incident": None, "later_steps": [],
     }
     if not incidents:
         return report
     first_step = min(r["step"] for r in incidents)
-    at_first = sorted((r for r in incidents if r["step"] == first_step),
-                      key=lambda r: r["rank"].get("global_rank", -1))
-    holders = [_holder(r) for r in at_first if r["params"]]
-    holder_ranks = {h["global_rank"] for h in holders}
-    recorded = {r["rank"].get("global_rank") for r in at_first}
+    at_step = sorted((r for r in incidents if r["step"] == first_step),
+                     key=lambda r: (r["rank"].get("global_rank", -1), r["kind"] != PRE_REDUCTION))
+    decision = _decide_origin(at_step)
+    origin = [_rank_entry(r) for r in decision["records"]]
+    origin_ranks = {entry["global_rank"] for entry in origin}
+    recorded = {r["rank"].get("global_rank") for r in at_step}
+    parameters = _parameters_by_module(origin)
+    pattern = _pattern(origin, _params_per_rank(files))
     report["first_step"] = first_step
     report["incident"] = {
         "step": first_step,
-        "kinds": sorted({r["kind"] for r in at_first}),
-        "holders": holders,
-        "receivers": [_rank_view(r["rank"]) for r in at_first
-                      if r["rank"].get("global_rank") not in holder_ranks],
+        "kinds": sorted({r["kind"] for r in at_step}),
+        "origin_basis": decision["basis"],
+        "origin": origin,
+        "receivers": [{**_rank_view(r["rank"]), "holds_nonfinite": bool(r["params"]),
+                       "modules": sorted({module_of(p["name"]) for p in r["params"]})}
+                      for r in at_step if r["kind"] in NORM_KINDS
+                      and r["rank"].get("global_rank") not in origin_ranks],
         "silent": [_rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded],
-        "parameters": _parameters_by_module(holders),
+        "parameters": parameters,
+        "pattern": pattern,
+        "verdict": _verdict(origin, decision["basis"], pattern, parameters),
     }
-    later: Dict[int, Dict[str, Any]] = {}
+    later: Dict[int, set] = {}
     for record in incidents:
         if record["step"] > first_step:
-            step = later.setdefault(record["step"], {"step": record["step"], "ranks": set(), "holders": set()})
-            step["ranks"].add(record["rank"].get("global_rank"))
-            if record["params"]:
-                step["holders"].add(record["rank"].get("global_rank"))
-    report["later_steps"] = [{"step": s["step"], "ranks": sorted(s["ranks"]), "holders": sorted(s["holders"])}
-                             for _, s in sorted(later.items())]
+            later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
+    report["later_steps"] = [{"step": step, "ranks": sorted(r)} for step, r in sorted(later.items())]
     return report
 
 
@@ -116,42 +214,71 @@ def _rank_label(view: Dict[str, Any]) -> str:
 
 
 def _counts(entry: Dict[str, Any]) -> str:
-    parts = [f"{entry[key]} {label}" for key, label in (("nan", "NaN"), ("inf", "Inf")) if entry.get(key)]
-    return ", ".join(parts)
+    return ", ".join(f"{entry[key]} {label}" for key, label in (("nan", "NaN"), ("inf", "Inf"))
+                     if entry.get(key))
 
 
-def format_text(report: Dict[str, Any], max_params: int = 12) -> str:
+_BASIS_TEXT = {
+    "before_collective": "local gradients non-finite before the data-parallel collective",
+    "after_collective": "holds the non-finite gradients; clean before the collective",
+    "unconfirmed": "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
+    "none": "",
+}
+
+
+MAX_TABLE_RANKS = 16
+WIDTH = 110
+
+
+def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
+    """One line per offending module, in backward order, with a column per rank: O origin, r received
+    (holds a non-finite gradient there), . clean; and the origin's counts per parameter."""
+    marks: Dict[int, Dict[str, str]] = {}
+    for entry in incident["origin"]:
+        marks[entry["global_rank"]] = {module_of(p["name"]): "O" for p in entry["params"]}
+    for view in incident["receivers"]:
+        marks[view["global_rank"]] = {module: "r" for module in view["modules"]}
+    ranks = sorted(marks)[:MAX_TABLE_RANKS]
+    modules = incident["parameters"]
+    width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
+    lines = [f"Offending modules in backward order (O origin, r received, . clean):",
+             f"  {'module':<{width}}  " + " ".join(f"r{rank:<2}" for rank in ranks) + "  on the origin"]
+    for module in modules[:max_modules]:
+        cells = " ".join(f"{marks[rank].get(module['module'], '.'):<3}" for rank in ranks)
+        counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {_counts(p)}"
+                           + (" [near dtype limit]" if p["near_limit"] else "") for p in module["params"])
+        lines.append(f"  {module['module']:<{width}}  {cells}  {counts}")
+    if len(modules) > max_modules:
+        lines.append(f"  ... and {len(modules) - max_modules} more module(s) (see --json)")
+    if len(marks) > len(ranks):
+        lines.append(f"  ({len(marks) - len(ranks)} more rank(s) not shown; see --json)")
+    return lines
+
+
+def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
     lines = [f"gradnan report for {report['run_dir']}  ({len(report['ranks_seen'])} rank(s) wrote files)"]
     incident: Optional[Dict[str, Any]] = report["incident"]
     if incident is None:
         lines.append("No non-finite gradient was recorded.")
     else:
+        verdict = incident["verdict"]
         lines.append(f"First failing step: {incident['step']}  ({', '.join(incident['kinds'])})")
-        lines.append("Ranks holding non-finite gradients:")
-        for holder in incident["holders"] or []:
-            lines.append(f"  {_rank_label(holder)}: {holder['params_total']} parameter(s)")
-        if not incident["holders"]:
-            lines.append("  none (every recording rank's own gradients were finite)")
+        lines += textwrap.wrap(f"Verdict: {verdict['cause']}: {verdict['summary']}", WIDTH,
+                               subsequent_indent="    ")
+        for item in verdict["evidence"]:
+            lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+        lines.append(f"Origin ({_BASIS_TEXT[incident['origin_basis']]}):")
+        lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)" for entry in incident["origin"]]
+        if not incident["origin"]:
+            lines.append("  none found")
         if incident["receivers"]:
-            lines.append("Ranks that only saw the non-finite norm (their gradients were finite):")
-            lines += [f"  {_rank_label(view)}" for view in incident["receivers"]]
+            lines.append("Received it (through a collective or the norm's all-reduce):")
+            lines += [f"  {_rank_label(view)}" + ("" if view["holds_nonfinite"] else "  (own gradients finite)")
+                      for view in incident["receivers"]]
         if incident["silent"]:
-            lines.append("Ranks with no record at this step (finite norm, or died first):")
+            lines.append("No record at this step (finite norm, or died first):")
             lines += [f"  {_rank_label(view)}" for view in incident["silent"]]
-        lines.append("Offending parameters by module:")
-        shown = 0
-        for module in incident["parameters"]:
-            lines.append(f"  {module['module']}")
-            for entry in module["params"]:
-                if shown == max_params:
-                    break
-                hint = "  [near dtype limit: overflow?]" if entry["near_limit"] else ""
-                ranks = ",".join(str(r) for r in entry["ranks"])
-                lines.append(f"    {entry['name'].rsplit('.', 1)[-1]}: {_counts(entry)} on rank(s) {ranks}{hint}")
-                shown += 1
-        total = sum(len(module["params"]) for module in incident["parameters"])
-        if total > shown:
-            lines.append(f"    ... and {total - shown} more (see --json)")
+        lines += _module_table(incident, max_modules)
         if report["later_steps"]:
             steps = report["later_steps"]
             lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in steps[:8])}"

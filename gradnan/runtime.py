@@ -59,6 +59,11 @@ class Runtime:
         self._next_index = 0
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
         self._errors_logged: Set[str] = set()
+        self._ids_by_name: Dict[str, int] = {}
+        self._synced: Set[Tuple[int, int]] = set()
+        self._deferred: List[Tuple[Any, torch.Tensor, Callable]] = []
+        self._pre_reduction_checked = False
+        self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     # -- safety -------------------------------------------------------------------------------------
 
@@ -109,6 +114,8 @@ class Runtime:
             )
             write_json_atomic(path, document)
             tracked.map_file = str(path)
+            if tracked.index == 0:
+                self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
             logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
 
     def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
@@ -121,6 +128,9 @@ class Runtime:
         """``skipped``: the step applied no update (fp16 overflow); counts consecutive skips."""
         if getattr(self._local, "stepping", None) is optimizer:
             self._local.stepping = None
+        with self._lock:
+            self._deferred = []
+            self._pre_reduction_checked = False
         tracked, _ = self._track(optimizer)
         if skipped is not None:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
@@ -130,23 +140,78 @@ class Runtime:
     def stepping_optimizer(self) -> Optional[Any]:
         return getattr(self._local, "stepping", None)
 
+    def upcoming_step(self) -> int:
+        """The step in progress: the stepping optimizer's count, else one past the last step taken."""
+        stepping = self.stepping_optimizer()
+        with self._lock:
+            if stepping is not None and stepping in self._tracked:
+                return self._tracked[stepping].steps
+            return max((t.steps for t in self._tracked.values()), default=0) + 1
+
+    def ids_by_name(self) -> Dict[str, int]:
+        return self._ids_by_name
+
+    # -- pre-reduction (data-parallel bucket) checks -------------------------------------------------
+
+    def first_sync_of_step(self, group: Any) -> bool:
+        """True once per bucket group per step (Megatron may start a group's sync twice)."""
+        step = self.upcoming_step()
+        with self._lock:
+            key = (id(group), step)
+            if key in self._synced:
+                return False
+            self._synced = {k for k in self._synced if k[1] == step} | {key}
+            self._pre_reduction_checked = True
+            return True
+
+    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: Callable) -> None:
+        """Keep a bucket group's on-device flags until a non-finite norm asks for them (no host sync)."""
+        with self._lock:
+            self._deferred.append((group, flags, describe))
+
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: Callable, mode: str) -> bool:
+        """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad."""
+        bad = [index for index, finite in enumerate(flags.tolist()) if not finite]
+        if not bad:
+            return False
+        slots, grads, buckets = describe(group, bad)
+        found = offending_params(slots, grads)
+        if not found:
+            return False
+        with self._lock:
+            group_index = self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
+        record = self._write("pre_reduction", self.upcoming_step(), found, {
+            "mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
+            "micro_batch": None})
+        logger.error("step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
+                     " this rank produced it; record: %s", record["step"], _where(record),
+                     _describe_params(record), record["_path"])
+        return True
+
+    def _flush_deferred(self) -> str:
+        """Read the deferred bucket flags of this step: "nonfinite", "clean" or "unchecked"."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            checked = self._pre_reduction_checked
+        bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred")
+               for group, flags, describe in deferred]
+        if any(bad):
+            return "nonfinite"
+        return "clean" if checked else "unchecked"
+
     # -- detections ----------------------------------------------------------------------------------
 
-    def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot],
-                grads: Sequence[Optional[torch.Tensor]], extra: Dict[str, Any]) -> Dict[str, Any]:
-        tracked, _ = self._track(optimizer)
+    def _write(self, kind: str, step: int, found: List[Dict[str, Any]],
+               extra: Dict[str, Any]) -> Dict[str, Any]:
         coords = self._coords()
-        found = offending_params(slots, grads)
         limit = self.config.max_params_per_record
         record = {
             "schema": RECORD_SCHEMA,
             "version": SCHEMA_VERSION,
             "kind": kind,
-            "step": tracked.steps,
+            "step": step,
             "time": time.time(),
             "rank": coords,
-            "optimizer_index": tracked.index,
-            "map": tracked.map_file,
             "local_nonfinite": bool(found),
             "params": found[:limit],
             "params_total": len(found),
@@ -156,6 +221,14 @@ class Runtime:
         append_record(path, record)
         record["_path"] = str(path)
         return record
+
+    def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot],
+                grads: Sequence[Optional[torch.Tensor]], extra: Dict[str, Any]) -> Dict[str, Any]:
+        pre_reduction = self._flush_deferred()
+        tracked, _ = self._track(optimizer)
+        return self._write(kind, tracked.steps, offending_params(slots, grads), {
+            "optimizer_index": tracked.index, "map": tracked.map_file,
+            "pre_reduction": pre_reduction, **extra})
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Sequence[Optional[torch.Tensor]]) -> None:

@@ -23,18 +23,22 @@ import torch
 
 @dataclass(frozen=True)
 class Injection:
-    """Put ``value`` into the gradient of parameter ``param`` (global name) on global ``rank`` at ``step``.
+    """Put ``value`` on global ``rank`` at ``step`` into what ``target`` names (a global name).
 
-    ``where="backward"``: a tensor hook changes the gradient as backward produces it, before any
-    data-parallel collective (what a bad card or a bad kernel does). ``where="main_grad"``: the element is
-    written into the reduced gradient right before ``optimizer.step()`` (a corruption after the collective).
-    ``index`` is the flat element index in the model parameter; None picks the first element this rank's
-    optimizer steps (with the distributed optimizer, inside this rank's shard).
+    ``where`` says how:
+    - ``"main_grad"``: into parameter ``target``'s reduced gradient right before ``optimizer.step()``
+      (a corruption after the data-parallel collective);
+    - ``"backward"``: into parameter ``target``'s gradient as backward produces it, before any
+      collective (what a bad card or a bad kernel does to one weight gradient);
+    - ``"module_backward"``: into the output gradient of module ``target`` during backward, so every
+      gradient computed from it (that module's and all earlier layers') is poisoned;
+    - ``"forward"``: into the output of module ``target`` in the forward pass (an activation overflow).
+    ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     """
 
     rank: int
     step: int
-    param: str
+    target: str
     value: str = "nan"
     where: str = "main_grad"
     index: Optional[int] = None
@@ -170,12 +174,28 @@ def _forward_step(data_iterator, model):
 
 
 def _param_by_global_name(chunks, name: str):
-    from gradnan.patches._megatron import global_param_names
+    from gradnan.patches._megatron import global_named_parameters
 
-    for param, param_name in global_param_names(chunks).items():
-        if param_name == name:
-            return param
-    return None
+    return next((param for param_name, param in global_named_parameters(chunks) if param_name == name), None)
+
+
+def _module_by_global_name(chunks, name: str):
+    from gradnan.patches._megatron import global_named_modules
+
+    return next((module for module_name, module in global_named_modules(chunks) if module_name == name), None)
+
+
+def _poisoned(tensor: torch.Tensor, index: int, value: float) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[index] = value
+    return tensor
+
+
+def _poison_first(outputs: Any, index: int, value: float) -> Any:
+    """Poison the first tensor of a module's output(s) (Megatron layers return ``(output, bias)``)."""
+    if isinstance(outputs, torch.Tensor):
+        return _poisoned(outputs, index, value)
+    return (_poisoned(outputs[0], index, value), *outputs[1:])
 
 
 def _due(job: TinyGPTJob, rank: int, step: int, where: str):
@@ -187,25 +207,34 @@ def _due(job: TinyGPTJob, rank: int, step: int, where: str):
 def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
     from gradnan.patches._optimizer_params import owned_start
 
-    param = _param_by_global_name(chunks, injection.param)
+    param = _param_by_global_name(chunks, injection.target)
     if param is None:
-        raise ValueError(f"no parameter named {injection.param} on this rank")
+        raise ValueError(f"no parameter named {injection.target} on this rank")
     index = injection.index if injection.index is not None else owned_start(optimizer, param)
     return param, index
 
 
-def _arm_backward_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
+def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
+    """Register this step's backward, module_backward and forward injections; return their handles."""
     handles = []
     for injection in _due(job, rank, step, "backward"):
         param, index = _resolve(injection, chunks, optimizer)
-
-        def poison(grad, value=injection.number(), index=index):
-            grad = grad.clone()
-            grad.view(-1)[index] = value
-            return grad
-
-        handles.append(param.register_hook(poison))
+        handles.append(param.register_hook(
+            lambda grad, index=index, value=injection.number(): _poisoned(grad, index, value)))
         result.injected.append({**dataclasses.asdict(injection), "index": index})
+    for where in ("module_backward", "forward"):
+        for injection in _due(job, rank, step, where):
+            module = _module_by_global_name(chunks, injection.target)
+            if module is None:
+                raise ValueError(f"no module named {injection.target} on this rank")
+            index, value = injection.index or 0, injection.number()
+            if where == "forward":
+                handles.append(module.register_forward_hook(
+                    lambda _m, _args, out, index=index, value=value: _poison_first(out, index, value)))
+            else:
+                handles.append(module.register_full_backward_pre_hook(
+                    lambda _m, grads, index=index, value=value: _poison_first(grads, index, value)))
+            result.injected.append({**dataclasses.asdict(injection), "index": index})
     return handles
 
 
@@ -258,7 +287,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         for step in range(1, job.steps + 1):
             chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            hooks = _arm_backward_injections(job, rank, step, [chunk], optimizer, result)
+            hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, result)
             losses = forward_backward(
                 forward_step_func=_forward_step,
                 data_iterator=batches,

@@ -28,7 +28,7 @@ def demo(tmp_path_factory):
 def test_demo_names_the_injected_rank_and_parameter(demo):
     out, result = demo
     assert f"First failing step: {DEMO_STEP}" in result.stdout
-    holders = result.stdout.split("Ranks holding non-finite gradients:")[1].split("Ranks that only")[0]
+    holders = result.stdout.split("Origin (")[1].split("Received it")[0]
     assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in holders
     assert "rank 0 " not in holders
     assert DEMO_PARAM.rsplit(".", 1)[0] in result.stdout
@@ -39,16 +39,17 @@ def test_report_json_names_the_parameter(demo):
     out, _ = demo
     result = gradnan("report", out, "--json")
     report = json.loads(result.stdout)
-    [holder] = report["incident"]["holders"]
-    assert holder["global_rank"] == DEMO_RANK
-    assert [p["name"] for p in holder["params"]] == [DEMO_PARAM]
+    [origin] = report["incident"]["origin"]
+    assert origin["global_rank"] == DEMO_RANK
+    assert [p["name"] for p in origin["params"]] == [DEMO_PARAM]
     assert [r["global_rank"] for r in report["incident"]["receivers"]] == [0]
+    assert report["incident"]["origin_basis"] == "before_collective"
 
 
 def test_maps_resolves_the_reported_id(demo):
     out, _ = demo
     report = json.loads(gradnan("report", out, "--json").stdout)
-    param_id = report["incident"]["holders"][0]["params"][0]["id"]
+    param_id = report["incident"]["origin"][0]["params"][0]["id"]
     for rank in (str(DEMO_RANK), "tp1,pp0,dp0"):
         result = gradnan("maps", out, "--rank", rank, "--id", param_id)
         assert result.returncode == 0

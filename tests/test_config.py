@@ -18,11 +18,22 @@ def test_defaults_match_the_documented_values():
         "out_dir": "gradnan_out",
         "maps": True,
         "detect": True,
+        "pre_reduction": "auto",
         "max_params_per_record": 64,
         "skip_warn_after": 3,
         "strict": False,
         "log_level": "INFO",
     }
+
+
+@pytest.mark.parametrize("mode", ["auto", "sync", "off"])
+def test_pre_reduction_modes(mode):
+    assert GradnanConfig(pre_reduction=mode).pre_reduction == mode
+
+
+def test_unknown_pre_reduction_mode_is_rejected_by_name():
+    with pytest.raises(ConfigError, match="pre_reduction"):
+        GradnanConfig(pre_reduction="sometimes")
 
 
 def test_config_is_frozen():

@@ -69,7 +69,7 @@ def _check(runs, scenarios, name):
     job, injection = scenarios[name]
     [injected] = outcome[injection.rank].injected
     kind = "loss_scale_overflow" if job.dtype == "fp16" else "nonfinite_grad_norm"
-    record = assert_origin(run_dir, rank=injection.rank, step=injection.step, param=injection.param,
+    record = assert_origin(run_dir, rank=injection.rank, step=injection.step, param=injection.target,
                            value=injection.value, index=injected["index"], kind=kind)
     assert_clean_elsewhere(run_dir, origin=injection.rank, step=injection.step)
     return record, outcome

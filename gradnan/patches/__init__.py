@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List
 
 from ._patcher import Instrumentor, SurfaceMissing
+from .grad_sync import GradSyncInstrumentor
 from .loss_scale import LossScaleInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
@@ -13,4 +14,5 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 
 
 def all_instrumentors() -> List[Instrumentor]:
-    return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor()]
+    return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
+            GradSyncInstrumentor()]

@@ -62,6 +62,16 @@ def global_named_parameters(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str
     return named
 
 
+def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.nn.Module]]:
+    """Every module of the model chunks with its global name (as ``global_named_parameters``)."""
+    named = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        renames = _layer_prefix_renames(model)
+        named += [(global_name(name + ".", renames)[:-1], module) for name, module in model.named_modules()]
+    return named
+
+
 def global_param_names(chunks: Iterable[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
     return {param: name for name, param in global_named_parameters(chunks)}
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..maps import ParamSlot
-from ._megatron import global_param_names
+from ._megatron import global_named_parameters
 
 _Pairing = Dict[int, Tuple[torch.nn.Parameter, Optional[Tuple[int, int]]]]
 
@@ -68,7 +68,8 @@ def param_slots(
     optimizer: Any, fallback_chunks: Sequence[torch.nn.Module] = ()
 ) -> Tuple[List[ParamSlot], List[Optional[torch.Tensor]]]:
     """The optimizer's parameters in ``get_parameters()`` order, as slots, with their current gradients."""
-    names = {id(p): name for p, name in global_param_names(_model_chunks(optimizer, fallback_chunks)).items()}
+    named = global_named_parameters(_model_chunks(optimizer, fallback_chunks))
+    names = {id(param): (name, order) for order, (name, param) in enumerate(named)}
     slots: List[ParamSlot] = []
     grads: List[Optional[torch.Tensor]] = []
     group_offset = 0
@@ -80,10 +81,11 @@ def param_slots(
             for opt_param in group["params"]:
                 model_param, shard = pairing.get(id(opt_param), (opt_param, None))
                 slot_id = len(slots)
+                name, order = names.get(id(model_param), (f"<unnamed #{slot_id}>", -1))
                 slots.append(
                     ParamSlot(
                         id=slot_id,
-                        name=names.get(id(model_param), f"<unnamed #{slot_id}>"),
+                        name=name,
                         shape=tuple(model_param.shape),
                         dtype=str(model_param.dtype),
                         numel=model_param.numel(),
@@ -96,6 +98,7 @@ def param_slots(
                         optimizer=leaf_index,
                         shard=shard,
                         main_dtype=str(opt_param.dtype),
+                        order=order,
                     )
                 )
                 grads.append(_grad(opt_param))
