@@ -6,7 +6,9 @@
 
 from .config import ConfigError, GradnanConfig
 from .install import Installation, current, install, uninstall
+from .runtime import NonFiniteGradientError
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "GradnanConfig", "Installation", "current", "install", "uninstall", "__version__"]
+__all__ = ["ConfigError", "GradnanConfig", "Installation", "NonFiniteGradientError", "current", "install",
+           "uninstall", "__version__"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -15,9 +16,13 @@ from .report import build_report, format_text
 EXIT_BAD_INPUT = 2
 
 
+class UsageError(Exception):
+    """A command line argparse rejects; the message is one line."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        raise ReadError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: error: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
+    report.add_argument("--fp16-skips", type=int, default=3, metavar="N",
+                        help="consecutive fp16 loss-scale skips that count as a failure (default: %(default)s)")
+    report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
@@ -77,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(run_demo(Path(args.out)))
         elif args.command == "report":
-            report = build_report(read_run(args.run_dir))
+            report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
         elif args.command == "maps":
             rows = _maps_command(args)
@@ -85,9 +93,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(rows, indent=1))
             else:
                 _print_maps(rows)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (ReadError, ConfigError) as exc:
         print(f"gradnan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `gradnan maps ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -30,6 +30,12 @@ class GradnanConfig:
     max_params_per_record: offending parameters listed in full per record; the rest are only counted.
     skip_warn_after: consecutive fp16 loss-scale skips before a warning (then at 2x, 4x, ... that many).
     strict: let an internal gradnan error propagate instead of logging it and carrying on.
+    on_nonfinite: "continue" (Megatron's behaviour) or "raise": stop the run with
+        ``NonFiniteGradientError`` right after the record of a non-finite grad norm (or a collapsed
+        fp16 loss scale) is on disk. Every rank of the norm's group sees the same norm, so all stop.
+    run_id: names this launch in every record, so restarts into one out_dir stay apart; empty: taken
+        from TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else launches are told apart by their start time.
+    max_records_bytes: a rank stops appending records (with one log line) once its file is this big.
     log_level: level of the ``gradnan`` logger.
     """
 
@@ -40,6 +46,9 @@ class GradnanConfig:
     max_params_per_record: int = 64
     skip_warn_after: int = 3
     strict: bool = False
+    on_nonfinite: str = "continue"
+    run_id: str = ""
+    max_records_bytes: int = 64 << 20
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -53,6 +62,11 @@ class GradnanConfig:
         if self.pre_reduction not in ("auto", "sync", "off"):
             raise ConfigError(
                 f"gradnan config field 'pre_reduction' must be auto, sync or off, got {self.pre_reduction!r}")
+        if self.on_nonfinite not in ("continue", "raise"):
+            raise ConfigError(
+                f"gradnan config field 'on_nonfinite' must be continue or raise, got {self.on_nonfinite!r}")
+        if self.max_records_bytes < 4096:
+            raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:

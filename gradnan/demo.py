@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import resolve_config
 from .reader import ReadError, read_run
 from .records import MAPS_DIR, RECORDS_DIR
 from .report import build_report, format_text
@@ -29,6 +30,7 @@ def demo_job(out_dir: Path) -> TinyGPTJob:
 
 def run_demo(out_dir: Path) -> str:
     out_dir = Path(out_dir).resolve()
+    resolve_config(**demo_job(out_dir).gradnan)  # a bad GRADNAN_* variable fails here, in one line
     if (out_dir / MAPS_DIR).exists() or (out_dir / RECORDS_DIR).exists():
         raise ReadError(f"{out_dir}: already holds a gradnan run; pass another --out or remove it")
     print(f"Training a tiny Megatron-Core GPT on CPU: 2 processes, TP=2, bf16, 3 steps.\n"

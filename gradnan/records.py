@@ -14,7 +14,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Dict, Mapping
 
 SCHEMA_VERSION = 1
 MAP_SCHEMA = "gradnan.map"
@@ -40,6 +40,17 @@ def map_path(out_dir: str, coords: Mapping[str, Any], optimizer_index: int) -> P
 
 def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
+
+
+def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:
+    """Names this launch in every record: all ranks of one launch agree on ``id`` and ``attempt``
+    without talking to each other (launcher variables); ``started`` tells launches apart otherwise."""
+    launcher_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if launcher_id in ("", "none"):
+        launcher_id = environ.get("SLURM_JOB_ID", "")
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT") or environ.get("SLURM_RESTART_COUNT") or "0"
+    return {"id": run_id or launcher_id or None, "attempt": int(attempt) if attempt.isdigit() else 0,
+            "started": started}
 
 
 def json_float(value: float) -> Any:

@@ -12,15 +12,18 @@ step only received it. The text view is for people (one screen for a small job),
 from __future__ import annotations
 
 import textwrap
+import time
 from typing import Any, Dict, List, Optional
 
-from .reader import RunFiles
+from .reader import ReadError, RunFiles
 
 REPORT_SCHEMA = "gradnan.report"
 REPORT_VERSION = 1
 NORM_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow")
 PRE_REDUCTION = "pre_reduction"
 FORWARD_SHARE = 0.9
+SERIOUS_SKIPS = 3
+RUN_GAP_SECONDS = 300.0
 _AXES = ("tp", "pp", "dp", "cp", "ep")
 
 
@@ -166,17 +169,76 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
     return {"cause": cause, "summary": summary, "evidence": evidence}
 
 
-def build_report(files: RunFiles) -> Dict[str, Any]:
+def _failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optional[int]:
+    """The first step that is a failure, not a routine fp16 loss-scale skip. For a run of consecutive
+    skips that became serious, the step where that run began (its origin is the interesting one)."""
+    by_step: Dict[int, List[Dict[str, Any]]] = {}
+    for record in incidents:
+        by_step.setdefault(record["step"], []).append(record)
+    for step in sorted(by_step):
+        records = by_step[step]
+        overflows = [r for r in records if r["kind"] == "loss_scale_overflow"]
+        serious = [r for r in overflows
+                   if r.get("scale_collapsed") or (r.get("consecutive_skips") or 1) >= serious_skips]
+        if any(r["kind"] == "nonfinite_grad_norm" for r in records) or (not overflows and records):
+            return step
+        if serious:
+            start = step - max((r.get("consecutive_skips") or 1) for r in serious) + 1
+            return min((s for s in by_step if start <= s <= step), default=step)
+    return None
+
+
+def _started(record: Dict[str, Any]) -> float:
+    run = record.get("run") if isinstance(record.get("run"), dict) else {}
+    value = run.get("started", record.get("time", 0.0))
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def split_runs(records: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """Records by launch: the launcher's run id and restart attempt where known, else launches told
+    apart by their processes' start times (a gap of more than RUN_GAP_SECONDS starts a new one)."""
+    runs: Dict[str, List[Dict[str, Any]]] = {}
+    anonymous = []
+    for record in records:
+        run = record.get("run") if isinstance(record.get("run"), dict) else {}
+        if run.get("id"):
+            runs.setdefault(f"{run['id']}#{run.get('attempt', 0)}", []).append(record)
+        else:
+            anonymous.append(record)
+    key, last = None, None
+    for record in sorted(anonymous, key=_started):
+        if key is None or _started(record) - last > RUN_GAP_SECONDS:
+            key = "started@" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(record)))
+        last = _started(record)
+        runs.setdefault(key, []).append(record)
+    return dict(sorted(runs.items(), key=lambda item: min(_started(r) for r in item[1])))
+
+
+def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
+                 run: Optional[str] = None) -> Dict[str, Any]:
+    """The report of one launch: ``run`` (a key of ``split_runs``), else the latest launch with a
+    failure, else the latest launch."""
     ranks = _known_ranks(files)
-    incidents = [r for r in files.all_records() if r.get("kind") in NORM_KINDS + (PRE_REDUCTION,)]
+    runs = split_runs(files.all_records())
+    if run is not None and run not in runs:
+        raise ReadError(f"{files.run_dir}: no run {run!r} (runs: {', '.join(runs) or 'none'})")
+    failing = {key: _failing_step([r for r in records if r.get("kind") in NORM_KINDS + (PRE_REDUCTION,)],
+                                  serious_skips) for key, records in runs.items()}
+    chosen = run or next((key for key in reversed(list(runs)) if failing[key] is not None),
+                         next(reversed(list(runs)), None))
+    incidents = [r for r in runs.get(chosen, []) if r.get("kind") in NORM_KINDS + (PRE_REDUCTION,)]
+    overflow_steps = sorted({r["step"] for r in incidents if r["kind"] == "loss_scale_overflow"})
     report: Dict[str, Any] = {
         "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
         "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
-        "incident": None, "later_steps": [],
+        "incident": None, "later_steps": [], "loss_scale_overflow_steps": overflow_steps,
+        "run": chosen, "runs": [{"run": key, "first_step": failing[key],
+                                "ranks": sorted({r["rank"].get("global_rank") for r in records})}
+                               for key, records in runs.items()],
     }
-    if not incidents:
+    first_step = _failing_step(incidents, serious_skips)
+    if first_step is None:
         return report
-    first_step = min(r["step"] for r in incidents)
     at_step = sorted((r for r in incidents if r["step"] == first_step),
                      key=lambda r: (r["rank"].get("global_rank", -1), r["kind"] != PRE_REDUCTION))
     decision = _decide_origin(at_step)
@@ -257,8 +319,16 @@ def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
 
 def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
     lines = [f"gradnan report for {report['run_dir']}  ({len(report['ranks_seen'])} rank(s) wrote files)"]
+    if len(report["runs"]) > 1:
+        listed = ", ".join(f"{r['run']}" + (f" (fails at step {r['first_step']})" if r["first_step"] else "")
+                           for r in report["runs"])
+        lines.append(f"Launches here: {listed}; showing {report['run']} (--run KEY for another)")
     incident: Optional[Dict[str, Any]] = report["incident"]
-    if incident is None:
+    if incident is None and report["loss_scale_overflow_steps"]:
+        steps = report["loss_scale_overflow_steps"]
+        lines.append(f"No failure: {len(steps)} routine fp16 loss-scale overflow step(s) (skipped by dynamic"
+                     f" loss scaling by design), the last at step {steps[-1]}.")
+    elif incident is None:
         lines.append("No non-finite gradient was recorded.")
     else:
         verdict = incident["verdict"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -25,13 +26,17 @@ from .records import (
     RECORD_SCHEMA,
     SCHEMA_VERSION,
     append_record,
+    run_identity,
     json_float,
     map_path,
     records_path,
     write_json_atomic,
 )
 
-SlotSource = Callable[[], Tuple[List[ParamSlot], List[Optional[torch.Tensor]]]]
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Raised with ``on_nonfinite="raise"`` after the forensic record is on disk."""
 
 
 class _Tracked:
@@ -64,6 +69,8 @@ class Runtime:
         self._deferred: List[Tuple[Any, torch.Tensor, Callable]] = []
         self._pre_reduction_checked = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.run = run_identity(config.run_id, os.environ, time.time())
+        self._records_full = False
 
     # -- safety -------------------------------------------------------------------------------------
 
@@ -71,6 +78,8 @@ class Runtime:
         """Run ``fn``; on an exception log it once per (what, type) and return None, unless strict."""
         try:
             return fn(*args)
+        except NonFiniteGradientError:
+            raise
         except Exception as exc:
             if self.config.strict:
                 raise
@@ -112,6 +121,7 @@ class Runtime:
             document = map_document(
                 coords, self._versions(), tracked.index, type(optimizer).__name__, slots()
             )
+            document["run"] = self.run
             write_json_atomic(path, document)
             tracked.map_file = str(path)
             if tracked.index == 0:
@@ -212,14 +222,21 @@ class Runtime:
             "step": step,
             "time": time.time(),
             "rank": coords,
+            "run": self.run,
             "local_nonfinite": bool(found),
             "params": found[:limit],
             "params_total": len(found),
             **extra,
         }
         path = records_path(self.config.out_dir, coords)
-        append_record(path, record)
         record["_path"] = str(path)
+        if path.exists() and path.stat().st_size >= self.config.max_records_bytes:
+            if not self._records_full:
+                self._records_full = True
+                logger.error("%s reached max_records_bytes (%d): later records are not written",
+                             path, self.config.max_records_bytes)
+            return record
+        append_record(path, {key: value for key, value in record.items() if key != "_path"})
         return record
 
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot],
@@ -253,6 +270,13 @@ class Runtime:
             logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
                            " came from another rank through the norm's all-reduce); record: %s",
                            record["step"], record["grad_norm"], where, record["_path"])
+        self._stop_if_asked(record)
+
+    def _stop_if_asked(self, record: Dict[str, Any]) -> None:
+        if self.config.on_nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"gradnan: {record['kind']} at step {record['step']} on {_where(record)}; stopping as"
+                f" configured (on_nonfinite=raise); record: {record['_path']}")
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot],
@@ -263,7 +287,8 @@ class Runtime:
         collapsed = scale is not None and min_scale is not None and scale <= min_scale
         record = self._record(
             optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
-            {"loss_scale": scale, "min_loss_scale": min_scale, "sub_optimizer": leaf,
+            {"loss_scale": None if scale is None else json_float(scale),
+             "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
              "consecutive_skips": skips, "scale_collapsed": collapsed},
         )
         first = self.config.skip_warn_after
@@ -272,6 +297,7 @@ class Runtime:
             logger.error("step %d: loss scale collapsed to %s (its minimum) after %d skipped steps;"
                          " %s; record: %s", record["step"], scale, skips,
                          _describe_params(record), record["_path"])
+            self._stop_if_asked(record)
         elif skips >= first and _is_power_of_two(skips // first) and skips % first == 0:
             logger.warning("step %d: %d consecutive fp16 steps skipped for gradient overflow"
                            " (loss scale %s); %s; record: %s", record["step"], skips, scale,

@@ -70,6 +70,7 @@ class TinyGPTJob:
     injections: Tuple[Injection, ...] = ()
     gradnan: Optional[Dict[str, Any]] = None
     quiet: bool = False
+    count_host_syncs: bool = False
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -81,6 +82,7 @@ class StepResult:
     loss: Optional[float]
     grad_norm: Optional[float]
     update_successful: bool
+    host_syncs: Optional[int] = None
 
 
 @dataclass
@@ -88,6 +90,7 @@ class WorkerResult:
     rank: int
     steps: List[StepResult] = field(default_factory=list)
     injected: List[Dict[str, Any]] = field(default_factory=list)
+    bucket_groups: int = 0
 
 
 def _free_port() -> int:
@@ -245,29 +248,32 @@ def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> N
         result.injected.append({**dataclasses.asdict(injection), "index": index})
 
 
-def train(job: TinyGPTJob, rank: int) -> WorkerResult:
-    """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
-    import gradnan
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+class TinyGPT:
+    """The model, optimizer and data of a job on this (already initialised) process group.
 
-    from gradnan.patches._megatron import destroy_model_parallel
+    ``install`` is called between building the model and building the optimizer, as a user would
+    call ``gradnan.install()``; ``step`` runs one full training step and returns its outcome."""
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
-    )
-    try:
+    def __init__(self, job: TinyGPTJob, rank: int, install=None) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        self.job, self.rank = job, rank
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
+        )
         torch.manual_seed(job.seed)
         model_parallel_cuda_manual_seed(job.seed)
         config, model = _build_model(job, parallel_state.get_pipeline_model_parallel_rank())
-        chunk = _wrap_model(job, config, model)
+        self.chunk = _wrap_model(job, config, model)
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = chunk.no_sync
-        installation = gradnan.install(**job.gradnan) if job.gradnan is not None else None
-        optimizer = get_megatron_optimizer(
+        config.no_sync_func = self.chunk.no_sync
+        if install is not None:
+            install()
+        self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
                 lr=1e-3,
@@ -278,37 +284,62 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
                 use_distributed_optimizer=job.distributed_optimizer,
                 initial_loss_scale=2.0**12,
             ),
-            [chunk],
+            [self.chunk],
         )
-        config.grad_scale_func = optimizer.scale_loss
-        result = WorkerResult(rank=rank)
-        batches = _batches(job, parallel_state.get_data_parallel_rank())
-        forward_backward = get_forward_backward_func()
-        for step in range(1, job.steps + 1):
-            chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, result)
-            losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=batches,
-                model=[chunk],
-                num_microbatches=job.micro_batches,
-                seq_length=job.seq_length,
-                micro_batch_size=job.micro_batch_size,
-                forward_only=False,
-            )
-            for hook in hooks:
-                hook.remove()
-            _apply_main_grad_injections(job, rank, step, [chunk], optimizer, result)
-            update_successful, grad_norm, _ = optimizer.step()
-            loss = (
-                float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
-            )
-            result.steps.append(StepResult(step, loss, grad_norm, bool(update_successful)))
-        if installation is not None:
-            gradnan.uninstall()
-        return result
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.batches = _batches(job, parallel_state.get_data_parallel_rank())
+        self.forward_backward = get_forward_backward_func()
+        self.result = WorkerResult(rank=rank, bucket_groups=len(self.chunk.bucket_groups)
+                                   + len(self.chunk.expert_parallel_bucket_groups))
+
+    def step(self) -> StepResult:
+        if not self.job.count_host_syncs:
+            return self._step()
+        from gradnan.measure import HostSyncCounter
+
+        with HostSyncCounter() as counter:
+            outcome = self._step()
+        outcome.host_syncs = counter.total
+        return outcome
+
+    def _step(self) -> StepResult:
+        job, rank, chunk, optimizer = self.job, self.rank, self.chunk, self.optimizer
+        step = len(self.result.steps) + 1
+        chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, self.result)
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=self.batches,
+            model=[chunk],
+            num_microbatches=job.micro_batches,
+            seq_length=job.seq_length,
+            micro_batch_size=job.micro_batch_size,
+            forward_only=False,
+        )
+        for hook in hooks:
+            hook.remove()
+        _apply_main_grad_injections(job, rank, step, [chunk], optimizer, self.result)
+        update_successful, grad_norm, _ = optimizer.step()
+        loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
+        outcome = StepResult(step, loss, grad_norm, bool(update_successful))
+        self.result.steps.append(outcome)
+        return outcome
+
+
+def train(job: TinyGPTJob, rank: int) -> WorkerResult:
+    """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
+    import gradnan
+    from gradnan.patches._megatron import destroy_model_parallel
+
+    try:
+        model = TinyGPT(job, rank, install=(lambda: gradnan.install(**job.gradnan))
+                        if job.gradnan is not None else None)
+        for _ in range(job.steps):
+            model.step()
+        return model.result
     finally:
+        gradnan.uninstall()
         destroy_model_parallel()
 
 

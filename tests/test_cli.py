@@ -80,6 +80,15 @@ def test_bad_input_gets_one_line_and_exit_2(demo, tmp_path, args, message):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert "Traceback" not in result.stderr
+    assert "error: gradnan" not in result.stderr  # one prefix, not two
+
+
+def test_a_bad_environment_variable_stops_the_demo_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADNAN_PRE_REDUCTION", "sometimes")
+    result = gradnan("demo", "--out", tmp_path / "run")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "pre_reduction" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_report_lists_a_corrupt_rank_file_and_still_reports_the_others(demo, tmp_path):

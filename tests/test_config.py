@@ -22,6 +22,9 @@ def test_defaults_match_the_documented_values():
         "max_params_per_record": 64,
         "skip_warn_after": 3,
         "strict": False,
+        "on_nonfinite": "continue",
+        "run_id": "",
+        "max_records_bytes": 64 << 20,
         "log_level": "INFO",
     }
 

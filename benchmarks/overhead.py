@@ -1,0 +1,229 @@
+"""gradnan's cost, measured side by side in one run: healthy-step overhead, scan speed, extra memory.
+
+    python benchmarks/overhead.py                 # ~1M, 10M and 50M parameter GPTs, about 6 minutes on 2 cores
+    python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
+
+Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
+1. Step time, interleaved round by round (off, defaults, pre-reduction sync; each mode installed, one
+   untimed step, then one timed step), reported as medians and the median of the per-round ratios.
+2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
+   ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
+   hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, and the floor: one finite check over
+   the contiguous grad buffer (every gradient byte read once). Host syncs and peak extra memory of each.
+Prints a markdown table and writes JSON (``--json``). Capture (armed hooks) is not built yet: no column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+import gradnan
+from gradnan.measure import HostSyncCounter, PeakMemory
+from gradnan.runtime import Runtime
+from gradnan.scan import find_nonfinite, finite_flag
+from gradnan.toy import TinyGPT, TinyGPTJob
+
+SIZES = {
+    "1m": dict(hidden_size=128, num_layers=4, num_heads=4),
+    "10m": dict(hidden_size=384, num_layers=5, num_heads=6),
+    "50m": dict(hidden_size=768, num_layers=7, num_heads=12),
+}
+MODES = {"off": None, "defaults": {}, "pre_reduction_sync": {"pre_reduction": "sync"}}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+class KitClock:
+    """Time spent inside the kit during a step: every hook runs its work through ``Runtime.guarded``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds = device, 0.0
+        self._original = Runtime.guarded
+
+    def __enter__(self) -> "KitClock":
+        original, clock = self._original, self
+
+        def timed_guarded(runtime, what, fn, *args):
+            _sync(clock.device)
+            start = time.perf_counter()
+            try:
+                return original(runtime, what, fn, *args)
+            finally:
+                _sync(clock.device)
+                clock.seconds += time.perf_counter() - start
+
+        Runtime.guarded = timed_guarded
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Runtime.guarded = self._original
+
+
+def _quartiles(values: List[float]) -> List[float]:
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+
+
+def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) -> Dict[str, Any]:
+    times: Dict[str, List[float]] = {mode: [] for mode in MODES}
+    kit_share: Dict[str, List[float]] = {mode: [] for mode in MODES if MODES[mode] is not None}
+    names = list(MODES)
+    for round_index in range(rounds):
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
+        for mode in order:
+            gradnan.uninstall()
+            if MODES[mode] is not None:
+                gradnan.install(out_dir=out_dir, log_level="ERROR", **MODES[mode])
+            model.step()
+            with KitClock(device) as clock:
+                seconds = _timed(model.step, device)
+            times[mode].append(seconds)
+            if mode in kit_share:
+                kit_share[mode].append(clock.seconds / seconds)
+    gradnan.uninstall()
+    ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in kit_share}
+    return {
+        "median_s": {mode: statistics.median(values) for mode, values in times.items()},
+        "median_ratio": {mode: statistics.median(values) for mode, values in ratios.items()},
+        "ratio_quartiles": {mode: _quartiles(values) for mode, values in ratios.items()},
+        "median_kit_share": {mode: statistics.median(values) for mode, values in kit_share.items()},
+    }
+
+
+def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
+    params = [p for p in model.chunk.parameters() if p.requires_grad]
+    buffer = model.chunk.buffers[0].grad_data
+    grads = [p.main_grad for p in params]
+    bad = len(grads) // 2
+    grads[bad].view(-1)[grads[bad].numel() // 3] = float("nan")
+    copies = [g.clone() for g in grads]
+    checks = {
+        "floor: one check over the grad buffer": lambda: bool(finite_flag(buffer)),
+        "gradnan scan (main_grad views)": lambda: find_nonfinite(grads),
+        "gradnan scan (separate tensors)": lambda: find_nonfinite(copies),
+        "recipe: isnan(g).any() per parameter": lambda: [i for i, g in enumerate(grads) if torch.isnan(g).any()],
+    }
+    assert [i for i, _ in find_nonfinite(grads)] == [bad] == [i for i, _ in find_nonfinite(copies)]
+    timed = checks
+    if device.type == "cpu":  # no CPU shim on a GPU: time the scans without its per-call Python mode
+        timed = {name: _without_torch_function(check) for name, check in checks.items()}
+    seconds: Dict[str, List[float]] = {name: [] for name in checks}
+    for _ in range(reps):
+        for name, check in timed.items():
+            seconds[name].append(_timed(check, device))
+    result: Dict[str, Any] = {"params": len(grads), "grad_buffer_bytes": buffer.numel() * buffer.element_size(),
+                              "checks": {}}
+    floor = statistics.median(seconds["floor: one check over the grad buffer"])
+    for name, check in checks.items():
+        counter = HostSyncCounter()
+        with counter:
+            check()
+        with PeakMemory(device) as peak:
+            check()
+        median = statistics.median(seconds[name])
+        result["checks"][name] = {"median_s": median, "vs_floor": median / floor, "host_syncs": counter.total,
+                                  "peak_extra_bytes": peak.bytes,
+                                  "peak_extra_pct_of_grads": 100.0 * peak.bytes / result["grad_buffer_bytes"]}
+    grads[bad].zero_()
+    return result
+
+
+def _without_torch_function(check: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch._C.DisableTorchFunction():
+            return check()
+
+    return run
+
+
+def _setup() -> torch.device:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    if torch.cuda.is_available():
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    from gradnan.patches.cpu_shim import SHIM
+
+    SHIM.activate()
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    return torch.device("cpu")
+
+
+def _table(results: Dict[str, Any]) -> str:
+    lines = ["| size | params | step off (s) | mode | step / off: median [quartiles] | kit time / step |",
+             "|---|---|---|---|---|---|"]
+    for size, entry in results["sizes"].items():
+        steps = entry["steps"]
+        for mode in steps["median_ratio"]:
+            low, _, high = steps["ratio_quartiles"][mode]
+            lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} | {mode} | "
+                         f"{steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
+                         f"{100 * steps['median_kit_share'][mode]:.2f}% |")
+    lines += ["", "| size | check | median (ms) | x floor | host syncs | peak extra (% of grad bytes) |",
+              "|---|---|---|---|---|---|"]
+    for size, entry in results["sizes"].items():
+        for name, check in entry["scan"]["checks"].items():
+            lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['vs_floor']:.2f} | "
+                         f"{check['host_syncs']} | {check['peak_extra_pct_of_grads']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1m,10m,50m")
+    parser.add_argument("--rounds", type=int, default=0, help="step-time rounds per size (0: by size)")
+    parser.add_argument("--scan-reps", type=int, default=15)
+    parser.add_argument("--dtype", default=None, help="fp32 on CPU, bf16 on GPU by default")
+    parser.add_argument("--json", default="benchmark-overhead.json")
+    args = parser.parse_args()
+    device = _setup()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    default_rounds = {"1m": 21, "10m": 11, "50m": 7}
+    results: Dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
+        "dtype": dtype, "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="gradnan-bench-") as out_dir:
+        for size in args.sizes.split(","):
+            job = TinyGPTJob(world_size=1, dtype=dtype, vocab_size=1024, seq_length=128,
+                             micro_batch_size=2, bucket_size=1_000_000, **SIZES[size])
+            model = TinyGPT(job, 0)
+            model.step()
+            entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
+            entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
+            entry["scan"] = scan_costs(model, args.scan_reps, device)
+            results["sizes"][size] = entry
+            from gradnan.patches._megatron import destroy_model_parallel
+
+            destroy_model_parallel()
+            print(f"{size}: done", flush=True)
+    with open(args.json, "w") as stream:
+        json.dump(results, stream, indent=1)
+    print(_table(results))
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

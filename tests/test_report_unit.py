@@ -1,0 +1,90 @@
+"""Report rules on hand-made records (pure: no Megatron): routine fp16 skips are not failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gradnan.reader import RunFiles
+from gradnan.report import build_report, format_text
+
+
+def _record(step, kind, rank=0, params=(), **extra):
+    coords = {"global_rank": rank, "tp": 0, "pp": 0, "dp": rank, "dp_size": 2, "host": "h", "device": "cpu"}
+    return {"schema": "gradnan.record", "version": 1, "kind": kind, "step": step, "rank": coords,
+            "params": [{"id": 1, "name": name, "nan": 0, "inf": 1, "order": 3} for name in params],
+            "params_total": len(params), **extra}
+
+
+def _files(*records):
+    return RunFiles(Path("/run"), records={Path("/run/records/r.jsonl"): list(records)})
+
+
+def _overflow(step, skips, collapsed=False, rank=0):
+    return _record(step, "loss_scale_overflow", rank, ["decoder.layers.0.mlp.linear_fc1.weight"],
+                   consecutive_skips=skips, scale_collapsed=collapsed, loss_scale=1024.0)
+
+
+def test_isolated_fp16_skips_are_routine_not_a_failure():
+    report = build_report(_files(_overflow(1, 1), _overflow(2, 2), _overflow(9, 1)))
+    assert report["incident"] is None
+    assert report["loss_scale_overflow_steps"] == [1, 2, 9]
+    assert "routine fp16 loss-scale overflow" in format_text(report)
+
+
+def test_a_run_of_skips_reaching_the_threshold_is_a_failure_from_where_it_began():
+    records = [_overflow(1, 1), _overflow(5, 1), _overflow(6, 2), _overflow(7, 3)]
+    report = build_report(_files(*records))
+    assert report["first_step"] == 5
+
+
+def test_the_threshold_is_configurable():
+    assert build_report(_files(_overflow(5, 1), _overflow(6, 2)), serious_skips=2)["first_step"] == 5
+
+
+def test_a_collapsed_scale_is_a_failure_at_once():
+    assert build_report(_files(_overflow(4, 1, collapsed=True)))["first_step"] == 4
+
+
+def test_a_nonfinite_grad_norm_is_always_a_failure():
+    records = [_overflow(1, 1), _record(3, "nonfinite_grad_norm", params=["w"], pre_reduction="unchecked")]
+    assert build_report(_files(*records))["first_step"] == 3
+
+
+def test_a_pre_reduction_record_without_overflow_is_a_failure():
+    """Megatron's own check raised after our sync record: no norm record follows."""
+    records = [_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"], mode="sync")]
+    report = build_report(_files(*records))
+    assert report["first_step"] == 2
+    assert [e["global_rank"] for e in report["incident"]["origin"]] == [1]
+
+
+def _in_run(record, run_id=None, attempt=0, started=1000.0):
+    return {**record, "run": {"id": run_id, "attempt": attempt, "started": started}}
+
+
+def test_restarts_into_one_directory_stay_apart_and_the_latest_failure_is_shown():
+    first = _in_run(_record(5, "nonfinite_grad_norm", params=["a.w"], pre_reduction="unchecked"), "job7", 0)
+    second = _in_run(_record(2, "nonfinite_grad_norm", params=["b.w"], pre_reduction="unchecked"), "job7", 1)
+    report = build_report(_files(first, second))
+    assert report["run"] == "job7#1" and report["first_step"] == 2
+    assert [r["run"] for r in report["runs"]] == ["job7#0", "job7#1"]
+    assert build_report(_files(first, second), run="job7#0")["first_step"] == 5
+
+
+def test_launches_without_an_id_are_told_apart_by_start_time():
+    early = _in_run(_record(5, "nonfinite_grad_norm", params=["a.w"]), started=1000.0)
+    same_launch = _in_run(_record(5, "nonfinite_grad_norm", rank=1), started=1003.0)
+    late = _in_run(_overflow(2, 1), started=5000.0)
+    report = build_report(_files(early, same_launch, late))
+    assert len(report["runs"]) == 2
+    assert report["first_step"] == 5  # the later launch only had a routine skip
+    assert sorted(report["runs"][0]["ranks"]) == [0, 1]
+
+
+def test_an_unknown_run_is_a_clear_error():
+    import pytest
+
+    from gradnan.reader import ReadError
+
+    with pytest.raises(ReadError, match="no run 'nope'"):
+        build_report(_files(_overflow(1, 1)), run="nope")
