@@ -1,4 +1,4 @@
-"""The ``gradnan`` command: demo, report, maps. Bad input: one line on stderr, exit code 2."""
+"""The ``gradnan`` command: demo, report, maps, selftest. Bad input: one line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from . import selftest
 from .config import ConfigError
 from .reader import ReadError, read_run
 from .report import build_report, format_text
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
     maps.add_argument("--id", type=int, dest="param_id", help="optimizer parameter id from a record")
     maps.add_argument("--json", action="store_true")
+    selftest.add_arguments(commands.add_parser(
+        "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
 
 
@@ -87,6 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.command == "report":
             report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
+        elif args.command == "selftest":
+            return selftest.run(args)
         elif args.command == "maps":
             rows = _maps_command(args)
             if args.json:

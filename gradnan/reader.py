@@ -13,6 +13,9 @@ from typing import Any, Dict, List, Tuple
 
 from .records import MAP_SCHEMA, MAPS_DIR, RECORD_SCHEMA, RECORDS_DIR, SCHEMA_VERSION
 
+SELFTEST_SCHEMA = "gradnan.selftest"
+SELFTEST_DIR = "selftest"
+
 
 class ReadError(Exception):
     """A file or directory gradnan cannot use; the message is one line."""
@@ -97,6 +100,16 @@ def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     return records, problems
 
 
+def load_selftest(path: Path) -> Dict[str, Any]:
+    document = _parse_json(_read_text(path), str(path))
+    _check_schema(document, SELFTEST_SCHEMA, str(path))
+    failing = document.get("failing_ranks")
+    if not isinstance(document.get("pass"), bool) or not isinstance(failing, list) or not all(
+            isinstance(entry, dict) and _is_int(entry.get("rank")) for entry in failing):
+        raise ReadError(f"{path}: a self-test result needs 'pass' and a 'failing_ranks' list of ranks")
+    return document
+
+
 @dataclass
 class RunFiles:
     """Everything readable in a run directory, with one line per file or line that was not."""
@@ -104,6 +117,7 @@ class RunFiles:
     run_dir: Path
     maps: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
+    selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: List[str] = field(default_factory=list)
 
     def all_records(self) -> List[Dict[str, Any]]:
@@ -118,13 +132,19 @@ def read_run(run_dir: Path) -> RunFiles:
         raise ReadError(f"{run_dir}: not a directory")
     map_files = sorted((run_dir / MAPS_DIR).glob("*.json"))
     record_files = sorted((run_dir / RECORDS_DIR).glob("*.jsonl"))
-    if not map_files and not record_files:
+    selftest_files = sorted((run_dir / SELFTEST_DIR).glob("*.json"))
+    if not map_files and not record_files and not selftest_files:
         raise ReadError(f"{run_dir}: no gradnan maps or records here (expected {MAPS_DIR}/ and"
                         f" {RECORDS_DIR}/ as written by gradnan.install(out_dir=...))")
     files = RunFiles(run_dir)
     for path in map_files:
         try:
             files.maps[path] = load_map(path)
+        except ReadError as exc:
+            files.problems.append(str(exc))
+    for path in selftest_files:
+        try:
+            files.selftests[path] = load_selftest(path)
         except ReadError as exc:
             files.problems.append(str(exc))
     for path in record_files:

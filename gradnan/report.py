@@ -188,6 +188,20 @@ def _failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Option
     return None
 
 
+def _weigh_selftests(incident: Dict[str, Any], selftests: List[Dict[str, Any]]) -> None:
+    """Add what self-tests in the run directory say about the origin's devices to the verdict."""
+    origin = {(entry.get("host"), entry.get("device")) for entry in incident["origin"]}
+    for result in selftests:
+        failed_here = [entry for entry in result["failing_ranks"] if (entry["host"], entry["device"]) in origin]
+        if failed_here:
+            named = ", ".join(f"rank {e['rank']} ({e['host']} {e['device']})" for e in failed_here)
+            incident["verdict"]["evidence"].append(f"self-test {result['time']} FAILED on the origin's device: {named}")
+        elif result["pass"]:
+            incident["verdict"]["evidence"].append(
+                f"self-test {result['time']} passed on all {result['world_size']} ranks: no persistent"
+                " device fault seen (a transient one, or the data, remain)")
+
+
 def _started(record: Dict[str, Any]) -> float:
     run = record.get("run") if isinstance(record.get("run"), dict) else {}
     value = run.get("started", record.get("time", 0.0))
@@ -232,10 +246,15 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
         "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
         "incident": None, "later_steps": [], "loss_scale_overflow_steps": overflow_steps,
-        "run": chosen, "runs": [{"run": key, "first_step": failing[key],
+        "selftests": [], "run": chosen, "runs": [{"run": key, "first_step": failing[key],
                                 "ranks": sorted({r["rank"].get("global_rank") for r in records})}
                                for key, records in runs.items()],
     }
+    report["selftests"] = [
+        {"file": str(path), "time": doc.get("time"), "pass": doc["pass"], "world_size": doc.get("world_size"),
+         "failing_ranks": [{key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
+                           for entry in doc["failing_ranks"]]}
+        for path, doc in sorted(files.selftests.items())]
     first_step = _failing_step(incidents, serious_skips)
     if first_step is None:
         return report
@@ -262,6 +281,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "pattern": pattern,
         "verdict": _verdict(origin, decision["basis"], pattern, parameters),
     }
+    _weigh_selftests(report["incident"], report["selftests"])
     later: Dict[int, set] = {}
     for record in incidents:
         if record["step"] > first_step:
@@ -353,6 +373,10 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
             steps = report["later_steps"]
             lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in steps[:8])}"
                          + (" ..." if len(steps) > 8 else ""))
+    for result in report.get("selftests", []):
+        state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
+            f"rank {e['rank']} ({e['host']} {e['device']})" for e in result["failing_ranks"])
+        lines.append(f"Self-test {result['time']}: {state}")
     if report["problems"]:
         lines.append("Files that could not be read:")
         lines += [f"  {problem}" for problem in report["problems"]]

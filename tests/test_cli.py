@@ -101,3 +101,26 @@ def test_report_lists_a_corrupt_rank_file_and_still_reports_the_others(demo, tmp
     assert result.returncode == 0
     assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in result.stdout
     assert "truncated last line" in result.stdout
+
+
+def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
+    """The documented workflow: a suspect device -> `gradnan selftest --out RUN_DIR` -> `gradnan report`."""
+    import os
+    import socket
+
+    out, _ = demo
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GRADNAN_")}
+    ranks = [subprocess.Popen([sys.executable, "-m", "gradnan", "selftest", "--size", "32", "--repeats", "1",
+                               "--timeout", "60", "--out", str(copy)],
+                              env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    assert [process.wait(timeout=240) for process in ranks] == [0, 0]
+    result = gradnan("report", copy)
+    assert "Self-test " in result.stdout and ": PASS" in result.stdout
+    assert "passed on all 2 ranks" in result.stdout

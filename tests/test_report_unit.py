@@ -88,3 +88,25 @@ def test_an_unknown_run_is_a_clear_error():
 
     with pytest.raises(ReadError, match="no run 'nope'"):
         build_report(_files(_overflow(1, 1)), run="nope")
+
+
+def _selftest(passed, failing=()):
+    return {"schema": "gradnan.selftest", "version": 1, "time": "2026-11-22T12:00:00Z", "world_size": 4,
+            "pass": passed, "failing_ranks": [{"rank": r, "host": "h", "device": "cpu", "reasons": ["matmul"]}
+                                              for r in failing]}
+
+
+def test_a_failed_selftest_on_the_origin_device_is_evidence():
+    files = _files(_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"]))
+    files.selftests = {Path("/run/selftest/a.json"): _selftest(False, failing=[1])}
+    report = build_report(files)
+    assert any("FAILED on the origin's device" in item for item in report["incident"]["verdict"]["evidence"])
+    assert "Self-test 2026-11-22T12:00:00Z: FAIL: rank 1 (h cpu)" in format_text(report)
+
+
+def test_a_passed_selftest_is_reported_with_the_incident():
+    files = _files(_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"]))
+    files.selftests = {Path("/run/selftest/a.json"): _selftest(True)}
+    report = build_report(files)
+    assert any("passed on all 4 ranks" in item for item in report["incident"]["verdict"]["evidence"])
+    assert "Self-test 2026-11-22T12:00:00Z: PASS" in format_text(report)

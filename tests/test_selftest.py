@@ -40,8 +40,7 @@ from gradnan.selftest import (
     split_plans,
 )
 
-ENTRY = ("import sys, argparse; from gradnan import selftest; p = argparse.ArgumentParser(prog='gradnan selftest')"
-         "; selftest.add_arguments(p); sys.exit(selftest.run(p.parse_args(sys.argv[1:])))")
+ENTRY = ("-m", "gradnan", "selftest")  # the real command, as a user launches it
 SMALL = ("--size", "32", "--repeats", "2")
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
                     "SLURM_NTASKS", "SLURM_LOCALID", PERTURB_ENV, STALL_ENV)
@@ -223,7 +222,7 @@ def _start(world_size: int, ranks: List[int], options: Tuple[str, ...], *, srun:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if srun else ("RANK", "WORLD_SIZE", "LOCAL_RANK")
         launch = dict(zip(names, (str(rank), str(world_size), str(rank))))
         processes[rank] = subprocess.Popen(
-            [sys.executable, "-c", ENTRY, *options], env=_environment(MASTER_PORT=port, **launch, **variables),
+            [sys.executable, *ENTRY, *options], env=_environment(MASTER_PORT=port, **launch, **variables),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return processes
 
@@ -256,11 +255,10 @@ def _checks(document: dict, kind: str) -> List[dict]:
 
 
 def test_healthy_world_under_torchrun_passes(tmp_path):
-    script = tmp_path / "entry.py"
-    script.write_text(ENTRY.replace("; ", "\n") + "\n")
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(_free_port()), str(script), *SMALL, "--timeout", "60", "--out", str(out)]
+               "--master_port", str(_free_port()), "-m", "gradnan", "selftest", *SMALL, "--timeout", "60",
+               "--out", str(out)]
     result = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS: all 2 rank(s) communicate and agree bitwise on every check" in result.stdout
