@@ -10,6 +10,8 @@ from gradnan.toy import Injection, TinyGPTJob, launch_many
 CASES = {
     "tp2_bf16": TinyGPTJob(tp=2, dtype="bf16", steps=4),
     "dp2_fp16_distopt": TinyGPTJob(dtype="fp16", distributed_optimizer=True, steps=4),
+    "tp2_bf16_pre_reduction_sync": TinyGPTJob(tp=2, dtype="bf16", steps=4, overlap_grad_reduce=True,
+                                              bucket_size=6000),
     "pp2_fp32_nan": TinyGPTJob(pp=2, dtype="fp32", steps=4, micro_batches=2, injections=(
         Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
 }
@@ -29,7 +31,8 @@ def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("determinism")
     jobs = []
     for name, job in CASES.items():
-        jobs += [job, job.with_(gradnan={"out_dir": str(root / name)})]
+        mode = {"pre_reduction": "sync"} if name.endswith("pre_reduction_sync") else {}
+        jobs += [job, job.with_(gradnan={"out_dir": str(root / name), **mode})]
     results = launch_many(jobs)
     return {name: (results[2 * i], results[2 * i + 1], root / name) for i, name in enumerate(CASES)}
 

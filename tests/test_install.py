@@ -109,3 +109,23 @@ def test_a_misspelt_environment_variable_is_an_error(monkeypatch):
     with pytest.raises(ConfigError, match="GRADNAN_OUTDIR"):
         gradnan.install()
     assert gradnan.current() is None
+
+
+def test_concurrent_installs_from_threads_make_one_installation(tmp_path):
+    import threading
+
+    before = _megatron_attributes()
+    results, barrier = [], threading.Barrier(8)
+
+    def install():
+        barrier.wait()
+        results.append(gradnan.install(out_dir=str(tmp_path)))
+
+    threads = [threading.Thread(target=install) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(result) for result in results}) == 1
+    during = _megatron_attributes()
+    assert all(getattr(during[key], WRAPPED_ATTR, None) in (None, before[key]) for key in before)

@@ -91,3 +91,33 @@ def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict)
         assert runtime.guarded("scan", broken) is None
     assert len(caplog.records) == 1
     assert "training goes on unchanged" in caplog.text
+
+
+def test_records_stop_at_max_records_bytes_with_one_log_line(tmp_path, caplog):
+    runtime, optimizer = _runtime(tmp_path, max_records_bytes=4096), FakeOptimizer()
+    grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+    with caplog.at_level(logging.ERROR, logger="gradnan"):
+        for _ in range(40):
+            runtime.begin_step(optimizer, lambda: [_slot()])
+            runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
+            runtime.end_step(optimizer, skipped=False)
+    [records] = list((tmp_path / "records").glob("*.jsonl"))
+    size = records.stat().st_size
+    assert 4096 <= size < 4096 + 2048  # stops at the first record past the bound
+    full = [r for r in caplog.records if "max_records_bytes" in r.getMessage()]
+    assert len(full) == 1
+
+
+def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    runtime, optimizer = _runtime(blocker), FakeOptimizer()
+    grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+    with caplog.at_level(logging.ERROR, logger="gradnan"):
+        for _ in range(3):
+            runtime.guarded("optimizer step", runtime.begin_step, optimizer, lambda: [_slot()])
+            assert runtime.guarded("grad-norm check", runtime.nonfinite_grad_norm, optimizer,
+                                   float("nan"), [_slot()], [grad]) is None
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len([m for m in errors if "internal error in grad-norm check" in m]) == 1
+    assert blocker.read_text() == "x"

@@ -1,0 +1,62 @@
+"""The kit never hurts the run, loses nothing and overwrites nothing (real megatron-core, 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+from torch.multiprocessing import ProcessRaisedException
+
+from gradnan.reader import read_run
+from gradnan.report import build_report
+from gradnan.toy import Injection, TinyGPTJob, launch, launch_many
+
+from .helpers import records_by_rank
+
+NAN_AT_2 = (Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)
+JOB = TinyGPTJob(tp=2, dtype="bf16", steps=3, injections=NAN_AT_2)
+
+
+def _trace(outcome):
+    return {rank: [(repr(s.loss), repr(s.grad_norm), s.update_successful) for s in r.steps]
+            for rank, r in outcome.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hardening")
+    not_a_directory = root / "a_file"
+    not_a_directory.write_text("the out_dir cannot be created here\n")
+    shared = root / "shared"
+    jobs = [
+        JOB,
+        JOB.with_(gradnan={"out_dir": str(not_a_directory)}),
+        JOB.with_(gradnan={"out_dir": str(shared), "run_id": "first"}),
+        JOB.with_(gradnan={"out_dir": str(shared), "run_id": "second"}, injections=(
+            Injection(0, 3, "decoder.layers.1.mlp.linear_fc2.weight", "inf", where="backward", index=1),)),
+    ]
+    return root, launch_many(jobs)
+
+
+def test_an_unwritable_out_dir_changes_nothing_in_training(runs):
+    root, (without, unwritable, *_) = runs
+    assert _trace(unwritable) == _trace(without)
+    assert (root / "a_file").read_text() == "the out_dir cannot be created here\n"
+
+
+def test_restarts_into_one_directory_keep_both_launches(runs):
+    root, _ = runs
+    by_rank = records_by_rank(root / "shared")
+    assert {r["run"]["id"] for records in by_rank.values() for r in records} == {"first", "second"}
+    report = build_report(read_run(root / "shared"))
+    assert [r["run"] for r in report["runs"]] == ["first#0", "second#0"]
+    assert report["run"] == "second#0" and report["first_step"] == 3
+    assert build_report(read_run(root / "shared"), run="first#0")["first_step"] == 2
+
+
+def test_on_nonfinite_raise_stops_every_rank_after_the_record_is_on_disk(tmp_path):
+    job = JOB.with_(gradnan={"out_dir": str(tmp_path), "on_nonfinite": "raise"})
+    with pytest.raises(ProcessRaisedException, match="NonFiniteGradientError"):
+        launch(job)
+    by_rank = records_by_rank(tmp_path)
+    assert sorted(by_rank) == [0, 1]
+    assert all(max(r["step"] for r in records) == 2 for records in by_rank.values())
+    assert [p["name"] for p in by_rank[1][-1]["params"]] == ["decoder.layers.0.mlp.linear_fc1.weight"]
