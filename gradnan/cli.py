@@ -34,9 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
-    report.add_argument("--fp16-skips", type=int, default=3, metavar="N",
+    report.add_argument("--fp16-skips", type=_positive, default=3, metavar="N",
                         help="consecutive fp16 loss-scale skips that count as a failure (default: %(default)s)")
     report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
+    report.add_argument("--plot", type=Path, metavar="FILE",
+                        help="also draw the failing step (rank x module map) into FILE (.png/.svg/.pdf; matplotlib)")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
@@ -45,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
@@ -89,6 +97,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(run_demo(Path(args.out)))
         elif args.command == "report":
             report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
+            if args.plot:
+                from .plot import plot_incident
+
+                plot_incident(report, args.plot)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
         elif args.command == "selftest":
             return selftest.run(args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional
 
 ENV_PREFIX = "GRADNAN_"
+RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -97,7 +98,7 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, A
     by_env_name = {ENV_PREFIX + spec.name.upper(): spec for spec in fields(GradnanConfig)}
     options = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key.startswith(RESERVED_PREFIXES):
             continue
         spec = by_env_name.get(key)
         if spec is None:

@@ -12,7 +12,7 @@ from . import log
 from .config import GradnanConfig, resolve_config
 from .log import logger
 from .patches import Instrumentor, SurfaceMissing, all_instrumentors
-from .patches._megatron import rank_coordinates, versions
+from .patches._megatron import megatron_lm_iteration, rank_coordinates, versions
 from .runtime import Runtime
 
 
@@ -59,7 +59,8 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
         resolved = resolve_config(config, out_dir=out_dir, **options)
         resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
         log.configure(resolved.log_level)
-        installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions))
+        installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions,
+                                                      megatron_lm_iteration))
         for instrumentor in all_instrumentors():
             try:
                 instrumentor.instrument(installation.runtime)

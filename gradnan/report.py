@@ -92,13 +92,27 @@ def _parameters_by_module(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]
     return [{"module": m["module"], "params": list(m["params"].values())} for m in modules.values()]
 
 
+def _per_rank(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One record per rank: a rank writes one pre-reduction record per bad bucket group."""
+    merged: Dict[Any, Dict[str, Any]] = {}
+    for record in records:
+        rank = record["rank"].get("global_rank")
+        if rank not in merged:
+            merged[rank] = {**record, "params": list(record["params"]),
+                            "params_total": record.get("params_total", len(record["params"]))}
+        else:
+            merged[rank]["params"] += record["params"]
+            merged[rank]["params_total"] += record.get("params_total", len(record["params"]))
+    return list(merged.values())
+
+
 def _decide_origin(at_step: List[Dict[str, Any]]) -> Dict[str, Any]:
     pre = [r for r in at_step if r["kind"] == PRE_REDUCTION and r["params"]]
     norm = [r for r in at_step if r["kind"] in NORM_KINDS]
     holders = [r for r in norm if r["params"]]
     checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite")]
     if pre:
-        return {"basis": "before_collective", "records": pre}
+        return {"basis": "before_collective", "records": _per_rank(pre)}
     if holders and checked:
         return {"basis": "after_collective", "records": holders}
     if holders:
@@ -144,11 +158,15 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
                         "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
     if not origin:
         cause, summary = "unknown", "no rank held a non-finite gradient (only the norm was non-finite)"
-    elif dp_size == 1 and pattern["pass"] != "forward" and not overflow:
+    elif dp_size == 1 and pattern["pass"] != "forward" and not overflow:  # before_collective from here
         where = ", ".join(f"rank {e['global_rank']} ({e['host']} {e['device']})" for e in origin)
         cause = "undetermined"
         summary = (f"{where} produced it; with one data-parallel replica there is no peer on other data"
                    " to compare with: replay the step or run a self-test to tell hardware from data")
+    elif basis != "before_collective" and pattern["pass"] != "forward" and not overflow:
+        cause = "undetermined"
+        summary = ("the ranks named hold the bad values, but no check saw each rank's own gradients before"
+                   " the data-parallel collective: run with pre_reduction (the default) to tell who produced it")
     elif dp_size > 1 and len(replicas) == 1 and pattern["pass"] != "forward" and not overflow:
         first = sorted(origin, key=lambda e: e["global_rank"] != pattern["first_rank"])
         where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
@@ -269,6 +287,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
     report["first_step"] = first_step
     report["incident"] = {
         "step": first_step,
+        "iteration": next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)), None),
         "kinds": sorted({r["kind"] for r in at_step}),
         "origin_basis": decision["basis"],
         "origin": origin,
@@ -352,7 +371,8 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
         lines.append("No non-finite gradient was recorded.")
     else:
         verdict = incident["verdict"]
-        lines.append(f"First failing step: {incident['step']}  ({', '.join(incident['kinds'])})")
+        iteration = f", Megatron iteration {incident['iteration']}" if incident.get("iteration") else ""
+        lines.append(f"First failing step: {incident['step']}{iteration}  ({', '.join(incident['kinds'])})")
         lines += textwrap.wrap(f"Verdict: {verdict['cause']}: {verdict['summary']}", WIDTH,
                                subsequent_indent="    ")
         for item in verdict["evidence"]:

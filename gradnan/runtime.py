@@ -54,10 +54,12 @@ class _Tracked:
 
 class Runtime:
     def __init__(self, config: GradnanConfig, coords: Callable[[], Dict[str, Any]],
-                 versions: Callable[[], Dict[str, Any]]) -> None:
+                 versions: Callable[[], Dict[str, Any]],
+                 iteration: Callable[[], Optional[int]] = lambda: None) -> None:
         self.config = config
         self._coords = coords
         self._versions = versions
+        self._iteration = iteration
         self._lock = threading.Lock()
         self._local = threading.local()
         self._tracked: "weakref.WeakKeyDictionary[Any, _Tracked]" = weakref.WeakKeyDictionary()
@@ -68,6 +70,8 @@ class Runtime:
         self._synced: Set[Tuple[int, int]] = set()
         self._deferred: List[Tuple[Any, torch.Tensor, Callable]] = []
         self._pre_reduction_checked = False
+        self._pre_reduction_found = False
+        self._pre_reduction_logged = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.run = run_identity(config.run_id, os.environ, time.time())
         self._records_full = False
@@ -141,6 +145,7 @@ class Runtime:
         with self._lock:
             self._deferred = []
             self._pre_reduction_checked = False
+            self._pre_reduction_found = False
         tracked, _ = self._track(optimizer)
         if skipped is not None:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
@@ -193,9 +198,13 @@ class Runtime:
         record = self._write("pre_reduction", self.upcoming_step(), found, {
             "mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
             "micro_batch": None})
-        logger.error("step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
-                     " this rank produced it; record: %s", record["step"], _where(record),
-                     _describe_params(record), record["_path"])
+        with self._lock:
+            self._pre_reduction_found = True
+            first, self._pre_reduction_logged = not self._pre_reduction_logged, True
+        logger.log(logging.ERROR if first else logging.DEBUG,
+                   "step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
+                   " this rank produced it; record: %s", record["step"], _where(record),
+                   _describe_params(record), record["_path"])
         return True
 
     def _flush_deferred(self) -> str:
@@ -205,7 +214,7 @@ class Runtime:
             checked = self._pre_reduction_checked
         bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred")
                for group, flags, describe in deferred]
-        if any(bad):
+        if any(bad) or self._pre_reduction_found:
             return "nonfinite"
         return "clean" if checked else "unchecked"
 
@@ -220,6 +229,7 @@ class Runtime:
             "version": SCHEMA_VERSION,
             "kind": kind,
             "step": step,
+            "iteration": self._iteration(),
             "time": time.time(),
             "rank": coords,
             "run": self.run,

@@ -243,3 +243,8 @@ def test_resolve_does_not_modify_the_given_config():
     original = GradnanConfig(out_dir="kept")
     resolve_config(original, environ={}, out_dir="other")
     assert original.out_dir == "kept"
+
+
+def test_the_selftest_switches_are_not_config_variables():
+    """`gradnan selftest` reads GRADNAN_SELFTEST_*; install() must not reject them as unknown."""
+    assert options_from_env({"GRADNAN_SELFTEST_PERTURB_RANK": "1", "GRADNAN_STRICT": "1"}) == {"strict": True}

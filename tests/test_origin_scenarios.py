@@ -20,8 +20,9 @@ SCENARIOS = {
     "plain_ddp": (LAYOUT, [Injection(3, STEP, WEIGHT, "nan", where="backward", index=5)]),
     "distributed_optimizer": (LAYOUT.with_(distributed_optimizer=True),
                               [Injection(3, STEP, WEIGHT, "nan", where="backward", index=5)]),
-    "forward_inf_everywhere": (LAYOUT, [Injection(rank, STEP, "decoder.layers.1.mlp", "inf", where="forward")
-                                        for rank in range(4)]),
+    "forward_inf_everywhere": (LAYOUT.with_(bucket_size=6000),  # several bucket groups: one record each
+                               [Injection(rank, STEP, "decoder.layers.1.mlp", "inf", where="forward")
+                                for rank in range(4)]),
     "nan_inside_backward_at_layer_1": (LAYOUT, [Injection(1, STEP, "decoder.layers.1.mlp", "nan",
                                                           where="module_backward")]),
     "overlap_buckets_accumulation": (

@@ -110,3 +110,20 @@ def test_a_passed_selftest_is_reported_with_the_incident():
     report = build_report(files)
     assert any("passed on all 4 ranks" in item for item in report["incident"]["verdict"]["evidence"])
     assert "Self-test 2026-11-22T12:00:00Z: PASS" in format_text(report)
+
+
+def test_holders_without_pre_reduction_evidence_are_not_called_hardware():
+    records = [_record(2, "nonfinite_grad_norm", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"],
+                       pre_reduction="unchecked"),
+               _record(2, "nonfinite_grad_norm", rank=0, pre_reduction="unchecked")]
+    incident = build_report(_files(*records))["incident"]
+    assert incident["origin_basis"] == "unconfirmed"
+    assert incident["verdict"]["cause"] == "undetermined"
+
+
+def test_a_rank_with_several_bad_bucket_groups_is_one_origin_entry():
+    names = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(3)]
+    records = [_record(2, "pre_reduction", rank=1, params=[name]) for name in names]
+    incident = build_report(_files(*records))["incident"]
+    [origin] = incident["origin"]
+    assert origin["params_total"] == 3 and len(origin["params"]) == 3

@@ -121,3 +121,41 @@ def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, cap
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len([m for m in errors if "internal error in grad-norm check" in m]) == 1
     assert blocker.read_text() == "x"
+
+
+def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monkeypatch):
+    """Megatron-LM's training loop cannot run here (only megatron-core installs): its global args module
+    is stood in for by a module object holding ``curr_iteration``, as Megatron-LM's ``train()`` sets it."""
+    import json
+    import sys
+    import types
+
+    from gradnan.patches._megatron import megatron_lm_iteration
+
+    assert megatron_lm_iteration() is None
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = types.SimpleNamespace(curr_iteration=41)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    runtime = Runtime(GradnanConfig(out_dir=str(tmp_path)), lambda: dict(COORDS), lambda: {},
+                      megatron_lm_iteration)
+    optimizer = FakeOptimizer()
+    runtime.begin_step(optimizer, lambda: [_slot()])
+    runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [torch.tensor([float("nan")] * 4)])
+    [line] = next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()
+    assert json.loads(line)["iteration"] == 42 and json.loads(line)["step"] == 1
+
+
+def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path):
+    import json
+
+    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+    grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+    runtime.begin_step(optimizer, lambda: [_slot()])
+    group = FakeOptimizer()  # any weak-referenceable object stands for a bucket group
+    assert runtime.first_sync_of_step(group)
+    runtime.pre_reduction_flags(group, torch.tensor([False]), lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]),
+                                mode="sync")
+    runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
+    kinds = [json.loads(line) for line in next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()]
+    assert [r["kind"] for r in kinds] == ["pre_reduction", "nonfinite_grad_norm"]
+    assert kinds[1]["pre_reduction"] == "nonfinite"

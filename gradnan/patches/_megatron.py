@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -120,6 +121,16 @@ def rank_coordinates() -> Dict[str, object]:
         coords[axis] = _call_or_none(rank_getter) if initialized else 0
         coords[f"{axis}_size"] = _call_or_none(size_getter) if initialized else 1
     return coords
+
+
+def megatron_lm_iteration() -> Optional[int]:
+    """The iteration Megatron-LM's training loop logs for the step in progress (``args.curr_iteration``
+    counts completed iterations, the log line says one more), when that loop is running in this
+    process; None otherwise. Only looks at modules already imported: never imports Megatron-LM."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    iteration = getattr(args, "curr_iteration", None)
+    return iteration + 1 if isinstance(iteration, int) and not isinstance(iteration, bool) else None
 
 
 def versions() -> Dict[str, Optional[str]]:

@@ -1,0 +1,80 @@
+"""Run an unmodified training script with gradnan installed: zero edits to Megatron or the script.
+
+    torchrun --nproc_per_node 8 -m gradnan.run pretrain_gpt.py <its arguments>
+    srun python -m gradnan.run pretrain_gpt.py <its arguments>
+    python -m gradnan.run --out-dir /shared/gradnan --pre-reduction sync -m my_package.train <args>
+
+gradnan options come from ``GRADNAN_*`` environment variables or from flags placed before the script
+(``--out-dir``, ``--pre-reduction``, ... one per ``GradnanConfig`` field; flags win). ``install()`` runs
+first, so it is in place before the script builds its optimizer; then the script runs as ``__main__``
+with its own ``sys.argv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from dataclasses import fields
+from typing import List, Optional
+
+from .config import ConfigError, GradnanConfig
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gradnan.run", description="Run a training script with gradnan installed.",
+        usage="python -m gradnan.run [gradnan options] (SCRIPT | -m MODULE) [script arguments]")
+    for spec in fields(GradnanConfig):
+        flag = "--" + spec.name.replace("_", "-")
+        if spec.type == "bool":
+            parser.add_argument(flag, dest=spec.name, type=_boolean, metavar="BOOL")
+        else:
+            parser.add_argument(flag, dest=spec.name, type=int if spec.type == "int" else str)
+    parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
+    parser.add_argument("target", nargs=argparse.REMAINDER, help="the script and its arguments")
+    return parser
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import gradnan
+
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.module and not args.target:
+        parser.print_usage(sys.stderr)
+        return EXIT_BAD_INPUT
+    options = {spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)}
+    try:
+        gradnan.install(**options)
+    except ConfigError as exc:
+        print(f"gradnan.run: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.module:
+        sys.argv = [args.module, *args.target]
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    else:
+        script, *rest = args.target
+        if not os.path.isfile(script):
+            print(f"gradnan.run: error: no such script: {script}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        sys.argv = [script, *rest]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Zero-edit launch: torchrun starts an unmodified Megatron-Core training script through gradnan.run;
+the maps and records appear, configured by GRADNAN_* variables or flags alone."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from gradnan.reader import read_run
+from gradnan.report import build_report
+
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_megatron_core.py"
+
+
+def _torchrun(*args, env=None):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "gradnan.run", *map(str, args)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRADNAN_")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})})
+
+
+def test_torchrun_launches_an_unmodified_script_with_the_kit_from_the_environment(tmp_path):
+    assert "gradnan" not in SCRIPT.read_text().split('"""', 2)[2].replace("gradnan.patches.cpu_shim", "")
+    result = _torchrun(SCRIPT, "--tp", "2", "--inject-nan", "1:2", env={"GRADNAN_OUT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 3:" in result.stdout
+    files = read_run(tmp_path)
+    assert len(files.maps) == 2 and not files.problems
+    report = build_report(files)
+    assert [e["global_rank"] for e in report["incident"]["origin"]] == [1]
+    assert report["incident"]["parameters"][0]["params"][0]["name"] == "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def test_flags_before_the_script_configure_the_kit(tmp_path):
+    result = _torchrun("--out-dir", tmp_path / "flags", "--pre-reduction", "off", SCRIPT, "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_run(tmp_path / "flags").maps) == 2
+
+
+def test_a_bad_option_stops_before_training_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--pre-reduction", "sometimes", str(SCRIPT)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "pre_reduction" in result.stderr
