@@ -124,3 +124,32 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
     result = gradnan("report", copy)
     assert "Self-test " in result.stdout and ": PASS" in result.stdout
     assert "passed on all 2 ranks" in result.stdout
+
+
+def test_report_plot_draws_the_origin_rank(demo, tmp_path):
+    from gradnan.plot import ORIGIN, RECEIVED, CLEAN, incident_grid, plot_incident
+    from gradnan.reader import read_run
+    from gradnan.report import build_report
+
+    out, _ = demo
+    picture = tmp_path / "incident.png"
+    result = gradnan("report", out, "--plot", picture)
+    assert result.returncode == 0, result.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = plot_incident(build_report(read_run(out)), tmp_path / "again.svg")
+    column = drawn["ranks"].index(DEMO_RANK)
+    assert [row[column] for row in drawn["grid"]] == [ORIGIN] * len(drawn["modules"])
+    assert all(row[drawn["ranks"].index(0)] in (RECEIVED, CLEAN) for row in drawn["grid"])
+    assert drawn == {**drawn, **dict(zip(("modules", "ranks", "grid"),
+                                         incident_grid(build_report(read_run(out))["incident"])))}
+
+
+def test_plot_without_matplotlib_is_one_clear_line(demo, tmp_path, monkeypatch, capsys):
+    from gradnan.cli import main
+
+    out, _ = demo
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["report", str(out), "--plot", str(tmp_path / "x.png")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "pip install 'gradnan[plot]'" in error
+    assert not (tmp_path / "x.png").exists()
