@@ -44,6 +44,7 @@ class ParamSlot:
 def map_document(
     coords: Mapping[str, Any],
     versions: Mapping[str, Any],
+    run: Mapping[str, Any],
     optimizer_index: int,
     optimizer_class: str,
     slots: Sequence[ParamSlot],
@@ -54,6 +55,7 @@ def map_document(
         "written_at": time.time(),
         "rank": dict(coords),
         "versions": dict(versions),
+        "run": dict(run),
         "optimizer_index": optimizer_index,
         "optimizer_class": optimizer_class,
         "params": [slot.to_json() for slot in slots],

@@ -14,7 +14,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 SCHEMA_VERSION = 1
 MAP_SCHEMA = "gradnan.map"
@@ -23,13 +23,19 @@ MAPS_DIR = "maps"
 RECORDS_DIR = "records"
 
 
+AXES = ("tp", "pp", "dp", "cp", "ep")
+
+
+def shown_axes(coords: Mapping[str, Any]) -> List[str]:
+    """The parallel axes worth naming for a rank: tp, pp and dp always, cp and ep where used (size > 1)."""
+    return [axis for axis in AXES if axis in ("tp", "pp", "dp") or (coords.get(f"{axis}_size") or 1) > 1]
+
+
 def rank_tag(coords: Mapping[str, Any]) -> str:
     parts = [f"rank{int(coords['global_rank']):05d}"]
-    for axis in ("tp", "pp", "dp", "cp", "ep"):
-        always = axis in ("tp", "pp", "dp")
-        if always or (coords.get(f"{axis}_size") or 1) > 1:
-            value = coords.get(axis)
-            parts.append(f"{axis}{value if value is not None else 'x'}")
+    for axis in shown_axes(coords):
+        value = coords.get(axis)
+        parts.append(f"{axis}{value if value is not None else 'x'}")
     return "_".join(parts)
 
 

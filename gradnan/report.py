@@ -16,6 +16,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .reader import ReadError, RunFiles
+from .records import AXES, shown_axes
 
 REPORT_SCHEMA = "gradnan.report"
 REPORT_VERSION = 1
@@ -24,15 +25,13 @@ PRE_REDUCTION = "pre_reduction"
 FORWARD_SHARE = 0.9
 SERIOUS_SKIPS = 3
 RUN_GAP_SECONDS = 300.0
-_AXES = ("tp", "pp", "dp", "cp", "ep")
 
 
 def _rank_view(coords: Dict[str, Any]) -> Dict[str, Any]:
     view = {"global_rank": coords.get("global_rank"), "host": coords.get("host"),
             "device": coords.get("device")}
-    for axis in _AXES:
-        if axis in ("tp", "pp", "dp") or (coords.get(f"{axis}_size") or 1) > 1:
-            view[axis] = coords.get(axis)
+    for axis in shown_axes(coords):
+        view[axis] = coords.get(axis)
     view["dp_size"] = coords.get("dp_size")
     return view
 
@@ -171,7 +170,7 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
         first = sorted(origin, key=lambda e: e["global_rank"] != pattern["first_rank"])
         where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
         if len(origin) > 1:
-            where += f"; its model-parallel peers in the replica received it in backward"
+            where += "; its model-parallel peers in the replica received it in backward"
         cause = "hardware"
         summary = (f"one data-parallel replica of {dp_size} (dp{replicas[0]}) produced it while its peers, "
                    f"on different data, did not: suspect {where}; or a batch only it saw")
@@ -310,7 +309,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
 
 
 def _rank_label(view: Dict[str, Any]) -> str:
-    axes = " ".join(f"{axis}{view[axis]}" for axis in _AXES if axis in view)
+    axes = " ".join(f"{axis}{view[axis]}" for axis in AXES if axis in view)
     return f"rank {view['global_rank']} ({axes}) on {view.get('host')} {view.get('device')}"
 
 
@@ -342,7 +341,7 @@ def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
     ranks = sorted(marks)[:MAX_TABLE_RANKS]
     modules = incident["parameters"]
     width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
-    lines = [f"Offending modules in backward order (O origin, r received, . clean):",
+    lines = ["Offending modules in backward order (O origin, r received, . clean):",
              f"  {'module':<{width}}  " + " ".join(f"r{rank:<2}" for rank in ranks) + "  on the origin"]
     for module in modules[:max_modules]:
         cells = " ".join(f"{marks[rank].get(module['module'], '.'):<3}" for rank in ranks)

@@ -2,8 +2,9 @@
 
 Patches translate Megatron calls into the events below (optimizer built, step begins, non-finite grad
 norm, loss-scale overflow) with plain data (``ParamSlot`` lists and gradient tensors); the runtime runs
-the pure detection functions and writes the results. It never raises into training unless
-``config.strict`` is set: an internal error is logged once per kind and the original behaviour goes on.
+the pure detection functions and writes the results. An internal error is logged once per kind and
+the original behaviour goes on (``config.strict`` lets it propagate); the only exception raised into
+training on purpose is ``NonFiniteGradientError``, with ``on_nonfinite="raise"``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from .records import (
     RECORD_SCHEMA,
     SCHEMA_VERSION,
     append_record,
-    run_identity,
     json_float,
     map_path,
     records_path,
+    run_identity,
+    shown_axes,
     write_json_atomic,
 )
-
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -123,9 +124,8 @@ class Runtime:
             coords = self._coords()
             path = map_path(self.config.out_dir, coords, tracked.index)
             document = map_document(
-                coords, self._versions(), tracked.index, type(optimizer).__name__, slots()
+                coords, self._versions(), self.run, tracked.index, type(optimizer).__name__, slots()
             )
-            document["run"] = self.run
             write_json_atomic(path, document)
             tracked.map_file = str(path)
             if tracked.index == 0:
@@ -322,8 +322,7 @@ def _is_power_of_two(value: int) -> bool:
 
 def _where(record: Dict[str, Any]) -> str:
     rank = record["rank"]
-    axes = " ".join(f"{axis}{rank.get(axis)}" for axis in ("tp", "pp", "dp", "cp", "ep")
-                    if axis in ("tp", "pp", "dp") or (rank.get(f"{axis}_size") or 1) > 1)
+    axes = " ".join(f"{axis}{rank.get(axis)}" for axis in shown_axes(rank))
     return f"rank {rank['global_rank']} ({axes}, {rank['host']} {rank['device']})"
 
 

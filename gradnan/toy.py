@@ -222,8 +222,8 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
     handles = []
     for injection in _due(job, rank, step, "backward"):
         param, index = _resolve(injection, chunks, optimizer)
-        handles.append(param.register_hook(
-            lambda grad, index=index, value=injection.number(): _poisoned(grad, index, value)))
+        value = injection.number()
+        handles.append(param.register_hook(lambda grad, index=index, value=value: _poisoned(grad, index, value)))
         result.injected.append({**dataclasses.asdict(injection), "index": index})
     for where in ("module_backward", "forward"):
         for injection in _due(job, rank, step, where):

@@ -48,3 +48,12 @@ def assert_clean_elsewhere(run_dir: Path, *, origin: int, step: int) -> None:
             continue
         at_step = [r for r in records if r["step"] == step]
         assert all(not r["params"] and not r["local_nonfinite"] for r in at_step), (rank, at_step)
+
+
+def step_trace(outcome) -> Dict[int, List[tuple]]:
+    """Each rank's (loss, grad norm, update applied) per step, floats as exact hex: compares bitwise."""
+    def bits(value):
+        return None if value is None else float(value).hex()
+
+    return {rank: [(bits(s.loss), bits(s.grad_norm), s.update_successful) for s in result.steps]
+            for rank, result in outcome.items()}

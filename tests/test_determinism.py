@@ -7,6 +7,8 @@ import pytest
 
 from gradnan.toy import Injection, TinyGPTJob, launch_many
 
+from .helpers import step_trace
+
 CASES = {
     "tp2_bf16": TinyGPTJob(tp=2, dtype="bf16", steps=4),
     "dp2_fp16_distopt": TinyGPTJob(dtype="fp16", distributed_optimizer=True, steps=4),
@@ -15,15 +17,6 @@ CASES = {
     "pp2_fp32_nan": TinyGPTJob(pp=2, dtype="fp32", steps=4, micro_batches=2, injections=(
         Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
 }
-
-
-def _bits(value):
-    return None if value is None else float(value).hex()
-
-
-def _trace(outcome):
-    return {rank: [(_bits(s.loss), _bits(s.grad_norm), s.update_successful) for s in result.steps]
-            for rank, result in outcome.items()}
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +33,12 @@ def outcomes(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bitwise_identical_with_and_without_the_kit(outcomes, name):
     without, with_kit, _ = outcomes[name]
-    assert _trace(with_kit) == _trace(without)
-    assert len(_trace(without)[0]) == CASES[name].steps
+    assert step_trace(with_kit) == step_trace(without)
+    assert len(step_trace(without)[0]) == CASES[name].steps
 
 
 def test_the_injected_run_was_really_detected(outcomes):
     """Guards the comparison above: the kit did act (scanned and recorded) in the injected case."""
     _, with_kit, run_dir = outcomes["pp2_fp32_nan"]
     assert any((run_dir / "records").glob("*.jsonl"))
-    assert "nan" in _trace(with_kit)[1][1][1]
+    assert "nan" in step_trace(with_kit)[1][1][1]

@@ -9,15 +9,10 @@ from gradnan.reader import read_run
 from gradnan.report import build_report
 from gradnan.toy import Injection, TinyGPTJob, launch, launch_many
 
-from .helpers import records_by_rank
+from .helpers import records_by_rank, step_trace
 
 NAN_AT_2 = (Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)
 JOB = TinyGPTJob(tp=2, dtype="bf16", steps=3, injections=NAN_AT_2)
-
-
-def _trace(outcome):
-    return {rank: [(repr(s.loss), repr(s.grad_norm), s.update_successful) for s in r.steps]
-            for rank, r in outcome.items()}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +33,7 @@ def runs(tmp_path_factory):
 
 def test_an_unwritable_out_dir_changes_nothing_in_training(runs):
     root, (without, unwritable, *_) = runs
-    assert _trace(unwritable) == _trace(without)
+    assert step_trace(unwritable) == step_trace(without)
     assert (root / "a_file").read_text() == "the out_dir cannot be created here\n"
 
 

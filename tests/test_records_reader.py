@@ -53,6 +53,7 @@ def a_map_document(rank: Dict[str, Any] = None) -> Dict[str, Any]:
     return map_document(
         rank or coords(),
         {"megatron-core": "0.16.1", "torch": "2.13.0"},
+        {"id": "job1", "attempt": 0, "started": 1.0},
         0,
         "ChainedOptimizer",
         [slot(0, "embedding.word_embeddings.weight", (16, 8)),
