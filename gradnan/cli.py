@@ -1,4 +1,4 @@
-"""The ``gradnan`` command: demo, report, maps, selftest. Bad input: one line on stderr, exit code 2."""
+"""The ``gradnan`` command: demo, report, maps, replay, selftest. Bad input: one line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
     maps.add_argument("--id", type=int, dest="param_id", help="optimizer parameter id from a record")
     maps.add_argument("--json", action="store_true")
+    replay = commands.add_parser("replay", help="rerun a captured module call offline: does the failure reproduce?")
+    replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
+    replay.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    replay.add_argument("--json", action="store_true", help="the gradnan.replay JSON document")
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
@@ -89,6 +93,9 @@ def _print_maps(rows: List[Dict[str, Any]]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # text from a file that UTF-8 cannot encode: escaped, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         args = _parser().parse_args(argv)
         if args.command == "demo":
@@ -102,6 +109,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 plot_incident(report, args.plot)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
+        elif args.command == "replay":
+            from .replay import format_text as replay_text, replay_bundle
+
+            result = replay_bundle(args.bundle, device=args.device)
+            print(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "selftest":
             return selftest.run(args)
         elif args.command == "maps":

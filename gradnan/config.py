@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Set
 
 ENV_PREFIX = "GRADNAN_"
 RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
@@ -37,6 +37,16 @@ class GradnanConfig:
     run_id: names this launch in every record, so restarts into one out_dir stay apart; empty: taken
         from TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else launches are told apart by their start time.
     max_records_bytes: a rank stops appending records (with one log line) once its file is this big.
+    capture: after a detection on a rank, watch the implicated module there (the one owning the first
+        offending parameter in backward order; after a forward-pass incident, the first module whose
+        output went non-finite) and write a replay bundle at the next non-finite occurrence.
+    capture_modules: global module names or fnmatch patterns (comma-separated) to capture explicitly:
+        at the steps in capture_steps, or every step with capture_retain.
+    capture_steps: steps ("5", "3,7-9") at which capture_modules are captured.
+    capture_ranks: global ranks ("0,4-7") that capture; empty: all.
+    capture_retain: keep the last call of capture_modules every step and write it when a detection
+        happens in that step (the failing step itself, without a rerun; costs a trace every step).
+    max_bundles: bundles a rank writes at most. max_bundle_bytes: a larger bundle is not written.
     log_level: level of the ``gradnan`` logger.
     """
 
@@ -50,6 +60,13 @@ class GradnanConfig:
     on_nonfinite: str = "continue"
     run_id: str = ""
     max_records_bytes: int = 64 << 20
+    capture: bool = True
+    capture_modules: str = ""
+    capture_steps: str = ""
+    capture_ranks: str = ""
+    capture_retain: bool = False
+    max_bundles: int = 4
+    max_bundle_bytes: int = 256 << 20
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -68,12 +85,27 @@ class GradnanConfig:
                 f"gradnan config field 'on_nonfinite' must be continue or raise, got {self.on_nonfinite!r}")
         if self.max_records_bytes < 4096:
             raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
+        for name in ("capture_steps", "capture_ranks"):
+            parse_ranges(getattr(self, name), name)
+        if self.max_bundles < 0 or self.max_bundle_bytes < 0:
+            raise ConfigError("gradnan config fields 'max_bundles' and 'max_bundle_bytes' must be >= 0")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:
             raise ConfigError("gradnan config field 'skip_warn_after' must be >= 1")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
+
+
+def parse_ranges(text: str, field_name: str = "ranges") -> Set[int]:
+    """ "3,7-9" -> {3, 7, 8, 9}; empty text -> empty set."""
+    numbers: Set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ConfigError(f"gradnan config field '{field_name}' has a bad entry {part!r} (use 3,7-9)")
+        numbers.update(range(int(low), int(high or low) + 1))
+    return numbers
 
 
 def _parse(name: str, type_name: str, raw: str) -> Any:

@@ -12,7 +12,13 @@ from . import log
 from .config import GradnanConfig, resolve_config
 from .log import logger
 from .patches import Instrumentor, SurfaceMissing, all_instrumentors
-from .patches._megatron import megatron_lm_iteration, rank_coordinates, versions
+from .patches._megatron import (
+    global_named_modules,
+    megatron_lm_iteration,
+    model_grad,
+    rank_coordinates,
+    versions,
+)
 from .runtime import Runtime
 
 
@@ -60,7 +66,7 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
         resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
         log.configure(resolved.log_level)
         installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions,
-                                                      megatron_lm_iteration))
+                                                      megatron_lm_iteration, global_named_modules, model_grad))
         for instrumentor in all_instrumentors():
             try:
                 instrumentor.instrument(installation.runtime)
@@ -94,6 +100,7 @@ def uninstall() -> None:
             return
         for instrumentor in reversed(_current._instrumentors):
             instrumentor.uninstrument()
+        _current.runtime.close()
         _current = None
 
 

@@ -25,7 +25,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_schema(document: Any, schema: str, where: str) -> None:
+def check_schema(document: Any, schema: str, where: str) -> None:
     if not isinstance(document, dict):
         raise ReadError(f"{where}: not a JSON object")
     if document.get("schema") != schema:
@@ -40,15 +40,76 @@ def _check_schema(document: Any, schema: str, where: str) -> None:
         )
 
 
-def _parse_json(text: str, where: str) -> Any:
+def parse_json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        message = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        raise ReadError(f"{where}: invalid JSON ({message})") from None
+    except json.JSONDecodeError as exc:
+        raise ReadError(f"{where}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ReadError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts
+        raise ReadError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
-def _read_text(path: Path) -> str:
+def _is_number(value: Any) -> bool:
+    """A usable number: not a bool, not NaN/Inf, and small enough for a float (time stamps, counts)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
+
+
+def _optional(value: Any, check) -> bool:
+    return value is None or check(value)
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+
+
+_RANK_INTS = ("tp", "pp", "dp", "cp", "ep", "tp_size", "pp_size", "dp_size", "cp_size", "ep_size",
+              "world_size", "local_rank", "pid")
+_PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
+
+
+def check_rank(rank: Any, where: str) -> None:
+    """The rank object every reader and the report rely on: integers where integers go, text for host."""
+    if not isinstance(rank, dict) or not _is_int(rank.get("global_rank")):
+        raise ReadError(f"{where}: needs a 'rank' object with an integer 'global_rank'")
+    for key in _RANK_INTS:
+        if not _optional(rank.get(key), _is_int):
+            raise ReadError(f"{where}: rank.{key} must be an integer")
+    for key in ("host", "device"):
+        if not _optional(rank.get(key), _is_text):
+            raise ReadError(f"{where}: rank.{key} must be text")
+
+
+def _check_record(record: Dict[str, Any], where: str) -> None:
+    if not _is_int(record.get("step")):
+        raise ReadError(f"{where}: a record needs an integer 'step'")
+    check_rank(record.get("rank"), where)
+    params = record.get("params")
+    if not isinstance(params, list):
+        raise ReadError(f"{where}: a record needs a 'params' list")
+    for position, entry in enumerate(params):
+        if not isinstance(entry, dict) or not _is_text(entry.get("name")) or not all(
+                _optional(entry.get(key), _is_int) for key in _PARAM_INTS) or not all(
+                _is_int(entry.get(key)) for key in ("nan", "inf")):
+            raise ReadError(f"{where}: params[{position}] needs a text 'name' and integer counts")
+    for key in ("params_total", "consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
+        if not _optional(record.get(key), _is_int):
+            raise ReadError(f"{where}: '{key}' must be an integer")
+    if not _optional(record.get("time"), _is_number) or not _optional(record.get("scale_collapsed"),
+                                                                       lambda v: isinstance(v, bool)):
+        raise ReadError(f"{where}: 'time' must be a number and 'scale_collapsed' a boolean")
+    run = record.get("run")
+    if run is not None and not (isinstance(run, dict) and _optional(run.get("started"), _is_number)
+                                and _optional(run.get("id"), _is_text)
+                                and _optional(run.get("attempt"), lambda v: _is_int(v) or _is_text(v))):
+        raise ReadError(f"{where}: 'run' needs a numeric 'started', a text 'id' and an 'attempt'")
+    for key in ("kind", "pre_reduction", "mode", "map"):
+        if not _optional(record.get(key), _is_text):
+            raise ReadError(f"{where}: '{key}' must be text")
+
+
+def read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -58,18 +119,16 @@ def _read_text(path: Path) -> str:
 
 
 def load_map(path: Path) -> Dict[str, Any]:
-    document = _parse_json(_read_text(path), str(path))
-    _check_schema(document, MAP_SCHEMA, str(path))
+    document = parse_json(read_text(path), str(path))
+    check_schema(document, MAP_SCHEMA, str(path))
     params = document.get("params")
     rank = document.get("rank")
     if not isinstance(params, list) or not isinstance(rank, dict):
         raise ReadError(f"{path}: a map needs a 'params' list and a 'rank' object")
     for position, entry in enumerate(params):
-        if not (isinstance(entry, dict) and _is_int(entry.get("id"))
-                and isinstance(entry.get("name"), str)):
+        if not (isinstance(entry, dict) and _is_int(entry.get("id")) and _is_text(entry.get("name"))):
             raise ReadError(f"{path}: params[{position}] needs an integer 'id' and a string 'name'")
-    if not _is_int(rank.get("global_rank")):
-        raise ReadError(f"{path}: rank.global_rank is missing")
+    check_rank(rank, str(path))
     return document
 
 
@@ -77,7 +136,7 @@ def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     """The records of one rank's file, and a problem per line that could not be used.
 
     A last line without its newline is a record cut short (the process died while writing it)."""
-    text = _read_text(path)
+    text = read_text(path)
     records, problems = [], []
     lines = text.split("\n")
     for number, line in enumerate(lines, start=1):
@@ -85,12 +144,9 @@ def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
             continue
         where = f"{path}:{number}"
         try:
-            record = _parse_json(line, where)
-            _check_schema(record, RECORD_SCHEMA, where)
-            if not _is_int(record.get("step")) or not isinstance(record.get("rank"), dict):
-                raise ReadError(f"{where}: a record needs an integer 'step' and a 'rank' object")
-            if not isinstance(record.get("params"), list):
-                raise ReadError(f"{where}: a record needs a 'params' list")
+            record = parse_json(line, where)
+            check_schema(record, RECORD_SCHEMA, where)
+            _check_record(record, where)
         except ReadError as exc:
             cut_short = number == len(lines) and not text.endswith("\n")
             problems.append(f"{where}: truncated last line (the rank died while writing it)"
@@ -101,11 +157,13 @@ def load_records(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
 
 
 def load_selftest(path: Path) -> Dict[str, Any]:
-    document = _parse_json(_read_text(path), str(path))
-    _check_schema(document, SELFTEST_SCHEMA, str(path))
+    document = parse_json(read_text(path), str(path))
+    check_schema(document, SELFTEST_SCHEMA, str(path))
     failing = document.get("failing_ranks")
     if not isinstance(document.get("pass"), bool) or not isinstance(failing, list) or not all(
-            isinstance(entry, dict) and _is_int(entry.get("rank")) for entry in failing):
+            isinstance(entry, dict) and _is_int(entry.get("rank")) and _optional(entry.get("host"), _is_text)
+            and _optional(entry.get("device"), _is_text) for entry in failing) or not _optional(
+            document.get("world_size"), _is_int) or not _optional(document.get("time"), _is_text):
         raise ReadError(f"{path}: a self-test result needs 'pass' and a 'failing_ranks' list of ranks")
     return document
 

@@ -24,6 +24,7 @@ RECORDS_DIR = "records"
 
 
 AXES = ("tp", "pp", "dp", "cp", "ep")
+FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
 
 
 def shown_axes(coords: Mapping[str, Any]) -> List[str]:

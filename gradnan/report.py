@@ -16,13 +16,12 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .reader import ReadError, RunFiles
-from .records import AXES, shown_axes
+from .records import AXES, FORWARD_SHARE, shown_axes
 
 REPORT_SCHEMA = "gradnan.report"
 REPORT_VERSION = 1
 NORM_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow")
 PRE_REDUCTION = "pre_reduction"
-FORWARD_SHARE = 0.9
 SERIOUS_SKIPS = 3
 RUN_GAP_SECONDS = 300.0
 

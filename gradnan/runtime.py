@@ -19,11 +19,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .bundle import bundle_dir, tensors_bytes, write_bundle
+from .capture import CaptureManager, bundle_contents
 from .config import GradnanConfig
 from .detect import offending_params
 from .log import logger
 from .maps import ParamSlot, map_document
 from .records import (
+    FORWARD_SHARE,
     RECORD_SCHEMA,
     SCHEMA_VERSION,
     append_record,
@@ -56,7 +59,11 @@ class _Tracked:
 class Runtime:
     def __init__(self, config: GradnanConfig, coords: Callable[[], Dict[str, Any]],
                  versions: Callable[[], Dict[str, Any]],
-                 iteration: Callable[[], Optional[int]] = lambda: None) -> None:
+                 iteration: Callable[[], Optional[int]] = lambda: None,
+                 named_modules: Callable[[Sequence[torch.nn.Module]], List[Tuple[str, torch.nn.Module]]] = (
+                     lambda chunks: []),
+                 observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = (
+                     lambda param: param.grad)) -> None:
         self.config = config
         self._coords = coords
         self._versions = versions
@@ -76,6 +83,14 @@ class Runtime:
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.run = run_identity(config.run_id, os.environ, time.time())
         self._records_full = False
+        self._bundles_written = 0
+        self._bundle_limits_logged: Set[str] = set()
+        self.captures = CaptureManager(config, lambda: named_modules(self.known_chunks()), self._write_bundle,
+                                       observed_grad, lambda: int(self._coords()["global_rank"]))
+
+    def close(self) -> None:
+        """Remove every hook this runtime put on the model (capture)."""
+        self.captures.close()
 
     # -- safety -------------------------------------------------------------------------------------
 
@@ -131,6 +146,8 @@ class Runtime:
             if tracked.index == 0:
                 self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
             logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
+        if new:
+            self.captures.start(tracked.steps + 1)
 
     def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
         self.optimizer_built(optimizer, slots)
@@ -147,6 +164,7 @@ class Runtime:
             self._pre_reduction_checked = False
             self._pre_reduction_found = False
         tracked, _ = self._track(optimizer)
+        self.captures.end_step(tracked.steps)
         if skipped is not None:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
             if not skipped:
@@ -280,7 +298,36 @@ class Runtime:
             logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
                            " came from another rank through the norm's all-reduce); record: %s",
                            record["step"], record["grad_norm"], where, record["_path"])
+        self._after_detection(record, len(slots))
         self._stop_if_asked(record)
+
+    def _after_detection(self, record: Dict[str, Any], local_params: int) -> None:
+        """Capture: write what retention kept of this step; arm the implicated module where this rank may
+        be the origin (not where its own gradients were clean before the data-parallel collective)."""
+        implicated = record["params"] and record["pre_reduction"] != "clean"
+        forward = implicated and local_params > 0 and record["params_total"] >= FORWARD_SHARE * local_params
+        first = max(record["params"], key=lambda p: p.get("order", -1))["name"] if implicated else None
+        self.captures.on_detection(record["step"], bool(forward), first, arm=bool(implicated))
+
+    def _write_bundle(self, step: int, capture: Any, call: Any, observed: Dict[str, Any],
+                      context: Dict[str, Any]) -> bool:
+        manifest, tensors = bundle_contents(capture, call, observed, context)
+        size = tensors_bytes(tensors)
+        limit = ("max_bundles" if self._bundles_written >= self.config.max_bundles
+                 else "max_bundle_bytes" if size > self.config.max_bundle_bytes else None)
+        if limit is not None:
+            if limit not in self._bundle_limits_logged:
+                self._bundle_limits_logged.add(limit)
+                logger.warning("capture of %s at step %d not written: %s reached", capture.name, step, limit)
+            return False
+        coords = self._coords()
+        manifest.update(rank=coords, run=self.run, versions=self._versions(), step=step,
+                        iteration=self._iteration())
+        path = write_bundle(bundle_dir(self.config.out_dir, coords, step, capture.name), manifest, tensors)
+        self._bundles_written += 1
+        logger.warning("step %d: captured %s on %s (%s); replay it: gradnan replay %s", step, capture.name,
+                       _where(manifest), capture.mode, path)
+        return True
 
     def _stop_if_asked(self, record: Dict[str, Any]) -> None:
         if self.config.on_nonfinite == "raise":
@@ -302,6 +349,8 @@ class Runtime:
              "consecutive_skips": skips, "scale_collapsed": collapsed},
         )
         first = self.config.skip_warn_after
+        if collapsed or skips == first:
+            self._after_detection(record, len(slots))
         if collapsed and not tracked.scale_collapse_reported:
             tracked.scale_collapse_reported = True
             logger.error("step %d: loss scale collapsed to %s (its minimum) after %d skipped steps;"

@@ -32,7 +32,9 @@ class Injection:
       collective (what a bad card or a bad kernel does to one weight gradient);
     - ``"module_backward"``: into the output gradient of module ``target`` during backward, so every
       gradient computed from it (that module's and all earlier layers') is poisoned;
-    - ``"forward"``: into the output of module ``target`` in the forward pass (an activation overflow).
+    - ``"forward"``: into the output of module ``target`` in the forward pass (an activation overflow);
+    - ``"scale_to"``: rescale parameter ``target`` so its largest magnitude is ``value`` (a number), once,
+      before the step's forward: drives a later operator to overflow for as long as the weight stays.
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     """
 
@@ -44,7 +46,7 @@ class Injection:
     index: Optional[int] = None
 
     def number(self) -> float:
-        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[self.value]
+        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(self.value) or float(self.value)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class TinyGPTJob:
     hidden_size: int = 32
     num_heads: int = 4
     ffn_hidden_size: Optional[int] = None
+    recompute: bool = False
+    position_embedding: str = "learned_absolute"
     vocab_size: int = 64
     seq_length: int = 16
     micro_batch_size: int = 2
@@ -93,6 +97,14 @@ class WorkerResult:
     bucket_groups: int = 0
 
 
+class JobFailed(RuntimeError):
+    """A job's process raised; ``errors`` holds each failing rank's own error (``job<n>_rank<r>``)."""
+
+    def __init__(self, errors: Dict[str, str]) -> None:
+        super().__init__("; ".join(f"{where}: {error}" for where, error in errors.items()) or "a process failed")
+        self.errors = errors
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -119,6 +131,8 @@ def _build_model(job: TinyGPTJob, pp_rank: int):
         fp16=job.dtype == "fp16",
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if job.recompute else {}),
     )
     model = GPTModel(
         config=config,
@@ -127,6 +141,7 @@ def _build_model(job: TinyGPTJob, pp_rank: int):
         max_sequence_length=job.seq_length,
         pre_process=pp_rank == 0,
         post_process=pp_rank == job.pp - 1,
+        position_embedding_type=job.position_embedding,
     )
     return config, model
 
@@ -241,6 +256,19 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
     return handles
 
 
+def _apply_scale_injections(job, rank, step, chunks, result) -> None:
+    for injection in _due(job, rank, step, "scale_to"):
+        param = _param_by_global_name(chunks, injection.target)
+        if param is None:
+            raise ValueError(f"no parameter named {injection.target} on this rank")
+        with torch.no_grad():
+            param.mul_(injection.number() / param.abs().max().float())
+            main = getattr(param, "main_param", None)  # the fp32 copy a Float16 optimizer steps
+            if main is not None and main.shape == param.shape:
+                main.copy_(param.float())
+        result.injected.append(dataclasses.asdict(injection))
+
+
 def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
     for injection in _due(job, rank, step, "main_grad"):
         param, index = _resolve(injection, chunks, optimizer)
@@ -307,6 +335,7 @@ class TinyGPT:
         step = len(self.result.steps) + 1
         chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        _apply_scale_injections(job, rank, step, [chunk], self.result)
         hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, self.result)
         losses = self.forward_backward(
             forward_step_func=_forward_step,
@@ -358,7 +387,11 @@ def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> N
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for number, job in enumerate(jobs):
-            result = train(job, rank)
+            try:
+                result = train(job, rank)
+            except Exception as exc:  # every rank's own error, not only the first the launcher sees
+                (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+                raise
             path = Path(results_dir) / f"job{number}_rank{rank}.json"
             path.write_text(json.dumps(dataclasses.asdict(result)))
     finally:
@@ -373,7 +406,11 @@ def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
     if any(job.world_size != world_size for job in jobs):
         raise ValueError("launch_many needs jobs of one world size")
     with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
-        mp.spawn(_worker, args=(jobs, _free_port(), scratch), nprocs=world_size, join=True)
+        try:
+            mp.spawn(_worker, args=(jobs, _free_port(), scratch), nprocs=world_size, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            errors = {path.stem: path.read_text() for path in sorted(Path(scratch).glob("*.error"))}
+            raise JobFailed(errors) from exc
         outcome = []
         for number in range(len(jobs)):
             per_rank = {}

@@ -25,6 +25,13 @@ def test_defaults_match_the_documented_values():
         "on_nonfinite": "continue",
         "run_id": "",
         "max_records_bytes": 64 << 20,
+        "capture": True,
+        "capture_modules": "",
+        "capture_steps": "",
+        "capture_ranks": "",
+        "capture_retain": False,
+        "max_bundles": 4,
+        "max_bundle_bytes": 256 << 20,
         "log_level": "INFO",
     }
 

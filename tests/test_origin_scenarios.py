@@ -4,11 +4,10 @@ produced a NaN is told from the ranks that received it, and the report explains 
 from __future__ import annotations
 
 import pytest
-from torch.multiprocessing import ProcessRaisedException
 
 from gradnan.reader import read_run
 from gradnan.report import build_report, format_text
-from gradnan.toy import Injection, TinyGPTJob, launch, launch_many
+from gradnan.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
 
 from .helpers import records_by_rank
 
@@ -118,8 +117,9 @@ def test_text_report_fits_one_screen_for_a_four_rank_job(reports):
 def test_megatron_check_for_nan_in_grad_raises_after_our_record_is_on_disk(tmp_path):
     job = LAYOUT.with_(check_for_nan_in_grad=True, gradnan={"out_dir": str(tmp_path)},
                        injections=(Injection(3, STEP, WEIGHT, "nan", where="backward", index=5),))
-    with pytest.raises(ProcessRaisedException, match="found NaN in local grad norm"):
+    with pytest.raises(JobFailed) as failure:
         launch(job)
+    assert "found NaN in local grad norm" in failure.value.errors["job0_rank3"]
     report = build_report(read_run(tmp_path))
     assert report["incident"]["step"] == STEP
     assert _origin_ranks(report) == [3]

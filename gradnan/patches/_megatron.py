@@ -73,6 +73,12 @@ def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, t
     return named
 
 
+def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """A model parameter's gradient as Megatron's optimizer sees it: ``main_grad`` (DDP buffer), else ``grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
+
+
 def global_param_names(chunks: Iterable[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
     return {param: name for name, param in global_named_parameters(chunks)}
 

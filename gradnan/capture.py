@@ -1,0 +1,344 @@
+"""Capture one module's calls so that a failure can be replayed offline (see ``gradnan.replay``).
+
+A ``ModuleCapture`` watches a module while armed: each call's forward is recorded as an op trace
+(``gradnan.trace``: the exact aten operations and the tensors they started from, parameters included),
+with the RNG state before it, whether it was an activation-recompute pass, its outputs' non-finite
+state, the gradients flowing back into its outputs and its parameters' gradients. At the end of the
+step (or at a detection) the chosen call becomes a bundle (``gradnan.bundle``). Nothing is watched and
+nothing costs anything while no capture is armed.
+
+Modes:
+- ``on_nonfinite``: write the first call of a step in which anything was non-finite (armed after a
+  detection: the failure recurs, the next occurrence is captured);
+- ``always``: write the first call of the step (explicit modules and steps from the configuration);
+- ``retain``: keep the last call of every step and write it only when a detection happens in that
+  same step, so the failing step itself is captured without a rerun.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .config import parse_ranges
+from .records import json_float
+from .trace import OpRecorder, Trace
+
+MODES = ("on_nonfinite", "always", "retain")
+
+
+def _floating(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+
+
+def _nonfinite(tensor: Optional[torch.Tensor]) -> bool:
+    return tensor is not None and _floating(tensor) and not bool(torch.isfinite(tensor).all())
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+@dataclass
+class ModuleCall:
+    """One forward of the watched module and what flowed back through it."""
+
+    trace: Trace
+    rng: Dict[str, torch.Tensor]
+    recompute: bool
+    grad_enabled: bool
+    autocast: Dict[str, Any]
+    call_index: int
+    outputs: List[torch.Tensor] = field(default_factory=list)
+    grad_outputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    param_grads: Dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs_nonfinite: bool = False
+
+    @property
+    def nonfinite(self) -> bool:
+        return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
+                or any(_nonfinite(g) for g in self.grad_outputs.values())
+                or any(_nonfinite(g) for g in self.param_grads.values()))
+
+
+def _rng_states() -> Dict[str, torch.Tensor]:
+    states = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["rng.cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _autocast() -> Dict[str, Any]:
+    state = {"cpu": torch.is_autocast_enabled("cpu"), "cpu_dtype": str(torch.get_autocast_dtype("cpu"))}
+    if torch.cuda.is_available():
+        state.update(cuda=torch.is_autocast_enabled("cuda"), cuda_dtype=str(torch.get_autocast_dtype("cuda")))
+    return state
+
+
+class ModuleCapture:
+    """Hooks on one module (its ``forward`` wrapped on the instance, tensor hooks on its parameters);
+    ``detach()`` removes every one of them."""
+
+    def __init__(self, name: str, module: torch.nn.Module, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
+        self.name, self.module, self.mode = name, module, mode
+        self.calls: List[ModuleCall] = []
+        self._handles: List[Any] = []
+        self._had_forward = "forward" in vars(module)
+        self._original_forward = module.forward
+        self._calls_this_step = 0
+
+    def attach(self) -> "ModuleCapture":
+        self.module.forward = self._forward
+        for param_name, param in self.module.named_parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._param_hook(param_name)))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._had_forward:
+            self.module.forward = self._original_forward
+        else:
+            vars(self.module).pop("forward", None)
+
+    def _param_hook(self, param_name: str):
+        def hook(grad: torch.Tensor) -> None:
+            if self.calls:
+                current = self.calls[-1].param_grads
+                current[param_name] = grad.detach().clone() + current.get(param_name, 0)
+        return hook
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        recorder = OpRecorder()
+        recorder.mark_inputs(list(args), "args")
+        recorder.mark_inputs(kwargs, "kwargs")
+        recorder.mark_inputs(dict(self.module.named_parameters()), "param")
+        recorder.mark_inputs(dict(self.module.named_buffers()), "buffer")
+        rng = _rng_states()
+        with recorder:
+            outputs = self._original_forward(*args, **kwargs)
+        in_backward = torch._C._current_autograd_node() is not None  # activation recompute runs in backward
+        call = ModuleCall(trace=recorder.result(outputs), rng=rng, recompute=in_backward,
+                          grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
+                          call_index=self._calls_this_step)
+        self._calls_this_step += 1
+        produced = _tensors(outputs)
+        call.outputs = [t.detach().clone() for t in produced]
+        call.outputs_nonfinite = any(_nonfinite(t) for t in produced)
+        for position, tensor in enumerate(produced):
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_output_hook(call, position))
+        if self.mode == "retain":
+            self.calls = [call]
+        else:
+            self.calls.append(call)
+        return outputs
+
+    @staticmethod
+    def _grad_output_hook(call: ModuleCall, position: int):
+        def hook(grad: torch.Tensor) -> None:
+            call.grad_outputs[position] = grad.detach().clone()
+        return hook
+
+    def chosen_call(self) -> Optional[ModuleCall]:
+        """The call worth a bundle this step, by mode (recompute passes replace the first pass)."""
+        tracked = [c for c in self.calls if c.grad_enabled] or self.calls
+        if self.mode == "on_nonfinite":
+            return next((c for c in tracked if c.nonfinite), None)
+        return tracked[0] if self.mode == "always" and tracked else (tracked[-1] if tracked else None)
+
+    def end_step(self) -> None:
+        self.calls = [] if self.mode != "retain" else self.calls
+        self._calls_this_step = 0
+
+
+def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Optional[torch.Tensor]],
+                    context: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """The manifest fields and tensors of a bundle for one captured call (the caller adds rank, run...).
+
+    ``observed``: gradients as the optimizer saw them at the detection (e.g. ``main_grad``), by parameter
+    name, to compare with what the replay computes."""
+    tensors: Dict[str, torch.Tensor] = dict(call.trace.leaves)
+    tensors.update(call.rng)
+    tensors.update({f"out.{i}": t for i, t in enumerate(call.outputs)})
+    tensors.update({f"grad_out.{i}": g for i, g in call.grad_outputs.items()})
+    tensors.update({f"param_grad.{name}": g for name, g in call.param_grads.items()})
+    tensors.update({f"observed.{name}": g for name, g in observed.items() if g is not None})
+    manifest = {
+        "created": time.time(),
+        "module": {"path": capture.name, "class": type(capture.module).__qualname__,
+                   "class_module": type(capture.module).__module__},
+        "mode": capture.mode,
+        "call_index": call.call_index,
+        "recompute": call.recompute,
+        "grad_enabled": call.grad_enabled,
+        "autocast": call.autocast,
+        "trace": call.trace.to_json(),
+        "outputs": len(call.outputs),
+        "grad_outputs": sorted(call.grad_outputs),
+        "param_grads": sorted(call.param_grads),
+        "observed_grads": sorted(name for name, g in observed.items() if g is not None),
+        "seen": {"outputs_nonfinite": call.outputs_nonfinite,
+                 "grad_outputs_nonfinite": any(_nonfinite(g) for g in call.grad_outputs.values()),
+                 "param_grads_nonfinite": any(_nonfinite(g) for g in call.param_grads.values()),
+                 "observed_nonfinite": any(_nonfinite(g) for g in observed.values()),
+                 "first_nonfinite_op": call.trace.first_nonfinite},
+        "rng": sorted(call.rng),
+        **context,
+    }
+    return manifest, tensors
+
+
+def _extremes(tree: Any) -> List[Optional[List[float]]]:
+    """abs-min and abs-max of each floating tensor of a tree (None where a tensor is not floating)."""
+    out = []
+    for tensor in _tensors(tree):
+        if _floating(tensor) and tensor.numel():
+            magnitude = tensor.detach().abs().float()
+            out.append([json_float(magnitude.min()), json_float(magnitude.max())])
+        else:
+            out.append(None)
+    return out
+
+
+class ForwardOriginFinder:
+    """For one step, finds the first module (in the order forward calls finish, so the deepest first)
+    whose inputs are all finite and whose outputs are not, keeping the abs-min/abs-max of the modules
+    before it as context (the frames of Hugging Face's DebugUnderflowOverflow). Host reads per module
+    call: armed only after a forward-pass incident."""
+
+    def __init__(self, names: Dict[int, str], max_frames: int = 21) -> None:
+        self.names, self.max_frames = names, max_frames
+        self.found: Optional[str] = None
+        self.frames: List[Dict[str, Any]] = []
+        self._handle = None
+
+    def attach(self) -> "ForwardOriginFinder":
+        self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+        return self
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module: torch.nn.Module, args: Any, outputs: Any) -> None:
+        name = self.names.get(id(module))
+        if name is None or self.found is not None:
+            return
+        inputs_finite = not any(_nonfinite(t) for t in _tensors(args))
+        outputs_bad = any(_nonfinite(t) for t in _tensors(outputs))
+        self.frames = (self.frames + [{"module": name, "class": type(module).__qualname__,
+                                       "inputs": _extremes(args), "outputs": _extremes(outputs)}])[-self.max_frames:]
+        if inputs_finite and outputs_bad:
+            self.found = name
+
+
+class CaptureManager:
+    """Which modules are watched when, and when their calls become bundles.
+
+    ``named_modules()`` gives the model's modules by global name; ``write(step, capture, call, observed,
+    context)`` writes one bundle and returns False once the bounds are reached; ``observed_grad(param)``
+    is a parameter's gradient as the optimizer sees it."""
+
+    def __init__(self, config: Any, named_modules: Callable[[], List[Tuple[str, torch.nn.Module]]],
+                 write: Callable[..., bool], observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
+                 this_rank: Callable[[], int]) -> None:
+        self.config, self._named_modules, self._write = config, named_modules, write
+        self._observed_grad, self._this_rank = observed_grad, this_rank
+        self.captures: Dict[str, ModuleCapture] = {}
+        self.finder: Optional[ForwardOriginFinder] = None
+        self.context: Dict[str, Any] = {}
+
+    def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
+        patterns = [p.strip() for p in self.config.capture_modules.split(",") if p.strip()]
+        return [(name, module) for name, module in self._named_modules()
+                if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+
+    def _rank_selected(self) -> bool:
+        ranks = parse_ranges(self.config.capture_ranks)
+        return not ranks or self._this_rank() in ranks
+
+    def arm(self, name: str, mode: str) -> bool:
+        if name in self.captures:
+            return False
+        module = dict(self._named_modules()).get(name)
+        if module is None:
+            return False
+        self.captures[name] = ModuleCapture(name, module, mode).attach()
+        return True
+
+    def disarm(self, name: str) -> None:
+        capture = self.captures.pop(name, None)
+        if capture is not None:
+            capture.detach()
+
+    def arm_forward_origin(self) -> None:
+        if self.finder is None:
+            self.finder = ForwardOriginFinder({id(m): n for n, m in self._named_modules() if n}).attach()
+
+    def start(self, next_step: int) -> None:
+        """Optimizer built: retention begins; an explicit capture of the first step is armed."""
+        if self._rank_selected() and self.config.capture_retain:
+            for name, _ in self._selected():
+                self.arm(name, "retain")
+        self._arm_explicit(next_step)
+
+    def _arm_explicit(self, step: int) -> None:
+        if self._rank_selected() and step in parse_ranges(self.config.capture_steps):
+            for name, _ in self._selected():
+                self.arm(name, "always")
+
+    def end_step(self, step: int) -> None:
+        for name, capture in list(self.captures.items()):
+            if capture.mode == "retain":
+                capture.end_step()
+                continue
+            call = capture.chosen_call()
+            if call is not None:
+                self._write(step, capture, call, {}, {"trigger": capture.mode, **self.context})
+            if call is not None or capture.mode == "always":
+                self.disarm(name)
+            else:
+                capture.end_step()
+        if self.finder is not None and self.finder.found is not None:
+            self.context = {"forward_origin": self.finder.found, "frames": self.finder.frames}
+            self.arm(self.finder.found, "on_nonfinite")
+            self.finder.detach()
+            self.finder = None
+        self._arm_explicit(step + 1)
+
+    def on_detection(self, step: int, forward_pattern: bool, first_param: Optional[str], arm: bool) -> None:
+        """A detection on this rank: write what retention kept, then (``arm``) watch for the next occurrence."""
+        for capture in list(self.captures.values()):
+            if capture.mode == "retain" and capture.calls:
+                params = dict(capture.module.named_parameters())
+                observed = {name: self._observed_grad(param) for name, param in params.items()}
+                self._write(step, capture, capture.calls[-1], observed, {"trigger": "retain"})
+        if not (arm and self.config.capture):
+            return
+        if forward_pattern:
+            self.arm_forward_origin()
+        elif first_param and "." in first_param:
+            self.arm(first_param.rsplit(".", 1)[0], "on_nonfinite")
+
+    def close(self) -> None:
+        for name in list(self.captures):
+            self.disarm(name)
+        if self.finder is not None:
+            self.finder.detach()
+            self.finder = None

@@ -1,0 +1,112 @@
+"""Issue: capture the implicated module and replay the failure offline (real megatron-core, TP=2).
+
+- fp16 overflow driven in one rank's MLP: a bundle for that module on that rank; replay in a fresh
+  process reproduces it in fp16, not in float64, and names the operator;
+- a NaN put into a gradient once (after the module computed it): replay does not reproduce it;
+- capture across activation recompute with keyword arguments (attention mask, rotary embeddings);
+- a tampered bundle (a pickled object inside) is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradnan.toy import Injection, TinyGPTJob, launch_many
+
+OVERFLOW_WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
+CORRUPTED_MODULE = "decoder.layers.0.mlp.linear_fc1"
+ATTENTION = "decoder.layers.0.self_attention"
+
+
+def _bundles(run_dir: Path, rank: int):
+    return sorted((run_dir / "bundles").glob(f"rank{rank:05d}_*/*"))
+
+
+def _replay(bundle: Path, *extra):
+    result = subprocess.run([sys.executable, "-m", "gradnan", "replay", str(bundle), *extra],
+                            capture_output=True, text=True, timeout=300)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("capture")
+    jobs = [
+        TinyGPTJob(tp=2, dtype="fp16", steps=4, gradnan={"out_dir": str(root / "overflow"), "skip_warn_after": 1},
+                   injections=(Injection(1, 2, OVERFLOW_WEIGHT, "60000", where="scale_to"),)),
+        TinyGPTJob(tp=2, dtype="fp32", steps=3,
+                   gradnan={"out_dir": str(root / "one_off"), "capture_modules": CORRUPTED_MODULE,
+                            "capture_retain": True, "capture_ranks": "1"},
+                   injections=(Injection(1, 2, CORRUPTED_MODULE + ".weight", "nan", where="main_grad", index=7),)),
+        TinyGPTJob(tp=2, dtype="bf16", steps=3, recompute=True, position_embedding="rope",
+                   gradnan={"out_dir": str(root / "recompute"), "capture_modules": ATTENTION, "capture_steps": "2",
+                            "capture_ranks": "0"}),
+    ]
+    launch_many(jobs)
+    return root
+
+
+def test_fp16_overflow_in_one_ranks_mlp_is_captured_there_and_replays_as_precision(runs):
+    [bundle, *_] = _bundles(runs / "overflow", 1)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["module"]["path"].startswith("decoder.layers.1.mlp")
+    assert manifest["rank"]["global_rank"] == 1 and manifest["rank"]["tp"] == 1
+    result = _replay(bundle, "--json")
+    assert result.returncode == 0, result.stderr
+    replayed = json.loads(result.stdout)
+    assert replayed["verdict"] == "precision"
+    assert replayed["runs"]["captured"]["outputs_nonfinite"]
+    assert not replayed["runs"]["float64"]["outputs_nonfinite"]
+    assert "mm" in replayed["runs"]["captured"]["first_nonfinite"]["op"]
+    assert replayed["replay_matches_saved_outputs"]
+
+
+def test_a_one_off_corruption_does_not_reproduce(runs):
+    bundles = _bundles(runs / "one_off", 1)
+    [bundle] = [b for b in bundles if b.name.startswith("step0000002_")]  # the failing step itself
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["module"]["path"] == CORRUPTED_MODULE and manifest["trigger"] == "retain"
+    assert manifest["step"] == 2 and manifest["seen"]["observed_nonfinite"]
+    replayed = json.loads(_replay(bundle, "--json").stdout)
+    assert replayed["verdict"] == "not_reproduced"
+    assert replayed["reproduces"] is False
+    assert not _bundles(runs / "one_off", 0)  # capture_ranks=1
+
+
+def test_capture_across_recompute_with_keyword_arguments(runs):
+    [bundle] = _bundles(runs / "recompute", 0)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["module"]["path"] == ATTENTION and manifest["step"] == 2
+    assert manifest["recompute"] is True and manifest["grad_enabled"] is True
+    leaves = manifest["trace"]["leaves"]
+    assert any(name.startswith("kwargs.attention_mask") for name in leaves)
+    assert any(name.startswith("kwargs.rotary_pos_emb") for name in leaves)
+    replayed = json.loads(_replay(bundle, "--json").stdout)
+    assert replayed["verdict"] == "healthy" and replayed["replay_matches_saved_outputs"]
+
+
+def test_a_tampered_bundle_is_refused_in_one_line(runs, tmp_path):
+    import shutil
+
+    source = _bundles(runs / "one_off", 1)[0]
+    bundle = tmp_path / "tampered"
+    shutil.copytree(source, bundle)
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"param.weight": torch.ones(2), "evil": Payload()}, bundle / "tensors.pt", pickle_module=pickle)
+    result = _replay(bundle)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "refused" in result.stderr
+    assert not marker.exists()
