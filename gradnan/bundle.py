@@ -20,7 +20,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 import torch
 
-from .reader import ReadError, check_schema, parse_json, read_text
+from .reader import ReadError, load_bundle_manifest
 from .records import rank_tag
 
 BUNDLE_SCHEMA = "gradnan.bundle"
@@ -66,11 +66,9 @@ def load_bundle(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     path = Path(path)
     if not path.is_dir():
         raise ReadError(f"{path}: not a bundle directory")
-    manifest = parse_json(read_text(path / MANIFEST), str(path / MANIFEST))
-    check_schema(manifest, BUNDLE_SCHEMA, str(path / MANIFEST))
-    for key in ("module", "trace", "rank"):
-        if not isinstance(manifest.get(key), dict):
-            raise ReadError(f"{path / MANIFEST}: a bundle manifest needs a '{key}' object")
+    manifest = load_bundle_manifest(path / MANIFEST)
+    if not isinstance(manifest.get("trace"), dict):
+        raise ReadError(f"{path / MANIFEST}: a bundle manifest needs a 'trace' object")
     try:
         tensors = torch.load(path / TENSORS, weights_only=True, map_location="cpu")
     except FileNotFoundError:

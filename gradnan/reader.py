@@ -15,6 +15,7 @@ from .records import MAP_SCHEMA, MAPS_DIR, RECORD_SCHEMA, RECORDS_DIR, SCHEMA_VE
 
 SELFTEST_SCHEMA = "gradnan.selftest"
 SELFTEST_DIR = "selftest"
+BUNDLE_MANIFESTS = "bundles/*/*/manifest.json"
 
 
 class ReadError(Exception):
@@ -168,6 +169,17 @@ def load_selftest(path: Path) -> Dict[str, Any]:
     return document
 
 
+def load_bundle_manifest(path: Path) -> Dict[str, Any]:
+    """A capture bundle's manifest alone (its tensors are read by ``gradnan replay``)."""
+    document = parse_json(read_text(path), str(path))
+    check_schema(document, "gradnan.bundle", str(path))
+    module = document.get("module")
+    if not isinstance(module, dict) or not _is_text(module.get("path")) or not _is_int(document.get("step")):
+        raise ReadError(f"{path}: a bundle manifest needs a 'module' with a 'path' and an integer 'step'")
+    check_rank(document.get("rank"), str(path))
+    return document
+
+
 @dataclass
 class RunFiles:
     """Everything readable in a run directory, with one line per file or line that was not."""
@@ -176,6 +188,7 @@ class RunFiles:
     maps: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
     selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    bundles: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: List[str] = field(default_factory=list)
 
     def all_records(self) -> List[Dict[str, Any]]:
@@ -203,6 +216,11 @@ def read_run(run_dir: Path) -> RunFiles:
     for path in selftest_files:
         try:
             files.selftests[path] = load_selftest(path)
+        except ReadError as exc:
+            files.problems.append(str(exc))
+    for path in sorted(run_dir.glob(BUNDLE_MANIFESTS)):
+        try:
+            files.bundles[path.parent] = load_bundle_manifest(path)
         except ReadError as exc:
             files.problems.append(str(exc))
     for path in record_files:

@@ -218,6 +218,16 @@ def _weigh_selftests(incident: Dict[str, Any], selftests: List[Dict[str, Any]]) 
                 " device fault seen (a transient one, or the data, remain)")
 
 
+def _rerun_capture(incident: Dict[str, Any]) -> Optional[Dict[str, str]]:
+    """The GRADNAN_CAPTURE_* settings that capture the failing step's implicated module on the origin
+    ranks when the job is rerun from a checkpoint (steps count from the launch that is rerun)."""
+    first = incident["pattern"].get("first_in_backward")
+    if not first or not incident["origin"]:
+        return None
+    return {"GRADNAN_CAPTURE_MODULES": module_of(first), "GRADNAN_CAPTURE_STEPS": str(incident["step"]),
+            "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in incident["origin"])}
+
+
 def _started(record: Dict[str, Any]) -> float:
     run = record.get("run") if isinstance(record.get("run"), dict) else {}
     value = run.get("started", record.get("time", 0.0))
@@ -262,10 +272,14 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
         "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
         "incident": None, "later_steps": [], "loss_scale_overflow_steps": overflow_steps,
-        "selftests": [], "run": chosen, "runs": [{"run": key, "first_step": failing[key],
+        "selftests": [], "bundles": [], "rerun_capture": None, "run": chosen, "runs": [{"run": key, "first_step": failing[key],
                                 "ranks": sorted({r["rank"].get("global_rank") for r in records})}
                                for key, records in runs.items()],
     }
+    report["bundles"] = [
+        {"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
+         "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
+        for path, doc in sorted(files.bundles.items())]
     report["selftests"] = [
         {"file": str(path), "time": doc.get("time"), "pass": doc["pass"], "world_size": doc.get("world_size"),
          "failing_ranks": [{key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
@@ -299,6 +313,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "verdict": _verdict(origin, decision["basis"], pattern, parameters),
     }
     _weigh_selftests(report["incident"], report["selftests"])
+    report["rerun_capture"] = _rerun_capture(report["incident"])
     later: Dict[int, set] = {}
     for record in incidents:
         if record["step"] > first_step:
@@ -391,6 +406,13 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
             steps = report["later_steps"]
             lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in steps[:8])}"
                          + (" ..." if len(steps) > 8 else ""))
+    if report.get("bundles"):
+        lines.append("Captured for replay:")
+        lines += [f"  gradnan replay {b['path']}   ({b['module']}, rank {b['global_rank']}, step {b['step']})"
+                  for b in report["bundles"][:6]]
+    if report.get("rerun_capture"):
+        settings = " ".join(f"{key}={value}" for key, value in report["rerun_capture"].items())
+        lines.append(f"To capture this step on a rerun from a checkpoint: {settings}")
     for result in report.get("selftests", []):
         state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
             f"rank {e['rank']} ({e['host']} {e['device']})" for e in result["failing_ranks"])

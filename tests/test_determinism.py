@@ -1,5 +1,6 @@
 """The kit never changes training: losses, grad norms and step outcomes are bitwise identical with and
-without it, on healthy runs and on a run where it detects and scans an injected NaN."""
+without it, at the defaults, with the pre-reduction check in sync mode, with capture armed on several
+modules (across activation recompute), and on a run where it detects and scans an injected NaN."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ CASES = {
     "dp2_fp16_distopt": TinyGPTJob(dtype="fp16", distributed_optimizer=True, steps=4),
     "tp2_bf16_pre_reduction_sync": TinyGPTJob(tp=2, dtype="bf16", steps=4, overlap_grad_reduce=True,
                                               bucket_size=6000),
+    "tp2_bf16_capture_armed": TinyGPTJob(tp=2, dtype="bf16", steps=4, recompute=True),
     "pp2_fp32_nan": TinyGPTJob(pp=2, dtype="fp32", steps=4, micro_batches=2, injections=(
         Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
 }
@@ -24,7 +26,9 @@ def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("determinism")
     jobs = []
     for name, job in CASES.items():
-        mode = {"pre_reduction": "sync"} if name.endswith("pre_reduction_sync") else {}
+        mode = {"tp2_bf16_pre_reduction_sync": {"pre_reduction": "sync"},
+                "tp2_bf16_capture_armed": {"capture_modules": "decoder.layers.*.mlp,decoder.layers.0.self_attention",
+                                           "capture_retain": True}}.get(name, {})
         jobs += [job, job.with_(gradnan={"out_dir": str(root / name), **mode})]
     results = launch_many(jobs)
     return {name: (results[2 * i], results[2 * i + 1], root / name) for i, name in enumerate(CASES)}

@@ -127,3 +127,11 @@ def test_a_rank_with_several_bad_bucket_groups_is_one_origin_entry():
     incident = build_report(_files(*records))["incident"]
     [origin] = incident["origin"]
     assert origin["params_total"] == 3 and len(origin["params"]) == 3
+
+
+def test_the_report_gives_the_settings_to_capture_the_failing_step_on_a_rerun():
+    records = [_record(4, "pre_reduction", rank=3, params=["decoder.layers.1.mlp.linear_fc2.weight"])]
+    report = build_report(_files(*records))
+    assert report["rerun_capture"] == {"GRADNAN_CAPTURE_MODULES": "decoder.layers.1.mlp.linear_fc2",
+                                       "GRADNAN_CAPTURE_STEPS": "4", "GRADNAN_CAPTURE_RANKS": "3"}
+    assert "GRADNAN_CAPTURE_MODULES=decoder.layers.1.mlp.linear_fc2" in format_text(report)
