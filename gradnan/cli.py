@@ -104,13 +104,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(run_demo(Path(args.out)))
         elif args.command == "report":
             report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
-            if args.plot:
+            if args.plot and report["incident"] is not None:
                 from .plot import plot_incident
 
                 plot_incident(report, args.plot)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
+            if args.plot and not args.json:
+                print(f"Picture: {args.plot}" if report["incident"] is not None else "Nothing to plot: no failing step.")
         elif args.command == "replay":
-            from .replay import format_text as replay_text, replay_bundle
+            from .replay import format_text as replay_text
+            from .replay import replay_bundle
 
             result = replay_bundle(args.bundle, device=args.device)
             print(json.dumps(result, indent=1) if args.json else replay_text(result))

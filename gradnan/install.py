@@ -88,7 +88,7 @@ def _announce(installation: Installation) -> None:
         logger.error("nothing could be patched, gradnan is inactive:\n%s", installation.summary())
     elif installation.missing or installation.notes:
         logger.warning("%s", installation.summary())
-    elif os.environ.get("RANK", "0") == "0":
+    elif log.launcher_rank() == "0":
         logger.info("%s", installation.summary())
 
 

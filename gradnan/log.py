@@ -13,7 +13,12 @@ def _rank() -> str:
 
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_rank())
-    return os.environ.get("RANK", "0")
+    return launcher_rank()
+
+
+def launcher_rank() -> str:
+    """This process's rank before torch.distributed starts: torchrun's RANK, else SLURM's SLURM_PROCID."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
 
 
 class _RankFilter(logging.Filter):

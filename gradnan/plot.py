@@ -2,7 +2,7 @@
 
 Left: rank x module map of the offending modules (origin, received, clean), modules in backward order.
 Right: the largest finite gradient value of each offending parameter on the origin (log scale), with
-the bf16/fp16 limits, where overflow shows as bars reaching the line.
+the fp16 limit, where an fp16 overflow shows as bars reaching the line.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ def plot_incident(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
     figure.suptitle("\n".join(textwrap.wrap(f"step {incident['step']}: {verdict['cause']}: {verdict['summary']}",
                                             140)), fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=110)
+    except (OSError, ValueError) as exc:
+        raise ReadError(f"{path}: cannot write the picture ({str(exc).splitlines()[0]})") from None
+    finally:
+        plt.close(figure)
     return {"modules": modules, "ranks": ranks, "grid": grid, "bars": bars}

@@ -55,9 +55,9 @@ def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dic
     launcher_id = environ.get("TORCHELASTIC_RUN_ID", "")
     if launcher_id in ("", "none"):
         launcher_id = environ.get("SLURM_JOB_ID", "")
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT") or environ.get("SLURM_RESTART_COUNT") or "0"
-    return {"id": run_id or launcher_id or None, "attempt": int(attempt) if attempt.isdigit() else 0,
-            "started": started}
+    counts = [environ.get(name, "") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")]
+    attempt = ".".join(count for count in counts if count.isdigit()) or "0"  # requeue.restart under both
+    return {"id": run_id or launcher_id or None, "attempt": attempt, "started": started}
 
 
 def json_float(value: float) -> Any:

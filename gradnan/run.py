@@ -24,8 +24,17 @@ from .config import ConfigError, GradnanConfig
 EXIT_BAD_INPUT = 2
 
 
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise _UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m gradnan.run", description="Run a training script with gradnan installed.",
         usage="python -m gradnan.run [gradnan options] (SCRIPT | -m MODULE) [script arguments]")
     for spec in fields(GradnanConfig):
@@ -51,15 +60,14 @@ def _boolean(text: str) -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     import gradnan
 
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if not args.module and not args.target:
-        parser.print_usage(sys.stderr)
-        return EXIT_BAD_INPUT
-    options = {spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)}
     try:
-        gradnan.install(**options)
-    except ConfigError as exc:
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if not args.module and not args.target:
+            raise _UsageError("give the training script (or -m MODULE) to run")
+        if not args.module and not os.path.isfile(args.target[0]):
+            raise _UsageError(f"no such script: {args.target[0]}")
+        gradnan.install(**{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
+    except (_UsageError, ConfigError) as exc:
         print(f"gradnan.run: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.module:
@@ -67,9 +75,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)
     else:
         script, *rest = args.target
-        if not os.path.isfile(script):
-            print(f"gradnan.run: error: no such script: {script}", file=sys.stderr)
-            return EXIT_BAD_INPUT
         sys.argv = [script, *rest]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")

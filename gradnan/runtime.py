@@ -106,7 +106,8 @@ class Runtime:
             key = f"{what}:{type(exc).__name__}"
             if key not in self._errors_logged:
                 self._errors_logged.add(key)
-                logger.error("internal error in %s (training goes on unchanged): %r", what, exc)
+                logger.error("internal error in %s (training goes on unchanged): %s: %s", what,
+                             type(exc).__name__, exc)
             return None
 
     # -- model chunks seen by the param-group builder ----------------------------------------------
@@ -202,7 +203,8 @@ class Runtime:
         with self._lock:
             self._deferred.append((group, flags, describe))
 
-    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: Callable, mode: str) -> bool:
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: Callable, mode: str,
+                            level: int = logging.WARNING) -> bool:
         """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad."""
         bad = [index for index, finite in enumerate(flags.tolist()) if not finite]
         if not bad:
@@ -219,18 +221,18 @@ class Runtime:
         with self._lock:
             self._pre_reduction_found = True
             first, self._pre_reduction_logged = not self._pre_reduction_logged, True
-        logger.log(logging.ERROR if first else logging.DEBUG,
+        logger.log(level if first else logging.DEBUG,
                    "step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
                    " this rank produced it; record: %s", record["step"], _where(record),
                    _describe_params(record), record["_path"])
         return True
 
-    def _flush_deferred(self) -> str:
+    def _flush_deferred(self, level: int) -> str:
         """Read the deferred bucket flags of this step: "nonfinite", "clean" or "unchecked"."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
             checked = self._pre_reduction_checked
-        bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred")
+        bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred", level=level)
                for group, flags, describe in deferred]
         if any(bad) or self._pre_reduction_found:
             return "nonfinite"
@@ -269,7 +271,8 @@ class Runtime:
 
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot],
                 grads: Sequence[Optional[torch.Tensor]], extra: Dict[str, Any]) -> Dict[str, Any]:
-        pre_reduction = self._flush_deferred()
+        # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
+        pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm" else logging.DEBUG)
         tracked, _ = self._track(optimizer)
         return self._write(kind, tracked.steps, offending_params(slots, grads), {
             "optimizer_index": tracked.index, "map": tracked.map_file,

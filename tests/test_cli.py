@@ -127,7 +127,7 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
 
 
 def test_report_plot_draws_the_origin_rank(demo, tmp_path):
-    from gradnan.plot import ORIGIN, RECEIVED, CLEAN, incident_grid, plot_incident
+    from gradnan.plot import CLEAN, ORIGIN, RECEIVED, incident_grid, plot_incident
     from gradnan.reader import read_run
     from gradnan.report import build_report
 

@@ -8,7 +8,6 @@ import pytest
 
 from gradnan.config import ConfigError, GradnanConfig, options_from_env, resolve_config
 
-
 # --- GradnanConfig -----------------------------------------------------------------------------
 
 

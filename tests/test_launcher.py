@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gradnan.reader import read_run
 from gradnan.report import build_report
 
@@ -49,3 +51,15 @@ def test_a_bad_option_stops_before_training_in_one_line(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "pre_reduction" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-flag", "1", "train.py"], "unrecognized arguments"),
+    ([], "give the training script"),
+    (["/nonexistent/train.py"], "no such script"),
+])
+def test_launcher_usage_errors_are_one_line_before_anything_is_installed(args, message):
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert "gradnan installed" not in result.stderr

@@ -135,3 +135,23 @@ def test_the_report_gives_the_settings_to_capture_the_failing_step_on_a_rerun():
     assert report["rerun_capture"] == {"GRADNAN_CAPTURE_MODULES": "decoder.layers.1.mlp.linear_fc2",
                                        "GRADNAN_CAPTURE_STEPS": "4", "GRADNAN_CAPTURE_RANKS": "3"}
     assert "GRADNAN_CAPTURE_MODULES=decoder.layers.1.mlp.linear_fc2" in format_text(report)
+
+
+def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
+    from gradnan.records import run_identity
+
+    both = run_identity("", {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2",
+                             "TORCHELASTIC_RUN_ID": "none"}, 5.0)
+    assert both == {"id": "77", "attempt": "1.2", "started": 5.0}
+    assert run_identity("mine", {"TORCHELASTIC_RUN_ID": "abc"}, 1.0)["id"] == "mine"
+    assert run_identity("", {}, 1.0) == {"id": None, "attempt": "0", "started": 1.0}
+
+
+def test_the_log_rank_falls_back_to_slurm_before_torch_distributed_starts(monkeypatch):
+    from gradnan.log import launcher_rank
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    assert launcher_rank() == "5"
+    monkeypatch.setenv("RANK", "3")
+    assert launcher_rank() == "3"

@@ -12,8 +12,8 @@ from typing import Any, Optional
 import torch
 
 from ._optimizer_params import leaf_optimizers, param_slots
-from .optimizer import optimizer_classes, own_methods
 from ._patcher import Instrumentor, Patcher, SurfaceMissing
+from .optimizer import optimizer_classes, own_methods
 
 _CHECK = "_unscale_main_grads_and_check_for_nan"
 
