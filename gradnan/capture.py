@@ -61,6 +61,7 @@ class ModuleCall:
     call_index: int
     outputs: List[torch.Tensor] = field(default_factory=list)
     grad_outputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_inputs: Dict[int, torch.Tensor] = field(default_factory=dict)
     param_grads: Dict[str, torch.Tensor] = field(default_factory=dict)
     outputs_nonfinite: bool = False
 
@@ -141,7 +142,10 @@ class ModuleCapture:
         call.outputs_nonfinite = any(_nonfinite(t) for t in produced)
         for position, tensor in enumerate(produced):
             if tensor.requires_grad:
-                tensor.register_hook(self._grad_output_hook(call, position))
+                tensor.register_hook(self._grad_hook(call.grad_outputs, position))
+        for position, tensor in enumerate(_tensors((args, kwargs))):
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_hook(call.grad_inputs, position))
         if self.mode == "retain":
             self.calls = [call]
         else:
@@ -149,9 +153,9 @@ class ModuleCapture:
         return outputs
 
     @staticmethod
-    def _grad_output_hook(call: ModuleCall, position: int):
+    def _grad_hook(store: Dict[int, torch.Tensor], position: int):
         def hook(grad: torch.Tensor) -> None:
-            call.grad_outputs[position] = grad.detach().clone()
+            store[position] = grad.detach().clone()
         return hook
 
     def chosen_call(self) -> Optional[ModuleCall]:
@@ -167,15 +171,18 @@ class ModuleCapture:
 
 
 def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Optional[torch.Tensor]],
-                    context: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+                    context: Dict[str, Any], param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]]
+                    ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The manifest fields and tensors of a bundle for one captured call (the caller adds rank, run...).
 
     ``observed``: gradients as the optimizer saw them at the detection (e.g. ``main_grad``), by parameter
-    name, to compare with what the replay computes."""
+    name, to compare with what the replay computes. ``param_facts``: what a parameter is beyond its
+    shape (its tensor-parallel partition, for a shard)."""
     tensors: Dict[str, torch.Tensor] = dict(call.trace.leaves)
     tensors.update(call.rng)
     tensors.update({f"out.{i}": t for i, t in enumerate(call.outputs)})
     tensors.update({f"grad_out.{i}": g for i, g in call.grad_outputs.items()})
+    tensors.update({f"grad_in.{i}": g for i, g in call.grad_inputs.items()})
     tensors.update({f"param_grad.{name}": g for name, g in call.param_grads.items()})
     tensors.update({f"observed.{name}": g for name, g in observed.items() if g is not None})
     manifest = {
@@ -190,10 +197,14 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
         "trace": call.trace.to_json(),
         "outputs": len(call.outputs),
         "grad_outputs": sorted(call.grad_outputs),
+        "grad_inputs": sorted(call.grad_inputs),
+        "params": {name: {"shape": list(param.shape), "dtype": str(param.dtype), **param_facts(param)}
+                   for name, param in capture.module.named_parameters()},
         "param_grads": sorted(call.param_grads),
         "observed_grads": sorted(name for name, g in observed.items() if g is not None),
         "seen": {"outputs_nonfinite": call.outputs_nonfinite,
                  "grad_outputs_nonfinite": any(_nonfinite(g) for g in call.grad_outputs.values()),
+                 "grad_inputs_nonfinite": any(_nonfinite(g) for g in call.grad_inputs.values()),
                  "param_grads_nonfinite": any(_nonfinite(g) for g in call.param_grads.values()),
                  "observed_nonfinite": any(_nonfinite(g) for g in observed.values()),
                  "first_nonfinite_op": call.trace.first_nonfinite},

@@ -17,6 +17,7 @@ from .patches._megatron import (
     megatron_lm_iteration,
     model_grad,
     rank_coordinates,
+    tensor_parallel_facts,
     versions,
 )
 from .runtime import Runtime
@@ -66,7 +67,8 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
         resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
         log.configure(resolved.log_level)
         installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions,
-                                                      megatron_lm_iteration, global_named_modules, model_grad))
+                                                      megatron_lm_iteration, global_named_modules, model_grad,
+                                                      tensor_parallel_facts))
         for instrumentor in all_instrumentors():
             try:
                 instrumentor.instrument(installation.runtime)

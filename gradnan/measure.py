@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from typing import Any
@@ -30,6 +31,7 @@ class HostSyncCounter:
     def __init__(self) -> None:
         self.counts: Counter = Counter()
         self._patcher = Patcher()
+        self._depth = threading.local()  # shared by all the wrapped methods: nested calls count once
 
     @property
     def total(self) -> int:
@@ -44,12 +46,18 @@ class HostSyncCounter:
         self._patcher.undo()
 
     def _counting(self, name: str):
-        counts = self.counts
+        counts, local = self.counts, self._depth
 
         def make(original):
             def counted(*args, **kwargs):
-                counts[name] += 1
-                return original(*args, **kwargs)
+                depth = getattr(local, "depth", 0)
+                if depth == 0:  # one sync, even where one of these methods calls another
+                    counts[name] += 1
+                local.depth = depth + 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    local.depth = depth
 
             return counted
 

@@ -63,11 +63,13 @@ class Runtime:
                  named_modules: Callable[[Sequence[torch.nn.Module]], List[Tuple[str, torch.nn.Module]]] = (
                      lambda chunks: []),
                  observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = (
-                     lambda param: param.grad)) -> None:
+                     lambda param: param.grad),
+                 param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = lambda param: {}) -> None:
         self.config = config
         self._coords = coords
         self._versions = versions
         self._iteration = iteration
+        self._param_facts = param_facts
         self._lock = threading.Lock()
         self._local = threading.local()
         self._tracked: "weakref.WeakKeyDictionary[Any, _Tracked]" = weakref.WeakKeyDictionary()
@@ -314,7 +316,7 @@ class Runtime:
 
     def _write_bundle(self, step: int, capture: Any, call: Any, observed: Dict[str, Any],
                       context: Dict[str, Any]) -> bool:
-        manifest, tensors = bundle_contents(capture, call, observed, context)
+        manifest, tensors = bundle_contents(capture, call, observed, context, self._param_facts)
         size = tensors_bytes(tensors)
         limit = ("max_bundles" if self._bundles_written >= self.config.max_bundles
                  else "max_bundle_bytes" if size > self.config.max_bundle_bytes else None)

@@ -59,6 +59,8 @@ def test_fp16_overflow_in_one_ranks_mlp_is_captured_there_and_replays_as_precisi
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["module"]["path"].startswith("decoder.layers.1.mlp")
     assert manifest["rank"]["global_rank"] == 1 and manifest["rank"]["tp"] == 1
+    assert manifest["params"]["weight"]["tensor_parallel"] is True  # a TP shard, with its partition
+    assert manifest["params"]["weight"]["partition_dim"] == 0
     result = _replay(bundle, "--json")
     assert result.returncode == 0, result.stderr
     replayed = json.loads(result.stdout)
@@ -86,6 +88,7 @@ def test_capture_across_recompute_with_keyword_arguments(runs):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["module"]["path"] == ATTENTION and manifest["step"] == 2
     assert manifest["recompute"] is True and manifest["grad_enabled"] is True
+    assert manifest["grad_inputs"] and manifest["grad_outputs"]  # gradients in and out of the module
     leaves = manifest["trace"]["leaves"]
     assert any(name.startswith("kwargs.attention_mask") for name in leaves)
     assert any(name.startswith("kwargs.rotary_pos_emb") for name in leaves)

@@ -79,6 +79,14 @@ def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
 
 
+def tensor_parallel_facts(param: torch.nn.Parameter) -> Dict[str, object]:
+    """How a parameter is split across tensor-parallel ranks (Megatron's attributes on it), if it is."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return {"tensor_parallel": False}
+    return {"tensor_parallel": True, "partition_dim": getattr(param, "partition_dim", None),
+            "partition_stride": getattr(param, "partition_stride", None)}
+
+
 def global_param_names(chunks: Iterable[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
     return {param: name for name, param in global_named_parameters(chunks)}
 
