@@ -25,10 +25,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .config import parse_ranges
+from .log import logger
 from .records import json_float
 from .trace import OpRecorder, Trace
 
 MODES = ("on_nonfinite", "always", "retain")
+ARMED_STEPS = 20  # an armed capture whose failure does not recur stops watching after this many steps
+FINDER_STEPS = 3  # the forward-origin finder checks every module call: a few steps at most
 
 
 def _floating(tensor: Any) -> bool:
@@ -95,6 +98,7 @@ class ModuleCapture:
             raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
         self.name, self.module, self.mode = name, module, mode
         self.calls: List[ModuleCall] = []
+        self.steps_watched = 0
         self._handles: List[Any] = []
         self._had_forward = "forward" in vars(module)
         self._original_forward = module.forward
@@ -168,6 +172,7 @@ class ModuleCapture:
     def end_step(self) -> None:
         self.calls = [] if self.mode != "retain" else self.calls
         self._calls_this_step = 0
+        self.steps_watched += 1
 
 
 def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Optional[torch.Tensor]],
@@ -234,6 +239,7 @@ class ForwardOriginFinder:
 
     def __init__(self, names: Dict[int, str], max_frames: int = 21) -> None:
         self.names, self.max_frames = names, max_frames
+        self.steps_left = FINDER_STEPS
         self.found: Optional[str] = None
         self.frames: List[Dict[str, Any]] = []
         self._handle = None
@@ -324,13 +330,19 @@ class CaptureManager:
                 self._write(step, capture, call, {}, {"trigger": capture.mode, **self.context})
             if call is not None or capture.mode == "always":
                 self.disarm(name)
-            else:
-                capture.end_step()
-        if self.finder is not None and self.finder.found is not None:
-            self.context = {"forward_origin": self.finder.found, "frames": self.finder.frames}
-            self.arm(self.finder.found, "on_nonfinite")
-            self.finder.detach()
-            self.finder = None
+                continue
+            capture.end_step()
+            if capture.steps_watched >= ARMED_STEPS:
+                logger.info("capture of %s disarmed: no non-finite value in %d steps", name, ARMED_STEPS)
+                self.disarm(name)
+        if self.finder is not None:
+            self.finder.steps_left -= 1
+            if self.finder.found is not None:
+                self.context = {"forward_origin": self.finder.found, "frames": self.finder.frames}
+                self.arm(self.finder.found, "on_nonfinite")
+            if self.finder.found is not None or self.finder.steps_left <= 0:
+                self.finder.detach()
+                self.finder = None
         self._arm_explicit(step + 1)
 
     def on_detection(self, step: int, forward_pattern: bool, first_param: Optional[str], arm: bool) -> None:
