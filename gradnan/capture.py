@@ -27,29 +27,12 @@ import torch
 from .config import parse_ranges
 from .log import logger
 from .records import json_float
+from .scan import has_nonfinite, tensors_in
 from .trace import OpRecorder, Trace
 
 MODES = ("on_nonfinite", "always", "retain")
 ARMED_STEPS = 20  # an armed capture whose failure does not recur stops watching after this many steps
 FINDER_STEPS = 3  # the forward-origin finder checks every module call: a few steps at most
-
-
-def _floating(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-
-
-def _nonfinite(tensor: Optional[torch.Tensor]) -> bool:
-    return tensor is not None and _floating(tensor) and not bool(torch.isfinite(tensor).all())
-
-
-def _tensors(tree: Any) -> List[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
-    return []
 
 
 @dataclass
@@ -71,8 +54,8 @@ class ModuleCall:
     @property
     def nonfinite(self) -> bool:
         return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
-                or any(_nonfinite(g) for g in self.grad_outputs.values())
-                or any(_nonfinite(g) for g in self.param_grads.values()))
+                or any(has_nonfinite(g) for g in self.grad_outputs.values())
+                or any(has_nonfinite(g) for g in self.param_grads.values()))
 
 
 def _rng_states() -> Dict[str, torch.Tensor]:
@@ -141,13 +124,13 @@ class ModuleCapture:
                           grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
                           call_index=self._calls_this_step)
         self._calls_this_step += 1
-        produced = _tensors(outputs)
+        produced = tensors_in(outputs)
         call.outputs = [t.detach().clone() for t in produced]
-        call.outputs_nonfinite = any(_nonfinite(t) for t in produced)
+        call.outputs_nonfinite = any(has_nonfinite(t) for t in produced)
         for position, tensor in enumerate(produced):
             if tensor.requires_grad:
                 tensor.register_hook(self._grad_hook(call.grad_outputs, position))
-        for position, tensor in enumerate(_tensors((args, kwargs))):
+        for position, tensor in enumerate(tensors_in((args, kwargs))):
             if tensor.requires_grad:
                 tensor.register_hook(self._grad_hook(call.grad_inputs, position))
         if self.mode == "retain":
@@ -208,10 +191,10 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
         "param_grads": sorted(call.param_grads),
         "observed_grads": sorted(name for name, g in observed.items() if g is not None),
         "seen": {"outputs_nonfinite": call.outputs_nonfinite,
-                 "grad_outputs_nonfinite": any(_nonfinite(g) for g in call.grad_outputs.values()),
-                 "grad_inputs_nonfinite": any(_nonfinite(g) for g in call.grad_inputs.values()),
-                 "param_grads_nonfinite": any(_nonfinite(g) for g in call.param_grads.values()),
-                 "observed_nonfinite": any(_nonfinite(g) for g in observed.values()),
+                 "grad_outputs_nonfinite": any(has_nonfinite(g) for g in call.grad_outputs.values()),
+                 "grad_inputs_nonfinite": any(has_nonfinite(g) for g in call.grad_inputs.values()),
+                 "param_grads_nonfinite": any(has_nonfinite(g) for g in call.param_grads.values()),
+                 "observed_nonfinite": any(has_nonfinite(g) for g in observed.values()),
                  "first_nonfinite_op": call.trace.first_nonfinite},
         "rng": sorted(call.rng),
         **context,
@@ -222,8 +205,8 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
 def _extremes(tree: Any) -> List[Optional[List[float]]]:
     """abs-min and abs-max of each floating tensor of a tree (None where a tensor is not floating)."""
     out = []
-    for tensor in _tensors(tree):
-        if _floating(tensor) and tensor.numel():
+    for tensor in tensors_in(tree):
+        if tensor.is_floating_point() and tensor.numel():
             magnitude = tensor.detach().abs().float()
             out.append([json_float(magnitude.min()), json_float(magnitude.max())])
         else:
@@ -257,8 +240,8 @@ class ForwardOriginFinder:
         name = self.names.get(id(module))
         if name is None or self.found is not None:
             return
-        inputs_finite = not any(_nonfinite(t) for t in _tensors(args))
-        outputs_bad = any(_nonfinite(t) for t in _tensors(outputs))
+        inputs_finite = not any(has_nonfinite(t) for t in tensors_in(args))
+        outputs_bad = any(has_nonfinite(t) for t in tensors_in(outputs))
         self.frames = (self.frames + [{"module": name, "class": type(module).__qualname__,
                                        "inputs": _extremes(args), "outputs": _extremes(outputs)}])[-self.max_frames:]
         if inputs_finite and outputs_bad:

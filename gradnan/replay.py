@@ -25,6 +25,7 @@ import torch
 
 from .bundle import load_bundle
 from .reader import ReadError
+from .scan import has_nonfinite, tensors_in
 from .trace import Trace, TraceError, replay
 
 PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
@@ -32,20 +33,6 @@ PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
 MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
 REPLAY_SCHEMA = "gradnan.replay"
-
-
-def _nonfinite(tensor: Optional[torch.Tensor]) -> bool:
-    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
-
-
-def _flat(tree: Any) -> List[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _flat(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _flat(item)]
-    return []
 
 
 def _with_grads(outputs: Any, grads: Dict[int, torch.Tensor], counter: List[int]) -> Any:
@@ -72,10 +59,10 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
     if rng is not None:
         torch.set_rng_state(rng)
     result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device)
-    outputs = _flat(result.outputs)
+    outputs = tensors_in(result.outputs)
     return {
-        "outputs_nonfinite": any(_nonfinite(t) for t in outputs),
-        "grads_nonfinite": any(_nonfinite(g) for g in result.grads.values()),
+        "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
+        "grads_nonfinite": any(has_nonfinite(g) for g in result.grads.values()),
         "first_nonfinite": result.first_nonfinite,
         "_outputs": outputs,
         "_grads": result.grads,
@@ -126,7 +113,7 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
     """The forward first (its inputs are the module's own); the backward only where the forward is
     finite, since it starts from the incoming gradient, which may already be bad."""
     captured, wide = runs["captured"], runs["float64"]
-    bad_leaves = [name for name in leaf_names if name.startswith(MODULE_INPUTS) and _nonfinite(tensors[name])]
+    bad_leaves = [name for name in leaf_names if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
     operator = captured["first_nonfinite"]
     where = f" at {operator['op']} ({operator.get('phase', 'forward')})" if operator else ""
     if bad_leaves:
@@ -139,7 +126,7 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                     "summary": f"reproduces in the captured dtype, not in float64: overflow or underflow{where}"}
         return {"verdict": "bad_operator_or_input", "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it, or a bug in it"}
-    if any(_nonfinite(g) for g in grads.values()):
+    if any(has_nonfinite(g) for g in grads.values()):
         return {"verdict": "incoming_gradient_nonfinite", "reproduces": True,
                 "summary": "the forward is finite but the gradient flowing into the module's outputs was already"
                            " non-finite: look downstream (the modules after it)"}

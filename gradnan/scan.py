@@ -14,7 +14,7 @@ size of the input; results stay on the device until one host read per level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -187,6 +187,22 @@ def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int,
         if result is not None:
             found.append((index, result))
     return found
+
+
+def tensors_in(tree: Any) -> List[torch.Tensor]:
+    """The tensors of a nested tuple/list/dict structure (a module's inputs or outputs), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in tensors_in(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in tensors_in(item)]
+    return []
+
+
+def has_nonfinite(tensor: Any) -> bool:
+    """True for a floating tensor holding a NaN or Inf (one host read; for the capture/replay paths)."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
 
 
 def unravel(flat_index: int, shape: Sequence[int]) -> List[int]:
