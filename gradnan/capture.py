@@ -58,6 +58,22 @@ class ModuleCall:
                 or any(has_nonfinite(g) for g in self.param_grads.values()))
 
 
+_FAILED: set = set()
+
+
+def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Capture runs inside the training step: a failure (e.g. out of memory while cloning) drops the
+    capture of that call, logged once per kind, and training goes on."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if what not in _FAILED:
+            _FAILED.add(what)
+            logger.error("capture: %s failed, this call is not captured (training goes on): %s: %s",
+                         what, type(exc).__name__, exc)
+        return None
+
+
 def _rng_states() -> Dict[str, torch.Tensor]:
     states = {"rng.cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -82,6 +98,7 @@ class ModuleCapture:
         self.name, self.module, self.mode = name, module, mode
         self.calls: List[ModuleCall] = []
         self.steps_watched = 0
+        self.context: Dict[str, Any] = {}
         self._handles: List[Any] = []
         self._had_forward = "forward" in vars(module)
         self._original_forward = module.forward
@@ -107,18 +124,25 @@ class ModuleCapture:
         def hook(grad: torch.Tensor) -> None:
             if self.calls:
                 current = self.calls[-1].param_grads
-                current[param_name] = grad.detach().clone() + current.get(param_name, 0)
+                _guarded("parameter gradient", lambda: current.__setitem__(
+                    param_name, grad.detach().clone() + current.get(param_name, 0)))
         return hook
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         recorder = OpRecorder()
-        recorder.mark_inputs(list(args), "args")
-        recorder.mark_inputs(kwargs, "kwargs")
-        recorder.mark_inputs(dict(self.module.named_parameters()), "param")
-        recorder.mark_inputs(dict(self.module.named_buffers()), "buffer")
-        rng = _rng_states()
+        rng = _guarded("capture", lambda: (
+            recorder.mark_inputs(list(args), "args"), recorder.mark_inputs(kwargs, "kwargs"),
+            recorder.mark_inputs(dict(self.module.named_parameters()), "param"),
+            recorder.mark_inputs(dict(self.module.named_buffers()), "buffer"), _rng_states())[-1])
+        if rng is None:
+            return self._original_forward(*args, **kwargs)
         with recorder:
             outputs = self._original_forward(*args, **kwargs)
+        _guarded("capture", self._keep, recorder, rng, outputs, args, kwargs)
+        return outputs
+
+    def _keep(self, recorder: OpRecorder, rng: Dict[str, torch.Tensor], outputs: Any, args: Any,
+              kwargs: Any) -> None:
         in_backward = torch._C._current_autograd_node() is not None  # activation recompute runs in backward
         call = ModuleCall(trace=recorder.result(outputs), rng=rng, recompute=in_backward,
                           grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
@@ -127,22 +151,23 @@ class ModuleCapture:
         produced = tensors_in(outputs)
         call.outputs = [t.detach().clone() for t in produced]
         call.outputs_nonfinite = any(has_nonfinite(t) for t in produced)
+        # hooks on activations only: a hook on a leaf (a Parameter returned as bias, a tied weight passed
+        # in) would outlive the call and this capture
         for position, tensor in enumerate(produced):
-            if tensor.requires_grad:
+            if tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(self._grad_hook(call.grad_outputs, position))
         for position, tensor in enumerate(tensors_in((args, kwargs))):
-            if tensor.requires_grad:
+            if tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(self._grad_hook(call.grad_inputs, position))
         if self.mode == "retain":
             self.calls = [call]
         else:
             self.calls.append(call)
-        return outputs
 
     @staticmethod
     def _grad_hook(store: Dict[int, torch.Tensor], position: int):
         def hook(grad: torch.Tensor) -> None:
-            store[position] = grad.detach().clone()
+            _guarded("gradient", lambda: store.__setitem__(position, grad.detach().clone()))
         return hook
 
     def chosen_call(self) -> Optional[ModuleCall]:
@@ -262,7 +287,6 @@ class CaptureManager:
         self._observed_grad, self._this_rank = observed_grad, this_rank
         self.captures: Dict[str, ModuleCapture] = {}
         self.finder: Optional[ForwardOriginFinder] = None
-        self.context: Dict[str, Any] = {}
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
         patterns = [p.strip() for p in self.config.capture_modules.split(",") if p.strip()]
@@ -293,6 +317,8 @@ class CaptureManager:
 
     def start(self, next_step: int) -> None:
         """Optimizer built: retention begins; an explicit capture of the first step is armed."""
+        if self.config.capture_modules and not self._selected():
+            logger.warning("capture_modules %r matches no module of this model", self.config.capture_modules)
         if self._rank_selected() and self.config.capture_retain:
             for name, _ in self._selected():
                 self.arm(name, "retain")
@@ -310,7 +336,7 @@ class CaptureManager:
                 continue
             call = capture.chosen_call()
             if call is not None:
-                self._write(step, capture, call, {}, {"trigger": capture.mode, **self.context})
+                self._write(step, capture, call, {}, {"trigger": capture.mode, **capture.context})
             if call is not None or capture.mode == "always":
                 self.disarm(name)
                 continue
@@ -320,9 +346,9 @@ class CaptureManager:
                 self.disarm(name)
         if self.finder is not None:
             self.finder.steps_left -= 1
-            if self.finder.found is not None:
-                self.context = {"forward_origin": self.finder.found, "frames": self.finder.frames}
-                self.arm(self.finder.found, "on_nonfinite")
+            if self.finder.found is not None and self.arm(self.finder.found, "on_nonfinite"):
+                self.captures[self.finder.found].context = {"forward_origin": self.finder.found,
+                                                            "frames": self.finder.frames}
             if self.finder.found is not None or self.finder.steps_left <= 0:
                 self.finder.detach()
                 self.finder = None
@@ -334,7 +360,8 @@ class CaptureManager:
             if capture.mode == "retain" and capture.calls:
                 params = dict(capture.module.named_parameters())
                 observed = {name: self._observed_grad(param) for name, param in params.items()}
-                self._write(step, capture, capture.calls[-1], observed, {"trigger": "retain"})
+                if not self._write(step, capture, capture.calls[-1], observed, {"trigger": "retain"}):
+                    self.disarm(capture.name)  # nothing more can be written: stop tracing every step
         if not (arm and self.config.capture):
             return
         if forward_pattern:

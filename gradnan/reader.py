@@ -219,6 +219,8 @@ def read_run(run_dir: Path) -> RunFiles:
         except ReadError as exc:
             files.problems.append(str(exc))
     for path in sorted(run_dir.glob(BUNDLE_MANIFESTS)):
+        if path.parent.name.startswith("."):  # a bundle still being written (or its writer died)
+            continue
         try:
             files.bundles[path.parent] = load_bundle_manifest(path)
         except ReadError as exc:

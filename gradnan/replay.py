@@ -33,6 +33,14 @@ PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
 MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
 REPLAY_SCHEMA = "gradnan.replay"
+REPLAY_VERSION = 1
+
+
+def _same(saved: torch.Tensor, replayed: torch.Tensor) -> bool:
+    """Bitwise equal, NaN matching NaN (a saved NaN replayed as NaN is the same result)."""
+    if saved.shape != replayed.shape or saved.dtype != replayed.dtype:
+        return False
+    return bool(((saved == replayed) | (torch.isnan(saved) & torch.isnan(replayed))).all())
 
 
 def _with_grads(outputs: Any, grads: Dict[int, torch.Tensor], counter: List[int]) -> Any:
@@ -80,22 +88,32 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
         trace = Trace.from_json(manifest["trace"], {name: tensors[name] for name in leaf_names})
     except TraceError as exc:
         raise ReadError(f"{path}: {exc}") from None
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ReadError(f"--device {device!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
+        raise ReadError(f"--device {device}: no such CUDA device here")
     grads = {int(key.split(".", 1)[1]): t.to(target) for key, t in tensors.items() if key.startswith("grad_out.")}
     grad_leaves = [name for name in leaf_names
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
-    runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"))
-            for label, dtype in PRECISIONS}
+    try:
+        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"))
+                for label, dtype in PRECISIONS}
+    except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
+        raise ReadError(f"{path}: cannot replay: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     seen = manifest.get("seen", {})
     captured = runs["captured"]
     saved_outputs = [tensors[f"out.{i}"] for i in range(int(manifest.get("outputs", 0))) if f"out.{i}" in tensors]
     matches = len(saved_outputs) == len(captured["_outputs"]) and all(
-        torch.equal(saved.to(target), replayed.detach()) or (
-            saved.shape == replayed.shape and torch.equal(torch.isfinite(saved.to(target)), torch.isfinite(replayed)))
-        for saved, replayed in zip(saved_outputs, captured["_outputs"]))
+        _same(saved.to(target), replayed.detach()) for saved, replayed in zip(saved_outputs, captured["_outputs"]))
     judgement = _judge(seen, runs, tensors, leaf_names, grads)
+    if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
+        judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from outside it"
+                                 " (a collective with other ranks, e.g. a tensor-parallel all-reduce)")
     return {
         "schema": REPLAY_SCHEMA,
+        "version": REPLAY_VERSION,
         "bundle": str(path),
         "module": manifest["module"],
         "step": manifest.get("step"),
@@ -126,6 +144,10 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                     "summary": f"reproduces in the captured dtype, not in float64: overflow or underflow{where}"}
         return {"verdict": "bad_operator_or_input", "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it, or a bug in it"}
+    if seen.get("outputs_nonfinite"):
+        return {"verdict": "not_reproduced", "reproduces": False,
+                "summary": "does not reproduce: the output was non-finite in training but the module computes"
+                           " finite values from the same inputs"}
     if any(has_nonfinite(g) for g in grads.values()):
         return {"verdict": "incoming_gradient_nonfinite", "reproduces": True,
                 "summary": "the forward is finite but the gradient flowing into the module's outputs was already"

@@ -276,10 +276,12 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
                                 "ranks": sorted({r["rank"].get("global_rank") for r in records})}
                                for key, records in runs.items()],
     }
+    in_run = split_runs(list(files.bundles.values()) + runs.get(chosen, []))
     report["bundles"] = [
         {"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
          "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
-        for path, doc in sorted(files.bundles.items())]
+        for path, doc in sorted(files.bundles.items())
+        if any(doc is other for other in in_run.get(chosen, []))]
     report["selftests"] = [
         {"file": str(path), "time": doc.get("time"), "pass": doc["pass"], "world_size": doc.get("world_size"),
          "failing_ranks": [{key: entry.get(key) for key in ("rank", "host", "device", "reasons")}

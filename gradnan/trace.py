@@ -343,6 +343,7 @@ class OpRecorder(TorchDispatchMode):
         self._ops: List[Dict[str, Any]] = []
         self._count = 0
         self._first = _FirstNonFinite()
+        self.broken: Optional[str] = None  # why recording stopped, if it had to
 
     def mark_inputs(self, tree: Any, prefix: str) -> None:
         """Name the tensors of an input tree before running (``args.0``, ``kwargs.mask``,
@@ -361,7 +362,10 @@ class OpRecorder(TorchDispatchMode):
                 self.mark_inputs(item, f"{prefix}.{key}")
 
     def result(self, outputs: Any) -> Trace:
-        """The Trace, after the with-block, with ``outputs`` (the module's return tree) as references."""
+        """The Trace, after the with-block, with ``outputs`` (the module's return tree) as references;
+        TraceError if recording failed part-way (the ops themselves ran normally)."""
+        if self.broken is not None:
+            raise TraceError(f"recording stopped: {self.broken}")
         encoded = _encode(outputs, self._input_name)
         return Trace(ops=list(self._ops), leaves=dict(self._leaves), outputs=encoded,
                      first_nonfinite=self._first.found)
@@ -396,6 +400,23 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.broken is not None:
+            return func(*args, **kwargs)
+        try:
+            entry, finite = self._begin(func, args, kwargs)
+        except Exception as exc:  # the recording must never break the op it records
+            self.broken = f"{type(exc).__name__}: {exc}"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            self._first.check(len(self._ops), entry["op"], finite, out)
+            entry["out"] = _encode(out, self._external_output if entry.get("external") else self._output_name)
+            self._ops.append(entry)
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def _begin(self, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
         name = _op_name(func)
         namespace = func.namespace
         entry: Dict[str, Any] = {"op": name}
@@ -407,12 +428,7 @@ class OpRecorder(TorchDispatchMode):
         entry["kwargs"] = {key: _encode(value, self._input_name) for key, value in kwargs.items()}
         if any("opaque" in node for node in _nodes(_op_inputs(entry))):
             entry["opaque"] = True
-        finite = self._first.inputs_finite(args, kwargs)
-        out = func(*args, **kwargs)
-        self._first.check(len(self._ops), name, finite, out)
-        entry["out"] = _encode(out, self._external_output if entry.get("external") else self._output_name)
-        self._ops.append(entry)
-        return out
+        return entry, self._first.inputs_finite(args, kwargs)
 
 
 # --- replay -----------------------------------------------------------------------------------

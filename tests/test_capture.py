@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
                    gradnan={"out_dir": str(root / "one_off"), "capture_modules": CORRUPTED_MODULE,
                             "capture_retain": True, "capture_ranks": "1"},
                    injections=(Injection(1, 2, CORRUPTED_MODULE + ".weight", "nan", where="main_grad", index=7),)),
-        TinyGPTJob(tp=2, dtype="bf16", steps=3, recompute=True, position_embedding="rope",
+        TinyGPTJob(dtype="bf16", steps=3, recompute=True, position_embedding="rope",  # DP=2: no TP collective
                    gradnan={"out_dir": str(root / "recompute"), "capture_modules": ATTENTION, "capture_steps": "2",
                             "capture_ranks": "0"}),
     ]
@@ -93,7 +93,7 @@ def test_capture_across_recompute_with_keyword_arguments(runs):
     assert any(name.startswith("kwargs.attention_mask") for name in leaves)
     assert any(name.startswith("kwargs.rotary_pos_emb") for name in leaves)
     replayed = json.loads(_replay(bundle, "--json").stdout)
-    assert replayed["verdict"] == "healthy" and replayed["replay_matches_saved_outputs"]
+    assert replayed["verdict"] == "healthy" and replayed["replay_matches_saved_outputs"]  # bitwise, NaN-aware
 
 
 def test_a_tampered_bundle_is_refused_in_one_line(runs, tmp_path):
@@ -143,3 +143,22 @@ def test_an_armed_capture_whose_failure_does_not_recur_stops_watching():
         module(torch.ones(2, 4)).sum().backward()
         manager.end_step(step + 2)
     assert "forward" not in vars(module) and not manager.captures and manager.finder is None
+
+
+def test_a_tensor_parallel_peer_that_received_the_overflow_is_not_blamed(runs):
+    """Rank 0's fc2 got the Inf through the row-parallel all-reduce: its own computation is finite."""
+    bundles = [b for b in _bundles(runs / "overflow", 0) if "linear_fc2" in b.name]
+    assert bundles
+    replayed = json.loads(_replay(bundles[0], "--json").stdout)
+    assert replayed["verdict"] == "not_reproduced"
+    assert "from outside it" in replayed["summary"] and not replayed["replay_matches_saved_outputs"]
+
+
+def test_replay_of_an_unreplayable_bundle_is_one_line(runs, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(_bundles(runs / "one_off", 1)[0], bundle)
+    for device, message in (("cuda:7", "no such CUDA device"), ("warp-drive", "is not a device")):
+        result = _replay(bundle, "--device", device)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
