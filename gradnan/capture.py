@@ -128,12 +128,17 @@ class ModuleCapture:
                     param_name, grad.detach().clone() + current.get(param_name, 0)))
         return hook
 
+    def _prepare(self, recorder: OpRecorder, args: Any, kwargs: Any) -> Dict[str, torch.Tensor]:
+        """Name the call's inputs, parameters and buffers for the trace; the RNG state before the call."""
+        recorder.mark_inputs(list(args), "args")
+        recorder.mark_inputs(kwargs, "kwargs")
+        recorder.mark_inputs(dict(self.module.named_parameters()), "param")
+        recorder.mark_inputs(dict(self.module.named_buffers()), "buffer")
+        return _rng_states()
+
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         recorder = OpRecorder()
-        rng = _guarded("capture", lambda: (
-            recorder.mark_inputs(list(args), "args"), recorder.mark_inputs(kwargs, "kwargs"),
-            recorder.mark_inputs(dict(self.module.named_parameters()), "param"),
-            recorder.mark_inputs(dict(self.module.named_buffers()), "buffer"), _rng_states())[-1])
+        rng = _guarded("capture", self._prepare, recorder, args, kwargs)
         if rng is None:
             return self._original_forward(*args, **kwargs)
         with recorder:
