@@ -410,11 +410,14 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
                          + (" ..." if len(steps) > 8 else ""))
     if report.get("bundles"):
         lines.append("Captured for replay:")
-        lines += [f"  gradnan replay {b['path']}   ({b['module']}, rank {b['global_rank']}, step {b['step']})"
-                  for b in report["bundles"][:6]]
+        for bundle in report["bundles"][:4]:
+            lines.append(f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:")
+            lines.append(f"    gradnan replay {bundle['path']}")
+        if len(report["bundles"]) > 4:
+            lines.append(f"  ... and {len(report['bundles']) - 4} more (see --json)")
     if report.get("rerun_capture"):
-        settings = " ".join(f"{key}={value}" for key, value in report["rerun_capture"].items())
-        lines.append(f"To capture this step on a rerun from a checkpoint: {settings}")
+        lines.append("To capture this step on a rerun from a checkpoint, set:")
+        lines.append("  " + " ".join(f"{key}={value}" for key, value in report["rerun_capture"].items()))
     for result in report.get("selftests", []):
         state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
             f"rank {e['rank']} ({e['host']} {e['device']})" for e in result["failing_ranks"])

@@ -119,8 +119,9 @@ def test_from_report_to_replay_in_two_commands(runs):
     """The documented workflow: `gradnan report RUN_DIR` names the bundle and the command; run it."""
     report = subprocess.run([sys.executable, "-m", "gradnan", "report", str(runs / "overflow")],
                             capture_output=True, text=True, timeout=120)
-    [command] = [line.split("(")[0].split() for line in report.stdout.splitlines()
-                 if line.strip().startswith("gradnan replay") and "rank 1," in line]
+    lines = report.stdout.splitlines()
+    [command] = [lines[i + 1].split() for i, line in enumerate(lines[:-1])
+                 if "on rank 1," in line and lines[i + 1].strip().startswith("gradnan replay ")]
     replayed = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr
     assert "Verdict: precision" in replayed.stdout and "decoder.layers.1.mlp" in replayed.stdout

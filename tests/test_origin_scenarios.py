@@ -109,9 +109,10 @@ def test_overlapped_reduction_with_several_buckets_and_accumulation(reports):
 
 def test_text_report_fits_one_screen_for_a_four_rank_job(reports):
     for _, report in reports.values():
-        text = format_text(report)
-        assert len(text.splitlines()) <= 40
-        assert max(len(line) for line in text.splitlines()) <= 160
+        lines = format_text(report).splitlines()
+        assert len(lines) <= 40
+        # the replay command lines hold the bundle's path, as long as wherever the user keeps the run
+        assert max(len(line) for line in lines if not line.strip().startswith("gradnan replay ")) <= 160
 
 
 def test_megatron_check_for_nan_in_grad_raises_after_our_record_is_on_disk(tmp_path):
