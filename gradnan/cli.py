@@ -87,6 +87,8 @@ def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def _print_maps(rows: List[Dict[str, Any]]) -> None:
+    if not rows:
+        print("the selected map(s) list no parameters (a rank whose optimizer steps none)")
     for row in rows:
         shard = f" shard {row['shard']}" if row.get("shard") else ""
         print(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')} {row.get('dtype')}{shard}")

@@ -546,6 +546,12 @@ def test_the_cli_survives_a_file_the_readers_accept(files, capsys):
     check_cli(files, capsys)
 
 
+def test_maps_of_a_rank_without_parameters_say_so(capsys):
+    """Found by the CLI property: a valid map with an empty 'params' list printed nothing."""
+    document = a_map(0, [], [], {"id": None, "attempt": 0, "started": 1.7e9})
+    check_cli({f"{MAPS_DIR}/{rank_tag(coords(0))}.json": as_json(document)}, capsys)
+
+
 # json.loads raises a bare ValueError (not JSONDecodeError) for an integer of more than 4300 digits.
 A_HUGE_INTEGER_LITERAL = b'{"schema": "gradnan.record", "version": 1, "step": ' + b"1" * 5000 + b"}\n"
 
