@@ -26,7 +26,7 @@ import torch
 from .bundle import load_bundle
 from .reader import ReadError
 from .scan import has_nonfinite, tensors_in
-from .trace import Trace, TraceError, replay
+from .trace import Trace, TraceError, output_tree, replay
 
 PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
@@ -43,27 +43,11 @@ def _same(saved: torch.Tensor, replayed: torch.Tensor) -> bool:
     return bool(((saved == replayed) | (torch.isnan(saved) & torch.isnan(replayed))).all())
 
 
-def _with_grads(outputs: Any, grads: Dict[int, torch.Tensor], counter: List[int]) -> Any:
-    """The output tree with each tensor replaced by its captured incoming gradient (or None)."""
-    if isinstance(outputs, torch.Tensor):
-        position = counter[0]
-        counter[0] += 1
-        return grads.get(position)
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(_with_grads(item, grads, counter) for item in outputs)
-    if isinstance(outputs, dict):
-        return {key: _with_grads(item, grads, counter) for key, item in outputs.items()}
-    return None
-
-
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
          grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor]) -> Dict[str, Any]:
-    """Forward (to learn the output tree), then forward and backward with the captured incoming
-    gradients; the RNG state of the capture is restored before each, so dropout draws the same."""
-    if rng is not None:
-        torch.set_rng_state(rng)
-    shape_run = replay(trace, dtype=dtype, device=device)
-    grad_outputs = _with_grads(shape_run.outputs, grads, [0]) if grads else None
+    """Forward and backward with the captured incoming gradients, the capture's RNG state restored
+    first so dropout draws the same."""
+    grad_outputs = output_tree(trace, grads.get) if grads else None
     if rng is not None:
         torch.set_rng_state(rng)
     result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device)

@@ -556,6 +556,13 @@ def _backward(outputs: Any, env: Dict[str, torch.Tensor], grad_outputs: Any,
     return dict(zip(graph_leaves, grads)), watch.first.found
 
 
+def output_tree(trace: Trace, values: Callable[[int], Any]) -> Any:
+    """The module's output structure with ``values(i)`` in place of its i-th tensor, in the order the
+    outputs list them (e.g. the gradients captured for them, to pass as ``grad_outputs``)."""
+    positions = iter(range(len(_refs(trace.outputs))))
+    return _decode(trace.outputs, lambda name: values(next(positions)))
+
+
 def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any = None,
            grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None) -> ReplayResult:
     """Re-execute ``trace.ops`` on copies of ``trace.leaves``.

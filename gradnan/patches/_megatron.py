@@ -87,10 +87,6 @@ def tensor_parallel_facts(param: torch.nn.Parameter) -> Dict[str, object]:
             "partition_stride": getattr(param, "partition_stride", None)}
 
 
-def global_param_names(chunks: Iterable[torch.nn.Module]) -> Dict[torch.nn.Parameter, str]:
-    return {param: name for name, param in global_named_parameters(chunks)}
-
-
 def _call_or_none(getter_name: str) -> Optional[int]:
     from megatron.core import parallel_state
 
