@@ -1,13 +1,23 @@
-"""One configuration dataclass, settable by keyword arguments or ``GRADNAN_*`` environment variables."""
+"""One configuration dataclass, settable three ways: keyword arguments, ``GRADNAN_*`` environment
+variables, and a JSON or TOML file named by ``GRADNAN_CONFIG`` (same field names in all three)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Set
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 ENV_PREFIX = "GRADNAN_"
+CONFIG_FILE_ENV = "GRADNAN_CONFIG"  # names a config file; not a field
+FRAME_MODES = ("off", "detect", "trace")
 RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -47,6 +57,19 @@ class GradnanConfig:
     capture_retain: keep the last call of capture_modules every step and write it when a detection
         happens in that step (the failing step itself, without a rerun; costs a trace every step).
     max_bundles: bundles a rank writes at most. max_bundle_bytes: a larger bundle is not written.
+    ranks: global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all.
+        Maps are written on every rank (the report needs them to name receivers).
+    steps: steps ("10-20") in which anything is recorded; empty: all. Like every step filter, a step
+        is Megatron-LM's iteration where its loop runs, else gradnan's step (the records' ``step``).
+    modules / exclude_modules: global module names or fnmatch patterns (comma-separated) that frame
+        tracing and capture may watch (empty modules: all) and those they never watch.
+    frames: forward frame tracing (abs-min/abs-max of each module call's weights, inputs and outputs,
+        computed on the device, read once per step): "off"; "detect": keep the last ``max_frames``
+        frames and write them when a forward value first goes non-finite; "trace": write every frame
+        of the ``trace_steps``.
+    trace_steps: steps ("1,3") whose frames "trace" mode writes. max_frames: frames kept by "detect".
+    abort_after_step: stop the run (``AbortRequested``) once this step has finished and its records
+        are on disk; 0: never.
     log_level: level of the ``gradnan`` logger.
     """
 
@@ -67,6 +90,14 @@ class GradnanConfig:
     capture_retain: bool = False
     max_bundles: int = 4
     max_bundle_bytes: int = 256 << 20
+    ranks: str = ""
+    steps: str = ""
+    modules: str = ""
+    exclude_modules: str = ""
+    frames: str = "off"
+    trace_steps: str = ""
+    max_frames: int = 21
+    abort_after_step: int = 0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -85,8 +116,15 @@ class GradnanConfig:
                 f"gradnan config field 'on_nonfinite' must be continue or raise, got {self.on_nonfinite!r}")
         if self.max_records_bytes < 4096:
             raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
-        for name in ("capture_steps", "capture_ranks"):
+        for name in ("capture_steps", "capture_ranks", "ranks", "steps", "trace_steps"):
             parse_ranges(getattr(self, name), name)
+        if self.frames not in FRAME_MODES:
+            raise ConfigError(f"gradnan config field 'frames' must be off, detect or trace, got {self.frames!r}")
+        if (self.frames == "trace") != bool(self.trace_steps.strip()):
+            raise ConfigError("gradnan config fields 'frames' and 'trace_steps' go together: frames='trace'"
+                              " needs trace_steps, and trace_steps needs frames='trace'")
+        if self.max_frames < 1 or self.abort_after_step < 0:
+            raise ConfigError("gradnan config field 'max_frames' must be >= 1 and 'abort_after_step' >= 0")
         if self.max_bundles < 0 or self.max_bundle_bytes < 0:
             raise ConfigError("gradnan config fields 'max_bundles' and 'max_bundle_bytes' must be >= 0")
         if self.max_params_per_record < 1:
@@ -124,33 +162,89 @@ def _parse(name: str, type_name: str, raw: str) -> Any:
     return text
 
 
+RANGE_FIELDS = ("ranks", "steps", "trace_steps", "capture_steps", "capture_ranks")
+PATTERN_FIELDS = ("modules", "exclude_modules", "capture_modules")
+
+
+def parse_patterns(text: str) -> list:
+    """ "decoder.*, output_layer" -> ["decoder.*", "output_layer"]."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """The ``GRADNAN_*`` variables as config fields; an unknown ``GRADNAN_`` name is an error (typos)."""
     environ = os.environ if environ is None else environ
     by_env_name = {ENV_PREFIX + spec.name.upper(): spec for spec in fields(GradnanConfig)}
     options = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key.startswith(RESERVED_PREFIXES):
+        if not key.startswith(ENV_PREFIX) or key.startswith(RESERVED_PREFIXES) or key == CONFIG_FILE_ENV:
             continue
         spec = by_env_name.get(key)
         if spec is None:
-            known = ", ".join(sorted(by_env_name))
+            known = ", ".join(sorted([*by_env_name, CONFIG_FILE_ENV]))
             raise ConfigError(f"unknown environment variable {key} (known: {known})")
         options[spec.name] = _parse(spec.name, spec.type, raw)
+    return options
+
+
+def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
+    """A config-file value as the field's type: ranges and patterns may also be lists."""
+    if name in RANGE_FIELDS and isinstance(value, list):
+        if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where}: field '{name}' must list step/rank numbers or ranges like \"3-5\"")
+        value = ",".join(str(v) for v in value)
+    elif name in PATTERN_FIELDS and isinstance(value, list):
+        if not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: field '{name}' must list module names or patterns (text)")
+        value = ",".join(value)
+    expected = {"str": str, "bool": bool, "int": int}[type_name]
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        kind = {"str": "text", "bool": "true or false", "int": "an integer"}[type_name]
+        raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
+    return value
+
+
+def options_from_file(path: str) -> Dict[str, Any]:
+    """The fields of a JSON (``.json``) or TOML (``.toml``) config file; unknown or ill-typed fields are
+    errors naming the field."""
+    where = f"gradnan config file {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        document = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        syntax = "TOML" if str(path).endswith(".toml") else "JSON"
+        raise ConfigError(f"{where}: invalid {syntax} ({str(exc).splitlines()[0][:100]})") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{where}: must hold one object of fields")
+    by_name = {spec.name: spec for spec in fields(GradnanConfig)}
+    options = {}
+    for name, value in document.items():
+        spec = by_name.get(name)
+        if spec is None:
+            raise ConfigError(f"{where}: unknown field '{name}' (known: {', '.join(sorted(by_name))})")
+        options[name] = _file_value(where, name, spec.type, value)
     return options
 
 
 def resolve_config(
     config: Optional[GradnanConfig] = None,
     environ: Optional[Mapping[str, str]] = None,
+    config_file: Optional[str] = None,
     **options: Any,
 ) -> GradnanConfig:
-    """Defaults < ``GRADNAN_*`` environment < ``config`` < keyword arguments."""
+    """Defaults < config file (``config_file``, else ``GRADNAN_CONFIG``) < ``GRADNAN_*`` environment <
+    ``config`` < keyword arguments."""
     known = {spec.name for spec in fields(GradnanConfig)}
     for name in options:
         if name not in known:
             raise ConfigError(f"unknown gradnan option '{name}' (known: {', '.join(sorted(known))})")
-    merged: Dict[str, Any] = options_from_env(environ)
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(CONFIG_FILE_ENV, "").strip()
+    merged: Dict[str, Any] = options_from_file(config_file) if config_file else {}
+    merged.update(options_from_env(environ))
     if config is not None:
         merged.update(dataclasses.asdict(config))
     merged.update({name: value for name, value in options.items() if value is not None})

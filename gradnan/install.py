@@ -54,16 +54,17 @@ _current: Optional[Installation] = None
 
 
 def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = None,
-            **options: Any) -> Installation:
+            config_file: Optional[str] = None, **options: Any) -> Installation:
     """Patch Megatron so non-finite gradients are named by rank and parameter. Call it before the
     optimizer is built. A second call returns the first installation unchanged (nothing is wrapped
-    twice). Options: the fields of ``GradnanConfig``, also settable as ``GRADNAN_<FIELD>``."""
+    twice). Options: the fields of ``GradnanConfig``, also settable as ``GRADNAN_<FIELD>`` or in a JSON
+    or TOML file (``config_file``, else ``GRADNAN_CONFIG``)."""
     global _current
     with _lock:
         if _current is not None:
             logger.info("already installed; keeping the first configuration")
             return _current
-        resolved = resolve_config(config, out_dir=out_dir, **options)
+        resolved = resolve_config(config, config_file=config_file, out_dir=out_dir, **options)
         resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
         log.configure(resolved.log_level)
         installation = Installation(resolved, Runtime(resolved, rank_coordinates, versions,

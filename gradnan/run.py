@@ -5,7 +5,8 @@
     python -m gradnan.run --out-dir /shared/gradnan --pre-reduction sync -m my_package.train <args>
 
 gradnan options come from ``GRADNAN_*`` environment variables or from flags placed before the script
-(``--out-dir``, ``--pre-reduction``, ... one per ``GradnanConfig`` field; flags win). ``install()`` runs
+(``--out-dir``, ``--pre-reduction``, ... one per ``GradnanConfig`` field; flags win), or a JSON/TOML
+file (``--config FILE`` or ``GRADNAN_CONFIG``). ``install()`` runs
 first, so it is in place before the script builds its optimizer; then the script runs as ``__main__``
 with its own ``sys.argv``.
 """
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=spec.name, type=_boolean, metavar="BOOL")
         else:
             parser.add_argument(flag, dest=spec.name, type=int if spec.type == "int" else str)
+    parser.add_argument("--config", dest="config_file", metavar="FILE",
+                        help="a JSON or TOML file of gradnan options (like GRADNAN_CONFIG)")
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
     parser.add_argument("target", nargs=argparse.REMAINDER, help="the script and its arguments")
     return parser
@@ -66,7 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise _UsageError("give the training script (or -m MODULE) to run")
         if not args.module and not os.path.isfile(args.target[0]):
             raise _UsageError(f"no such script: {args.target[0]}")
-        gradnan.install(**{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
+        gradnan.install(config_file=args.config_file,
+                        **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
     except (_UsageError, ConfigError) as exc:
         print(f"gradnan.run: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

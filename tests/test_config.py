@@ -31,6 +31,14 @@ def test_defaults_match_the_documented_values():
         "capture_retain": False,
         "max_bundles": 4,
         "max_bundle_bytes": 256 << 20,
+        "ranks": "",
+        "steps": "",
+        "modules": "",
+        "exclude_modules": "",
+        "frames": "off",
+        "trace_steps": "",
+        "max_frames": 21,
+        "abort_after_step": 0,
         "log_level": "INFO",
     }
 
