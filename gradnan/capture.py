@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import parse_ranges
+from .config import parse_patterns, parse_ranges
+from .frames import FrameTracer, forward_origin
 from .log import logger
-from .records import json_float
 from .scan import has_nonfinite, tensors_in
 from .trace import OpRecorder, Trace
 
@@ -232,50 +232,34 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
     return manifest, tensors
 
 
-def _extremes(tree: Any) -> List[Optional[List[float]]]:
-    """abs-min and abs-max of each floating tensor of a tree (None where a tensor is not floating)."""
-    out = []
-    for tensor in tensors_in(tree):
-        if tensor.is_floating_point() and tensor.numel():
-            magnitude = tensor.detach().abs().float()
-            out.append([json_float(magnitude.min()), json_float(magnitude.max())])
-        else:
-            out.append(None)
-    return out
-
-
 class ForwardOriginFinder:
-    """For one step, finds the first module (in the order forward calls finish, so the deepest first)
-    whose inputs are all finite and whose outputs are not, keeping the abs-min/abs-max of the modules
-    before it as context (the frames of Hugging Face's DebugUnderflowOverflow). Host reads per module
-    call: armed only after a forward-pass incident."""
+    """For a few steps, traces every module call (``gradnan.frames``, one host read per step) and finds the
+    first module (in the order forward calls finish, so the deepest first) whose weights and inputs are
+    finite and whose outputs are not, keeping the frames before it as context. Armed only after a
+    forward-pass incident."""
 
-    def __init__(self, names: Dict[int, str], max_frames: int = 21) -> None:
-        self.names, self.max_frames = names, max_frames
+    def __init__(self, modules: List[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
+                 max_frames: int = 21) -> None:
+        self.tracer = FrameTracer(modules, step_now, lambda step: True)
+        self.max_frames = max_frames
         self.steps_left = FINDER_STEPS
         self.found: Optional[str] = None
         self.frames: List[Dict[str, Any]] = []
-        self._handle = None
 
     def attach(self) -> "ForwardOriginFinder":
-        self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+        self.tracer.attach()
         return self
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.tracer.detach()
 
-    def _hook(self, module: torch.nn.Module, args: Any, outputs: Any) -> None:
-        name = self.names.get(id(module))
-        if name is None or self.found is not None:
-            return
-        inputs_finite = not any(has_nonfinite(t) for t in tensors_in(args))
-        outputs_bad = any(has_nonfinite(t) for t in tensors_in(outputs))
-        self.frames = (self.frames + [{"module": name, "class": type(module).__qualname__,
-                                       "inputs": _extremes(args), "outputs": _extremes(outputs)}])[-self.max_frames:]
-        if inputs_finite and outputs_bad:
-            self.found = name
+    def end_step(self) -> None:
+        _, frames = self.tracer.read()
+        self.steps_left -= 1
+        origin = forward_origin(frames)
+        if origin is not None:
+            self.found = origin.module
+            self.frames = [frame.to_json() for frame in frames[:frames.index(origin) + 1]][-self.max_frames:]
 
 
 class CaptureManager:
@@ -287,16 +271,20 @@ class CaptureManager:
 
     def __init__(self, config: Any, named_modules: Callable[[], List[Tuple[str, torch.nn.Module]]],
                  write: Callable[..., bool], observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-                 this_rank: Callable[[], int]) -> None:
+                 this_rank: Callable[[], int], step_now: Callable[[], int]) -> None:
         self.config, self._named_modules, self._write = config, named_modules, write
-        self._observed_grad, self._this_rank = observed_grad, this_rank
+        self._observed_grad, self._this_rank, self._step_now = observed_grad, this_rank, step_now
         self.captures: Dict[str, ModuleCapture] = {}
         self.finder: Optional[ForwardOriginFinder] = None
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
-        patterns = [p.strip() for p in self.config.capture_modules.split(",") if p.strip()]
-        return [(name, module) for name, module in self._named_modules()
-                if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+        patterns = parse_patterns(self.config.capture_modules)
+        return [(name, module) for name, module in self._watchable()
+                if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+
+    def _watchable(self) -> List[Tuple[str, torch.nn.Module]]:
+        """Named modules that ``modules`` / ``exclude_modules`` let capture watch."""
+        return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
 
     def _rank_selected(self) -> bool:
         ranks = parse_ranges(self.config.capture_ranks)
@@ -305,7 +293,7 @@ class CaptureManager:
     def arm(self, name: str, mode: str) -> bool:
         if name in self.captures:
             return False
-        module = dict(self._named_modules()).get(name)
+        module = dict(self._watchable()).get(name)
         if module is None:
             return False
         self.captures[name] = ModuleCapture(name, module, mode).attach()
@@ -318,7 +306,7 @@ class CaptureManager:
 
     def arm_forward_origin(self) -> None:
         if self.finder is None:
-            self.finder = ForwardOriginFinder({id(m): n for n, m in self._named_modules() if n}).attach()
+            self.finder = ForwardOriginFinder(self._watchable(), self._step_now).attach()
 
     def start(self, next_step: int) -> None:
         """Optimizer built: retention begins; an explicit capture of the first step is armed."""
@@ -350,7 +338,7 @@ class CaptureManager:
                 logger.info("capture of %s disarmed: no non-finite value in %d steps", name, ARMED_STEPS)
                 self.disarm(name)
         if self.finder is not None:
-            self.finder.steps_left -= 1
+            self.finder.end_step()
             if self.finder.found is not None and self.arm(self.finder.found, "on_nonfinite"):
                 self.captures[self.finder.found].context = {"forward_origin": self.finder.found,
                                                             "frames": self.finder.frames}

@@ -4,11 +4,12 @@ variables, and a JSON or TOML file named by ``GRADNAN_CONFIG`` (same field names
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 try:
     import tomllib
@@ -134,6 +135,12 @@ class GradnanConfig:
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
 
+    def watches(self, module_name: str) -> bool:
+        """Whether frame tracing and capture may hook this module (``modules`` / ``exclude_modules``)."""
+        include, exclude = parse_patterns(self.modules), parse_patterns(self.exclude_modules)
+        return (not include or any(fnmatch.fnmatchcase(module_name, p) for p in include)) and not any(
+            fnmatch.fnmatchcase(module_name, p) for p in exclude)
+
 
 def parse_ranges(text: str, field_name: str = "ranges") -> Set[int]:
     """ "3,7-9" -> {3, 7, 8, 9}; empty text -> empty set."""
@@ -166,7 +173,7 @@ RANGE_FIELDS = ("ranks", "steps", "trace_steps", "capture_steps", "capture_ranks
 PATTERN_FIELDS = ("modules", "exclude_modules", "capture_modules")
 
 
-def parse_patterns(text: str) -> list:
+def parse_patterns(text: str) -> List[str]:
     """ "decoder.*, output_layer" -> ["decoder.*", "output_layer"]."""
     return [part.strip() for part in text.split(",") if part.strip()]
 

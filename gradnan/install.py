@@ -48,6 +48,24 @@ class Installation:
     def uninstall(self) -> None:
         uninstall()
 
+    def start(self, model: Any = None) -> None:
+        """(Re)start recording (msprobe's ``start()``). ``model``: the model chunk(s) of a loop whose
+        optimizer is not Megatron's, so frame tracing, probes and capture know its modules."""
+        if model is not None:
+            chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+            self.runtime.register_chunks(chunks)
+            self.runtime.guarded("frames", self.runtime.start_frames)
+        self.runtime.set_recording(True)
+
+    def stop(self) -> None:
+        """Stop recording after writing what the step so far measured; ``start()`` resumes."""
+        self.runtime.set_recording(False)
+
+    def step(self) -> None:
+        """End a step of a custom loop: its frames and probes are written, the step count advances, and
+        from now on records carry this count instead of the optimizer's (msprobe's ``step()``)."""
+        self.runtime.advance_step()
+
 
 _lock = threading.RLock()
 _current: Optional[Installation] = None
@@ -109,3 +127,11 @@ def uninstall() -> None:
 
 def current() -> Optional[Installation]:
     return _current
+
+
+def check(tensor: Any, label: str) -> None:
+    """Record non-finite values of ``tensor`` under ``label``, with the enclosing module's global name and
+    the step, read at the end of the step (no host sync here). Does nothing when gradnan is not installed."""
+    installation = _current
+    if installation is not None:
+        installation.runtime.guarded("gradnan.check", installation.runtime.probe, tensor, label)

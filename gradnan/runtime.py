@@ -21,10 +21,12 @@ import torch
 
 from .bundle import bundle_dir, tensors_bytes, write_bundle
 from .capture import CaptureManager, bundle_contents
-from .config import GradnanConfig
+from .config import GradnanConfig, parse_ranges
 from .detect import offending_params
+from .frames import FrameBuffer, FrameTracer, first_nonfinite
 from .log import logger
 from .maps import ParamSlot, map_document
+from .probe import Probes, enclosing_module
 from .records import (
     FORWARD_SHARE,
     RECORD_SCHEMA,
@@ -41,6 +43,13 @@ from .records import (
 
 class NonFiniteGradientError(RuntimeError):
     """Raised with ``on_nonfinite="raise"`` after the forensic record is on disk."""
+
+
+class AbortRequested(RuntimeError):
+    """Raised with ``abort_after_step`` once that step has finished and its records are on disk."""
+
+
+_INTENDED = (NonFiniteGradientError, AbortRequested)  # the only exceptions gradnan raises into training
 
 
 class _Tracked:
@@ -87,12 +96,26 @@ class Runtime:
         self._records_full = False
         self._bundles_written = 0
         self._bundle_limits_logged: Set[str] = set()
+        self._named_modules = named_modules
         self.captures = CaptureManager(config, lambda: named_modules(self.known_chunks()), self._write_bundle,
-                                       observed_grad, lambda: int(self._coords()["global_rank"]))
+                                       observed_grad, lambda: int(self._coords()["global_rank"]), self.record_step)
+        self._recording = True
+        self._manual_step: Optional[int] = None
+        self._rank_recorded: Optional[bool] = None
+        self._ranks, self._steps = parse_ranges(config.ranks), parse_ranges(config.steps)
+        self._trace_steps = parse_ranges(config.trace_steps)
+        self.frames: Optional[FrameTracer] = None
+        self._frame_buffer = FrameBuffer(config.max_frames)
+        self._probes = Probes()
+        self._module_name_cache: Optional[Dict[int, str]] = None
 
     def close(self) -> None:
-        """Remove every hook this runtime put on the model (capture)."""
+        """Write what this step measured so far, then remove every hook this runtime put on the model."""
+        self.guarded("end of run", self.flush_step)
         self.captures.close()
+        if self.frames is not None:
+            self.frames.detach()
+            self.frames = None
 
     # -- safety -------------------------------------------------------------------------------------
 
@@ -100,7 +123,7 @@ class Runtime:
         """Run ``fn``; on an exception log it once per (what, type) and return None, unless strict."""
         try:
             return fn(*args)
-        except NonFiniteGradientError:
+        except _INTENDED:
             raise
         except Exception as exc:
             if self.config.strict:
@@ -120,6 +143,7 @@ class Runtime:
             known = {id(ref()) for ref in live}
             live += [weakref.ref(chunk) for chunk in chunks if id(chunk) not in known]
             self._chunks = live
+            self._module_name_cache = None
 
     def known_chunks(self) -> List[torch.nn.Module]:
         return [chunk for chunk in (ref() for ref in self._chunks) if chunk is not None]
@@ -151,15 +175,18 @@ class Runtime:
             logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
         if new:
             self.captures.start(tracked.steps + 1)
+            self.start_frames()
 
     def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
         self.optimizer_built(optimizer, slots)
         tracked, _ = self._track(optimizer)
         tracked.steps += 1
         self._local.stepping = optimizer
+        self.guarded("frames", self.flush_step)  # every forward of this step is done
 
     def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None:
         """``skipped``: the step applied no update (fp16 overflow); counts consecutive skips."""
+        finished = self.selection_step()
         if getattr(self._local, "stepping", None) is optimizer:
             self._local.stepping = None
         with self._lock:
@@ -172,6 +199,8 @@ class Runtime:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
             if not skipped:
                 tracked.scale_collapse_reported = False
+        if self._manual_step is None:
+            self._abort_if_asked(finished)
 
     def stepping_optimizer(self) -> Optional[Any]:
         return getattr(self._local, "stepping", None)
@@ -187,10 +216,116 @@ class Runtime:
     def ids_by_name(self) -> Dict[str, int]:
         return self._ids_by_name
 
+    # -- steps and the recording window --------------------------------------------------------------
+
+    def record_step(self) -> int:
+        """The step in progress as records name it: the custom loop's count once ``step()`` is used,
+        else the optimizer's."""
+        return self._manual_step if self._manual_step is not None else self.upcoming_step()
+
+    def selection_step(self) -> int:
+        """The step in progress as the step filters see it: Megatron-LM's iteration where its loop runs."""
+        if self._manual_step is not None:
+            return self._manual_step
+        iteration = self._iteration()
+        return iteration if iteration is not None else self.upcoming_step()
+
+    def recording(self, step: Optional[int] = None) -> bool:
+        """Whether anything is recorded now (``start()``/``stop()``, ``ranks``, ``steps``)."""
+        if not self._recording:
+            return False
+        if self._ranks and self._rank_recorded is None:
+            self._rank_recorded = int(self._coords()["global_rank"]) in self._ranks
+        if self._ranks and not self._rank_recorded:
+            return False
+        return not self._steps or (self.selection_step() if step is None else step) in self._steps
+
+    def set_recording(self, on: bool) -> None:
+        if not on:
+            self.guarded("frames", self.flush_step)  # the window's last step is written before it closes
+        self._recording = on
+
+    def advance_step(self) -> None:
+        """A custom loop finished a step: write what it measured, then count the next one."""
+        finished = self.selection_step()
+        self.flush_step()
+        self._manual_step = finished + 1
+        self._abort_if_asked(finished)
+
+    def _abort_if_asked(self, finished: int) -> None:
+        limit = self.config.abort_after_step
+        if limit and finished >= limit:
+            raise AbortRequested(f"gradnan: stopping after step {finished} as configured"
+                                 f" (abort_after_step={limit}); records are in {self.config.out_dir}")
+
+    # -- forward frames and probes --------------------------------------------------------------------
+
+    def start_frames(self) -> None:
+        """Hook the watched modules of the known model chunks (once) when frame tracing is on."""
+        if self.config.frames == "off" or self.frames is not None:
+            return
+        modules = [(name, module) for name, module in self._named_modules(self.known_chunks())
+                   if self.config.watches(name)]
+        if not modules:
+            logger.warning("frames=%s: no module to trace (model not seen yet, or modules/exclude_modules"
+                           " exclude them all)", self.config.frames)
+            return
+        self.frames = FrameTracer(modules, self.selection_step, self._frames_wanted).attach()
+
+    def _frames_wanted(self, step: int) -> bool:
+        if not self.recording(step):
+            return False
+        return step in self._trace_steps if self.config.frames == "trace" else True
+
+    def flush_step(self) -> None:
+        """Read what the step's frames and probes measured (one host read each) and write what matters."""
+        step = self.record_step()
+        bad_probes = self._probes.read()
+        if bad_probes and self.recording():
+            self._write_probes(step, bad_probes)
+        if self.frames is None:
+            return
+        _, frames = self.frames.read()
+        if not frames:
+            return
+        if self.config.frames == "trace":
+            self._write("frames", step, [], {"mode": "trace", "frames": [f.to_json() for f in frames],
+                                             "frames_total": len(frames), "first_nonfinite": first_nonfinite(frames)})
+            return
+        window = self._frame_buffer.add(frames)
+        if window is None:
+            return
+        last = window[-1]
+        record = self._write("frames", step, [], {
+            "mode": "detect", "frames": [f.to_json() for f in window], "frames_total": len(window),
+            "first_nonfinite": len(window) - 1, "local_nonfinite": True})
+        logger.error("step %d: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
+                     " %s; frame detection now stops", step, last.module or "<model>", last.cls, _where(record),
+                     len(window) - 1, record["_path"])
+        self.frames.detach()
+
+    def probe(self, tensor: torch.Tensor, label: str) -> None:
+        if self.recording():
+            self._probes.add(tensor, label, self.record_step(), enclosing_module(self._module_names))
+
+    def _module_names(self) -> Dict[int, str]:
+        if self._module_name_cache is None:
+            self._module_name_cache = {id(module): name for name, module in self._named_modules(self.known_chunks())}
+        return self._module_name_cache
+
+    def _write_probes(self, step: int, bad: List[Dict[str, Any]]) -> None:
+        record = self._write("probe", step, [], {"probes": bad, "local_nonfinite": True})
+        first = bad[0]
+        logger.error("step %d: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", step,
+                     first["label"], first["nan"], first["inf"], first["module"] or "code outside any module",
+                     _where(record), record["_path"])
+
     # -- pre-reduction (data-parallel bucket) checks -------------------------------------------------
 
     def first_sync_of_step(self, group: Any) -> bool:
         """True once per bucket group per step (Megatron may start a group's sync twice)."""
+        if not self.recording():
+            return False
         step = self.upcoming_step()
         with self._lock:
             key = (id(group), step)
@@ -246,6 +381,7 @@ class Runtime:
                extra: Dict[str, Any]) -> Dict[str, Any]:
         coords = self._coords()
         limit = self.config.max_params_per_record
+        step = self._manual_step if self._manual_step is not None else step
         record = {
             "schema": RECORD_SCHEMA,
             "version": SCHEMA_VERSION,
@@ -282,6 +418,8 @@ class Runtime:
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if not self.recording():
+            return
         record = self._record(optimizer, "nonfinite_grad_norm", slots, grads,
                               {"grad_norm": json_float(norm)})
         tracked, _ = self._track(optimizer)
@@ -316,6 +454,8 @@ class Runtime:
 
     def _write_bundle(self, step: int, capture: Any, call: Any, observed: Dict[str, Any],
                       context: Dict[str, Any]) -> bool:
+        if not self.recording():
+            return False
         manifest, tensors = bundle_contents(capture, call, observed, context, self._param_facts)
         size = tensors_bytes(tensors)
         limit = ("max_bundles" if self._bundles_written >= self.config.max_bundles
@@ -343,6 +483,8 @@ class Runtime:
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot],
                             grads: Sequence[Optional[torch.Tensor]]) -> None:
+        if not self.recording():
+            return
         tracked, _ = self._track(optimizer)
         skips = tracked.consecutive_skips + 1  # this step's skip is counted when the step returns
         chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]

@@ -129,21 +129,20 @@ def test_from_report_to_replay_in_two_commands(runs):
 
 def test_an_armed_capture_whose_failure_does_not_recur_stops_watching():
     """Unit level (a plain module): capture and finder detach themselves after their step budget."""
-    from types import SimpleNamespace
-
     from gradnan.capture import ARMED_STEPS, FINDER_STEPS, CaptureManager
+    from gradnan.config import GradnanConfig
 
     module = torch.nn.Linear(4, 4)
-    config = SimpleNamespace(capture=True, capture_modules="", capture_steps="", capture_ranks="",
-                             capture_retain=False)
-    manager = CaptureManager(config, lambda: [("lin", module)], lambda *a: True, lambda p: p.grad, lambda: 0)
+    manager = CaptureManager(GradnanConfig(), lambda: [("lin", module)], lambda *a: True, lambda p: p.grad,
+                             lambda: 0, lambda: 1)
     manager.on_detection(1, forward_pattern=False, first_param="lin.weight", arm=True)
     manager.arm_forward_origin()
-    assert "forward" in vars(module) and manager.finder is not None
+    assert "forward" in vars(module) and manager.finder is not None and module._forward_hooks
     for step in range(max(ARMED_STEPS, FINDER_STEPS)):
         module(torch.ones(2, 4)).sum().backward()
         manager.end_step(step + 2)
     assert "forward" not in vars(module) and not manager.captures and manager.finder is None
+    assert not module._forward_hooks
 
 
 def test_a_tensor_parallel_peer_that_received_the_overflow_is_not_blamed(runs):

@@ -1,0 +1,209 @@
+"""Forward frames: the abs-min/abs-max of every watched module call's weights, inputs and outputs
+(Hugging Face ``DebugUnderflowOverflow``'s frames), at one host read per step instead of several per tensor.
+
+A forward hook on each watched module turns the call into a ``Frame``: the names of its entries
+(``weight``, ``input[0]``, ``kwargs.attention_mask``, ``output[0]``, ...) on the host, and for each
+floating-point entry one ``aminmax`` of its magnitude left on the device. ``FrameTracer.read()`` stacks
+the step's statistics and copies them to the host once; only then are frames turned into JSON.
+
+Weights change only at the optimizer step, so a module's weights are measured once per step however
+often it is called. A call made during backward (activation recompute) measures nothing: the frame of
+the same module's forward gets ``recomputed`` counted instead, so frames are never doubled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .records import json_float
+
+
+@dataclass
+class Frame:
+    """One forward call of one module. ``stats[i]`` indexes the step's statistics (None: not measured,
+    e.g. an integer mask); ``values`` holds them once read."""
+
+    step: int
+    module: str
+    cls: str
+    call: int
+    names: List[str]
+    kinds: List[str]
+    dtypes: List[str]
+    stats: List[Optional[int]]
+    recomputed: int = 0
+    values: List[Optional[Tuple[float, float]]] = field(default_factory=list)
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(v is not None and not all(map(_finite, v)) for v in self.values)
+
+    def nonfinite_in(self, kind: str) -> bool:
+        """Whether any entry of this kind ("weight", "input", "output") is non-finite."""
+        return any(v is not None and not all(map(_finite, v)) for k, v in zip(self.kinds, self.values) if k == kind)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "module": self.module, "class": self.cls, "call": self.call,
+                "recomputed": self.recomputed,
+                "entries": [{"name": name, "kind": kind, "dtype": dtype,
+                             "abs_min": None if v is None else json_float(v[0]),
+                             "abs_max": None if v is None else json_float(v[1])}
+                            for name, kind, dtype, v in zip(self.names, self.kinds, self.dtypes, self.values)]}
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
+def named_entries(args: Sequence[Any], kwargs: Dict[str, Any], outputs: Any) -> List[Tuple[str, str, Any]]:
+    """(name, kind, tensor) for the tensors of a call, named as DebugUnderflowOverflow names them
+    (``input[i]``, ``output``, ``output[i][j]``), plus ``kwargs.<name>``; nested lists, tuples and dicts
+    are walked."""
+    entries: List[Tuple[str, str, Any]] = []
+
+    def walk(name: str, kind: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            entries.append((name, kind, value))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{name}[{index}]", kind, item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{name}.{key}", kind, item)
+
+    for index, value in enumerate(args):
+        walk(f"input[{index}]", "input", value)
+    for key, value in kwargs.items():
+        walk(f"kwargs.{key}", "input", value)
+    walk("output", "output", outputs)
+    return entries
+
+
+def measurable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.numel() > 0
+
+
+class FrameTracer:
+    """Forward hooks on the given modules, collecting frames while ``active(step)`` says so.
+
+    ``step_now()`` gives the step a forward belongs to (asked once per step, at its first frame).
+    Statistics stay on the device until ``read()``; frames are pure host data after it."""
+
+    def __init__(self, modules: Sequence[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
+                 active: Callable[[int], bool]) -> None:
+        self._modules = list(modules)
+        self._step_now, self._active = step_now, active
+        self._handles: List[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._step: Optional[int] = None
+        self._on = False
+        self._pending: List[torch.Tensor] = []
+        self._frames: List[Frame] = []
+        self._weights: Dict[int, List[Tuple[str, str, Optional[int]]]] = {}
+        self._last_frame: Dict[str, Frame] = {}
+
+    def attach(self) -> "FrameTracer":
+        for name, module in self._modules:
+            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._reset()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _measure(self, tensor: torch.Tensor) -> Optional[int]:
+        if not measurable(tensor):
+            return None
+        low, high = torch.aminmax(tensor.detach().abs())
+        self._pending += [low, high]
+        return len(self._pending) // 2 - 1
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, outputs: Any) -> None:
+            if self._step is None:
+                self._step = self._step_now()
+                self._on = self._active(self._step)
+            if not self._on:
+                return
+            if torch._C._current_autograd_node() is not None:  # activation recompute runs in backward
+                previous = self._last_frame.get(name)
+                if previous is not None:
+                    previous.recomputed += 1
+                return
+            weights = self._weights.get(id(module))
+            if weights is None:
+                weights = [(param_name, str(param.dtype), self._measure(param))
+                           for param_name, param in module.named_parameters(recurse=False)]
+                self._weights[id(module)] = weights
+            entries = named_entries(args, kwargs, outputs)
+            frame = Frame(step=self._step, module=name, cls=type(module).__qualname__, call=len(self._frames),
+                          names=[w[0] for w in weights] + [e[0] for e in entries],
+                          kinds=["weight"] * len(weights) + [e[1] for e in entries],
+                          dtypes=[w[1] for w in weights] + [str(e[2].dtype) for e in entries],
+                          stats=[w[2] for w in weights] + [self._measure(e[2]) for e in entries])
+            self._frames.append(frame)
+            self._last_frame[name] = frame
+        return hook
+
+    def read(self) -> Tuple[Optional[int], List[Frame]]:
+        """The step's frames with their values (one host read), and the tracer ready for the next step."""
+        step, frames, pending = self._step, self._frames, self._pending
+        self._reset()
+        if not frames:
+            return step, []
+        values = read_pairs(pending)
+        for frame in frames:
+            frame.values = [None if index is None else values[index] for index in frame.stats]
+        return step, frames
+
+
+def read_pairs(flat: List[torch.Tensor]) -> List[Tuple[float, float]]:
+    """[low0, high0, low1, high1, ...] 0-d tensors -> [(low0, high0), ...], one copy to the host per device."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for position, tensor in enumerate(flat):
+        by_device.setdefault(tensor.device, []).append(position)
+    numbers: List[float] = [0.0] * len(flat)
+    for positions in by_device.values():
+        host = torch.stack([flat[p].to(torch.float64) if flat[p].dtype == torch.float64 else flat[p].float()
+                            for p in positions]).cpu().tolist()
+        for position, number in zip(positions, host):
+            numbers[position] = number
+    return list(zip(numbers[0::2], numbers[1::2]))
+
+
+def first_nonfinite(frames: Sequence[Frame]) -> Optional[int]:
+    """Index of the first frame (in the order calls finished) with a non-finite weight, input or output."""
+    return next((index for index, frame in enumerate(frames) if frame.nonfinite), None)
+
+
+def forward_origin(frames: Sequence[Frame]) -> Optional[Frame]:
+    """The first call whose weights and inputs are finite and whose outputs are not: where a forward
+    value first went non-finite (deeper modules finish first, so the smallest such module)."""
+    return next((frame for frame in frames if frame.nonfinite_in("output") and not frame.nonfinite_in("input")
+                 and not frame.nonfinite_in("weight")), None)
+
+
+class FrameBuffer:
+    """Detection mode's ring: the last ``max_frames`` frames across steps, host values only."""
+
+    def __init__(self, max_frames: int) -> None:
+        self.max_frames = max_frames
+        self.frames: List[Frame] = []
+
+    def add(self, frames: Sequence[Frame]) -> Optional[List[Frame]]:
+        """Add a step's frames; if one is non-finite, return the last ``max_frames`` frames ending at it."""
+        bad = first_nonfinite(frames)
+        upto = list(frames) if bad is None else list(frames[:bad + 1])
+        self.frames = (self.frames + upto)[-self.max_frames:]
+        return None if bad is None else list(self.frames)
