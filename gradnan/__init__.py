@@ -5,10 +5,11 @@
 """
 
 from .config import ConfigError, GradnanConfig
-from .install import Installation, current, install, uninstall
-from .runtime import NonFiniteGradientError
+from .install import Installation, check, current, install, uninstall
+from .runtime import AbortRequested, NonFiniteGradientError
+from .seed import seed_all
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "GradnanConfig", "Installation", "NonFiniteGradientError", "current", "install",
-           "uninstall", "__version__"]
+__all__ = ["AbortRequested", "ConfigError", "GradnanConfig", "Installation", "NonFiniteGradientError", "check",
+           "current", "install", "seed_all", "uninstall", "__version__"]
