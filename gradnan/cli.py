@@ -1,4 +1,5 @@
-"""The ``gradnan`` command: demo, report, maps, replay, selftest. Bad input: one line on stderr, exit code 2."""
+"""The ``gradnan`` command: demo, report, maps, frames, replay, selftest. Bad input: one line on stderr, exit
+code 2."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from . import selftest
 from .config import ConfigError
+from .frames_report import format_frames
 from .reader import ReadError, read_run
 from .report import build_report, format_text
 
@@ -44,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
     maps.add_argument("--id", type=int, dest="param_id", help="optimizer parameter id from a record")
     maps.add_argument("--json", action="store_true")
+    frames = commands.add_parser("frames", help="the forward frames a rank recorded (frame tracing)")
+    frames.add_argument("run_dir", type=Path)
+    frames.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1); default: every rank")
+    frames.add_argument("--step", type=int, help="only this step")
+    frames.add_argument("--last", type=_positive, metavar="N", help="only the last N frames of each record")
+    frames.add_argument("--json", action="store_true", help="the frames records as JSON")
     replay = commands.add_parser("replay", help="rerun a captured module call offline: does the failure reproduce?")
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
     replay.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
@@ -86,6 +94,19 @@ def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
+def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    files = read_run(args.run_dir)
+    chosen = [record for record in files.all_records() if record.get("kind") == "frames"
+              and (args.rank is None or _matches_rank(record["rank"], args.rank))
+              and (args.step is None or record["step"] == args.step)]
+    if not chosen:
+        wanted = " and ".join(text for text in (args.rank and f"rank {args.rank}",
+                                                 args.step is not None and f"step {args.step}") if text)
+        raise ReadError(f"{args.run_dir}: no frames recorded{' for ' + wanted if wanted else ''}"
+                        " (frame tracing is on with frames=detect or frames=trace)")
+    return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
+
+
 def _print_maps(rows: List[Dict[str, Any]]) -> None:
     if not rows:
         print("the selected map(s) list no parameters (a rank whose optimizer steps none)")
@@ -121,6 +142,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "selftest":
             return selftest.run(args)
+        elif args.command == "frames":
+            chosen = _frames_command(args)
+            if args.json:
+                print(json.dumps(chosen, indent=1))
+            else:
+                print("\n\n".join(format_frames(record, args.last) for record in chosen))
         elif args.command == "maps":
             rows = _maps_command(args)
             if args.json:

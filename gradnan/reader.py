@@ -7,6 +7,7 @@ some files are bad is still read: the good files are returned and the bad ones l
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -108,6 +109,42 @@ def _check_record(record: Dict[str, Any], where: str) -> None:
     for key in ("kind", "pre_reduction", "mode", "map"):
         if not _optional(record.get(key), _is_text):
             raise ReadError(f"{where}: '{key}' must be text")
+    if record.get("kind") == "frames":
+        _check_frames(record, where)
+    elif record.get("kind") == "probe":
+        _check_probes(record, where)
+
+
+def _is_stat(value: Any) -> bool:
+    """An abs-min/abs-max as written: a number, "nan"/"inf"/"-inf", or null (not measured)."""
+    return value is None or value in ("nan", "inf", "-inf") or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+
+
+def _check_frames(record: Dict[str, Any], where: str) -> None:
+    frames = record.get("frames")
+    if not isinstance(frames, list) or not _optional(record.get("first_nonfinite"), _is_int):
+        raise ReadError(f"{where}: a frames record needs a 'frames' list and an integer or null 'first_nonfinite'")
+    for position, frame in enumerate(frames):
+        if not (isinstance(frame, dict) and _is_text(frame.get("module")) and _is_text(frame.get("class"))
+                and all(_is_int(frame.get(key)) for key in ("step", "call", "recomputed"))
+                and isinstance(frame.get("entries"), list)):
+            raise ReadError(f"{where}: frames[{position}] needs text 'module'/'class', integer 'step'/'call'/"
+                            "'recomputed' and an 'entries' list")
+        for entry in frame["entries"]:
+            if not (isinstance(entry, dict) and all(_is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
+                    and _is_stat(entry.get("abs_min")) and _is_stat(entry.get("abs_max"))):
+                raise ReadError(f"{where}: frames[{position}] has an entry without text 'name'/'kind'/'dtype'"
+                                " and numeric 'abs_min'/'abs_max'")
+
+
+def _check_probes(record: Dict[str, Any], where: str) -> None:
+    probes = record.get("probes")
+    if not isinstance(probes, list) or not all(
+            isinstance(probe, dict) and _is_text(probe.get("label")) and _optional(probe.get("module"), _is_text)
+            and _is_int(probe.get("nan")) and _is_int(probe.get("inf")) and _is_stat(probe.get("abs_min"))
+            and _is_stat(probe.get("abs_max")) for probe in probes):
+        raise ReadError(f"{where}: a probe record needs a 'probes' list of text 'label', integer 'nan'/'inf'")
 
 
 def read_text(path: Path) -> str:

@@ -15,6 +15,7 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional
 
+from .frames_report import frames_summary, probes_summary, summary_lines
 from .reader import ReadError, RunFiles
 from .records import AXES, FORWARD_SHARE, shown_axes
 
@@ -272,7 +273,8 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
         "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
         "incident": None, "later_steps": [], "loss_scale_overflow_steps": overflow_steps,
-        "selftests": [], "bundles": [], "rerun_capture": None, "run": chosen, "runs": [{"run": key, "first_step": failing[key],
+        "selftests": [], "bundles": [], "rerun_capture": None,
+        "frames": frames_summary(runs.get(chosen, [])), "probes": probes_summary(runs.get(chosen, [])), "run": chosen, "runs": [{"run": key, "first_step": failing[key],
                                 "ranks": sorted({r["rank"].get("global_rank") for r in records})}
                                for key, records in runs.items()],
     }
@@ -408,6 +410,7 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
             steps = report["later_steps"]
             lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in steps[:8])}"
                          + (" ..." if len(steps) > 8 else ""))
+    lines += summary_lines(report["run_dir"], report.get("frames", []), report.get("probes", []))
     if report.get("bundles"):
         lines.append("Captured for replay:")
         for bundle in report["bundles"][:4]:
