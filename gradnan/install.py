@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import threading
@@ -101,7 +102,15 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
                 installation.notes.append(note)
         _current = installation
         _announce(installation)
+        atexit.register(_flush_at_exit, installation)
         return installation
+
+
+def _flush_at_exit(installation: Installation) -> None:
+    """A run that dies of an exception before its optimizer step (Megatron-LM's NaN-loss check raises in
+    the forward) still gets that step's frames and probes written."""
+    if _current is installation:
+        installation.runtime.guarded("end of run", installation.runtime.flush_step)
 
 
 def _announce(installation: Installation) -> None:
@@ -122,6 +131,7 @@ def uninstall() -> None:
         for instrumentor in reversed(_current._instrumentors):
             instrumentor.uninstrument()
         _current.runtime.close()
+        atexit.unregister(_flush_at_exit)
         _current = None
 
 

@@ -98,7 +98,7 @@ class Runtime:
         self._bundle_limits_logged: Set[str] = set()
         self._named_modules = named_modules
         self.captures = CaptureManager(config, lambda: named_modules(self.known_chunks()), self._write_bundle,
-                                       observed_grad, lambda: int(self._coords()["global_rank"]), self.record_step)
+                                       observed_grad, lambda: int(self.coords()["global_rank"]), self.record_step)
         self._recording = True
         self._manual_step: Optional[int] = None
         self._rank_recorded: Optional[bool] = None
@@ -108,6 +108,7 @@ class Runtime:
         self._frame_buffer = FrameBuffer(config.max_frames)
         self._probes = Probes()
         self._module_name_cache: Optional[Dict[int, str]] = None
+        self._known_coords: Optional[Dict[str, Any]] = None
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -160,10 +161,17 @@ class Runtime:
             self._tracked[optimizer] = tracked
             return tracked, True
 
+    def coords(self) -> Dict[str, Any]:
+        """This rank's coordinates, as first seen with the optimizer built (a write at exit, after the
+        process groups are gone, still lands in this rank's file)."""
+        return self._known_coords if self._known_coords is not None else self._coords()
+
     def optimizer_built(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
         tracked, new = self._track(optimizer)
+        if new and self._known_coords is None:
+            self._known_coords = self._coords()
         if new and self.config.maps:
-            coords = self._coords()
+            coords = self.coords()
             path = map_path(self.config.out_dir, coords, tracked.index)
             document = map_document(
                 coords, self._versions(), self.run, tracked.index, type(optimizer).__name__, slots()
@@ -235,7 +243,7 @@ class Runtime:
         if not self._recording:
             return False
         if self._ranks and self._rank_recorded is None:
-            self._rank_recorded = int(self._coords()["global_rank"]) in self._ranks
+            self._rank_recorded = int(self.coords()["global_rank"]) in self._ranks
         if self._ranks and not self._rank_recorded:
             return False
         return not self._steps or (self.selection_step() if step is None else step) in self._steps
@@ -379,7 +387,7 @@ class Runtime:
 
     def _write(self, kind: str, step: int, found: List[Dict[str, Any]],
                extra: Dict[str, Any]) -> Dict[str, Any]:
-        coords = self._coords()
+        coords = self.coords()
         limit = self.config.max_params_per_record
         step = self._manual_step if self._manual_step is not None else step
         record = {
@@ -465,7 +473,7 @@ class Runtime:
                 self._bundle_limits_logged.add(limit)
                 logger.warning("capture of %s at step %d not written: %s reached", capture.name, step, limit)
             return False
-        coords = self._coords()
+        coords = self.coords()
         manifest.update(rank=coords, run=self.run, versions=self._versions(), step=step,
                         iteration=self._iteration())
         path = write_bundle(bundle_dir(self.config.out_dir, coords, step, capture.name), manifest, tensors)

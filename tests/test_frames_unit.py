@@ -1,0 +1,173 @@
+"""Frame tracing and probes at unit level, on plain torch modules (the Megatron scenarios are in
+test_frames.py): naming, one host read per step, weights measured once, recompute not doubled, the ring
+across steps, the forward origin, probes' enclosing module, and the flush at exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from gradnan.frames import FrameBuffer, FrameTracer, forward_origin, named_entries
+from gradnan.measure import HostSyncCounter
+from gradnan.probe import Probes, enclosing_module
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 4)
+
+    def forward(self, x, scale=None):
+        hidden = self.fc1(x)
+        if scale is not None:
+            hidden = hidden * scale
+        return self.fc2(torch.relu(hidden)), hidden
+
+
+def tracer_for(model, active=lambda step: True, step=1):
+    modules = [(name, module) for name, module in model.named_modules()]
+    return FrameTracer(modules, lambda: step, active).attach()
+
+
+def test_entries_are_named_as_debug_underflow_overflow_names_them_plus_kwargs():
+    tensor = torch.ones(1)
+    names = [(name, kind) for name, kind, _ in named_entries(
+        (tensor, [tensor, {"k": tensor}], 3), {"mask": tensor, "none": None}, (tensor, (tensor, tensor)))]
+    assert names == [("input[0]", "input"), ("input[1][0]", "input"), ("input[1][1].k", "input"),
+                     ("kwargs.mask", "input"), ("output[0]", "output"), ("output[1][0]", "output"),
+                     ("output[1][1]", "output")]
+
+
+def test_a_step_costs_one_host_read_and_values_match_the_tensors():
+    torch.manual_seed(0)
+    model = Block()
+    tracer = tracer_for(model)
+    x = torch.randn(3, 4)
+    with HostSyncCounter() as during:
+        model(x, scale=torch.tensor(2.0))
+    with HostSyncCounter() as reading:
+        step, frames = tracer.read()
+    assert during.total == 0 and reading.total == 1
+    assert step == 1 and [f.module for f in frames] == ["fc1", "fc2", ""]
+    root = frames[-1]
+    assert root.names == ["input[0]", "kwargs.scale", "output[0]", "output[1]"]
+    assert root.values[0] == pytest.approx((x.abs().min().item(), x.abs().max().item()))
+    fc1 = frames[0]
+    assert fc1.names == ["weight", "bias", "input[0]", "output"]
+    assert fc1.values[0] == pytest.approx((model.fc1.weight.abs().min().item(), model.fc1.weight.abs().max().item()))
+    assert not any(frame.nonfinite for frame in frames)
+    tracer.detach()
+    assert not model.fc1._forward_hooks
+
+
+def test_weights_are_measured_once_per_step_and_integer_inputs_are_named_not_measured():
+    model = torch.nn.Embedding(10, 4)
+    tracer = tracer_for(model)
+    for _ in range(3):
+        model(torch.tensor([1, 2]))
+    _, frames = tracer.read()
+    assert len(frames) == 3 and len({frame.stats[0] for frame in frames}) == 1  # one weight measurement
+    assert frames[0].names == ["weight", "input[0]", "output"] and frames[0].values[1] is None
+    assert frames[0].dtypes[1] == "torch.int64"
+
+
+def test_activation_recompute_marks_the_forward_frame_instead_of_adding_one():
+    model = Block()
+    tracer = tracer_for(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    out, _ = checkpoint(model, x, use_reentrant=True)  # Megatron's recompute re-runs the whole forward too
+    out.sum().backward()
+    _, frames = tracer.read()
+    assert [f.module for f in frames] == ["fc1", "fc2", ""]
+    assert [f.recomputed for f in frames] == [1, 1, 1]
+
+
+def test_nothing_is_measured_in_steps_that_are_not_traced():
+    model = Block()
+    tracer = tracer_for(model, active=lambda step: step == 3, step=2)
+    model(torch.randn(2, 4))
+    assert tracer.read() == (2, [])
+
+
+def test_the_ring_keeps_the_last_frames_across_steps_and_ends_at_the_first_nonfinite():
+    model = Block()
+    tracer = tracer_for(model)
+    ring = FrameBuffer(max_frames=4)
+    model(torch.randn(2, 4))
+    assert ring.add(tracer.read()[1]) is None
+    with torch.no_grad():
+        model.fc2.weight[0, 0] = float("inf")
+    model(torch.randn(2, 4))
+    window = ring.add(tracer.read()[1])
+    assert [f.module for f in window] == ["fc2", "", "fc1", "fc2"]
+    assert window[-1].nonfinite and not any(f.nonfinite for f in window[:-1])
+    assert forward_origin(window) is None  # fc2's weight itself is non-finite: not a computation's fault
+
+
+def test_the_forward_origin_is_the_first_call_with_finite_inputs_and_nonfinite_outputs():
+    model = Block()
+    tracer = tracer_for(model)
+    model(torch.full((2, 4), 1e30), scale=torch.tensor(1e30))
+    _, frames = tracer.read()
+    origin = forward_origin(frames)
+    fc1, fc2, root = frames
+    assert not fc1.nonfinite and fc2.nonfinite_in("input")  # the overflow happened between the two
+    assert origin is root  # the scaling is the block's own code: finite inputs, non-finite outputs
+
+
+def test_probes_read_once_per_step_and_report_only_nonfinite_values():
+    probes = Probes()
+    with HostSyncCounter() as counter:
+        probes.add(torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]), "bad", 4, "m")
+        probes.add(torch.ones(3), "good", 4, None)
+        probes.add(torch.tensor([1, 2]), "integers", 4, None)
+    assert counter.total == 0
+    with HostSyncCounter() as counter:
+        bad = probes.read()
+    assert counter.total == 1
+    assert bad == [{"label": "bad", "module": "m", "step": 4, "recompute": False, "nan": 1, "inf": 2,
+                    "abs_min": "nan", "abs_max": "nan", "shape": [4], "dtype": "torch.float32"}]
+    assert probes.read() == []
+    with pytest.raises(TypeError, match="needs a tensor"):
+        probes.add([1.0], "list", 1, None)
+
+
+def test_a_probe_names_the_innermost_model_module_on_the_call_stack():
+    model = Block()
+    names = {id(module): name for name, module in model.named_modules()}
+    seen = []
+    model.fc2.register_forward_hook(lambda module, args, out: seen.append(enclosing_module(lambda: names)))
+    model(torch.randn(1, 4))
+    assert seen == ["fc2"]
+    assert enclosing_module(lambda: names) is None
+
+
+def test_a_run_that_dies_before_its_optimizer_step_still_writes_its_frames(tmp_path):
+    """Megatron-LM's NaN-loss check raises in the forward pass: the step's frames are written at exit."""
+    script = textwrap.dedent(f"""
+        import torch, gradnan
+        handle = gradnan.install(out_dir={str(tmp_path)!r}, frames="detect", log_level="ERROR")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        handle.start(model=model)
+        with torch.no_grad():
+            model[1].weight.fill_(1e38)
+        loss = model(torch.ones(2, 4) * 1e3).sum()
+        gradnan.check(loss, "loss")
+        raise RuntimeError("found NaN in local forward loss calculation")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "found NaN in local forward loss" in done.stderr
+    records = [json.loads(line) for path in (tmp_path / "records").glob("*.jsonl")
+               for line in path.read_text().splitlines()]
+    kinds = {record["kind"]: record for record in records}
+    assert set(kinds) == {"frames", "probe"}
+    assert kinds["frames"]["frames"][-1]["module"] == "1" and kinds["frames"]["step"] == 1
+    probe = kinds["probe"]["probes"][0]
+    assert probe["label"] == "loss" and probe["module"] is None and probe["nan"] + probe["inf"] == 1
