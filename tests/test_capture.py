@@ -59,6 +59,14 @@ def test_fp16_overflow_in_one_ranks_mlp_is_captured_there_and_replays_as_precisi
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["module"]["path"].startswith("decoder.layers.1.mlp")
     assert manifest["rank"]["global_rank"] == 1 and manifest["rank"]["tp"] == 1
+    # the forward-origin finder (frame tracing, one host read per step) chose the module: its frame is
+    # the last of the context, the first whose weights and inputs are finite and outputs are not
+    assert manifest["forward_origin"] == manifest["module"]["path"] == manifest["frames"][-1]["module"]
+    last = manifest["frames"][-1]
+    finite = {e["kind"]: all(isinstance(e[k], float) for k in ("abs_min", "abs_max")) for e in last["entries"]
+              if e["kind"] != "output"}
+    assert finite == {"weight": True, "input": True}
+    assert "inf" in [e["abs_max"] for e in last["entries"] if e["kind"] == "output"]
     assert manifest["params"]["weight"]["tensor_parallel"] is True  # a TP shard, with its partition
     assert manifest["params"]["weight"]["partition_dim"] == 0
     result = _replay(bundle, "--json")
