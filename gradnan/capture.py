@@ -322,7 +322,9 @@ class CaptureManager:
             for name, _ in self._selected():
                 self.arm(name, "always")
 
-    def end_step(self, step: int) -> None:
+    def end_step(self, step: int, next_step: int) -> None:
+        """``step``: the step that ended, as records name it; ``next_step``: the next one as the step
+        filters (``capture_steps``) see it."""
         for name, capture in list(self.captures.items()):
             if capture.mode == "retain":
                 capture.end_step()
@@ -345,7 +347,7 @@ class CaptureManager:
             if self.finder.found is not None or self.finder.steps_left <= 0:
                 self.finder.detach()
                 self.finder = None
-        self._arm_explicit(step + 1)
+        self._arm_explicit(next_step)
 
     def on_detection(self, step: int, forward_pattern: bool, first_param: Optional[str], arm: bool) -> None:
         """A detection on this rank: write what retention kept, then (``arm``) watch for the next occurrence."""

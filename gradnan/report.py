@@ -221,11 +221,13 @@ def _weigh_selftests(incident: Dict[str, Any], selftests: List[Dict[str, Any]]) 
 
 def _rerun_capture(incident: Dict[str, Any]) -> Optional[Dict[str, str]]:
     """The GRADNAN_CAPTURE_* settings that capture the failing step's implicated module on the origin
-    ranks when the job is rerun from a checkpoint (steps count from the launch that is rerun)."""
+    ranks when the job is rerun from a checkpoint (step filters use Megatron-LM's iteration where its
+    loop ran, else steps count from the launch that is rerun)."""
     first = incident["pattern"].get("first_in_backward")
     if not first or not incident["origin"]:
         return None
-    return {"GRADNAN_CAPTURE_MODULES": module_of(first), "GRADNAN_CAPTURE_STEPS": str(incident["step"]),
+    step = incident["iteration"] if isinstance(incident.get("iteration"), int) else incident["step"]
+    return {"GRADNAN_CAPTURE_MODULES": module_of(first), "GRADNAN_CAPTURE_STEPS": str(step),
             "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in incident["origin"])}
 
 

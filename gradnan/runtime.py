@@ -182,7 +182,7 @@ class Runtime:
                 self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
             logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
         if new:
-            self.captures.start(tracked.steps + 1)
+            self.captures.start(self.selection_step())
             self.start_frames()
 
     def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
@@ -202,7 +202,8 @@ class Runtime:
             self._pre_reduction_checked = False
             self._pre_reduction_found = False
         tracked, _ = self._track(optimizer)
-        self.captures.end_step(tracked.steps)
+        ended = tracked.steps if self._manual_step is None else self._manual_step
+        self.captures.end_step(ended, finished + 1)
         if skipped is not None:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
             if not skipped:
@@ -464,6 +465,7 @@ class Runtime:
                       context: Dict[str, Any]) -> bool:
         if not self.recording():
             return False
+        step = self._manual_step if self._manual_step is not None else step
         manifest, tensors = bundle_contents(capture, call, observed, context, self._param_facts)
         size = tensors_bytes(tensors)
         limit = ("max_bundles" if self._bundles_written >= self.config.max_bundles

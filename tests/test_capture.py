@@ -148,7 +148,7 @@ def test_an_armed_capture_whose_failure_does_not_recur_stops_watching():
     assert "forward" in vars(module) and manager.finder is not None and module._forward_hooks
     for step in range(max(ARMED_STEPS, FINDER_STEPS)):
         module(torch.ones(2, 4)).sum().backward()
-        manager.end_step(step + 2)
+        manager.end_step(step + 2, step + 3)
     assert "forward" not in vars(module) and not manager.captures and manager.finder is None
     assert not module._forward_hooks
 

@@ -137,6 +137,31 @@ def test_the_report_gives_the_settings_to_capture_the_failing_step_on_a_rerun():
     assert "GRADNAN_CAPTURE_MODULES=decoder.layers.1.mlp.linear_fc2" in format_text(report)
 
 
+def test_under_megatron_lm_the_rerun_settings_name_its_iteration():
+    """A rerun resumes from a checkpoint: step filters follow Megatron-LM's iteration, not gradnan's count."""
+    records = [_record(4, "pre_reduction", rank=3, params=["decoder.layers.1.mlp.linear_fc2.weight"],
+                       iteration=1004)]
+    assert build_report(_files(*records))["rerun_capture"]["GRADNAN_CAPTURE_STEPS"] == "1004"
+
+
+def test_frames_and_probe_records_are_summarised_with_the_command_to_list_them():
+    frame = {"step": 3, "module": "decoder.layers.1.mlp.linear_fc2", "class": "RowParallelLinear", "call": 7,
+             "recomputed": 0, "entries": [{"name": "output[0]", "kind": "output", "dtype": "torch.float16",
+                                           "abs_min": 4.8, "abs_max": "inf"}]}
+    probe = {"label": "attn scores", "module": "decoder.layers.1.self_attention", "step": 3, "recompute": False,
+             "nan": 0, "inf": 2, "abs_min": 0.0, "abs_max": "inf", "shape": [2], "dtype": "torch.float16"}
+    records = [_record(3, "frames", rank=1, mode="detect", frames=[frame], frames_total=1, first_nonfinite=0),
+               _record(3, "probe", rank=1, probes=[probe])]
+    report = build_report(_files(*records))
+    assert report["frames"][0]["first_nonfinite_module"] == "decoder.layers.1.mlp.linear_fc2"
+    assert report["probes"] == [{"global_rank": 1, "step": 3, "label": "attn scores",
+                                 "module": "decoder.layers.1.self_attention", "nan": 0, "inf": 2}]
+    text = format_text(report)
+    assert "first non-finite in decoder.layers.1.mlp.linear_fc2 (RowParallelLinear)" in text
+    assert "gradnan frames /run --rank 1 --step 3" in text
+    assert "gradnan.check('attn scores') in decoder.layers.1.self_attention: 2 Inf at step 3 on rank 1" in text
+
+
 def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
     from gradnan.records import run_identity
 
