@@ -122,9 +122,10 @@ def _is_stat(value: Any) -> bool:
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:
-    frames = record.get("frames")
-    if not isinstance(frames, list) or not _optional(record.get("first_nonfinite"), _is_int):
-        raise ReadError(f"{where}: a frames record needs a 'frames' list and an integer or null 'first_nonfinite'")
+    frames, first = record.get("frames"), record.get("first_nonfinite")
+    if not isinstance(frames, list) or not (first is None or (_is_int(first) and 0 <= first < len(frames))):
+        raise ReadError(f"{where}: a frames record needs a 'frames' list and 'first_nonfinite' null or the index"
+                        " of one of them")
     for position, frame in enumerate(frames):
         if not (isinstance(frame, dict) and _is_text(frame.get("module")) and _is_text(frame.get("class"))
                 and all(_is_int(frame.get(key)) for key in ("step", "call", "recomputed"))

@@ -68,7 +68,9 @@ PARAM_NAMES = (
     "decoder.final_layernorm.bias",
     "output_layer.weight",
 )
+MODULE_NAMES = ("decoder.layers.0.mlp.linear_fc1", "", "embedding")
 INCIDENT_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow", "pre_reduction")
+OBSERVATION_KINDS = ("frames", "probe")  # frame tracing and gradnan.check
 ranks = st.integers(0, WORLD_SIZE - 1)
 
 
@@ -118,7 +120,7 @@ def param_entry(name: str, bad: str, near_limit: bool) -> Dict[str, Any]:
 def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, Any]:
     names = draw(st.lists(st.sampled_from(PARAM_NAMES), max_size=3, unique=True))
     params = [param_entry(name, draw(st.sampled_from(["nan", "inf"])), draw(st.booleans())) for name in names]
-    kind = draw(st.sampled_from(INCIDENT_KINDS))
+    kind = draw(st.sampled_from(INCIDENT_KINDS + OBSERVATION_KINDS))
     step = draw(st.integers(0, 6))
     record = {
         "schema": RECORD_SCHEMA, "version": SCHEMA_VERSION, "kind": kind, "step": step,
@@ -132,6 +134,20 @@ def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, An
     if kind == "loss_scale_overflow":
         record.update(loss_scale=1024.0, min_loss_scale=1.0, sub_optimizer=0,
                       consecutive_skips=draw(st.integers(1, 5)), scale_collapsed=draw(st.booleans()))
+    if kind in OBSERVATION_KINDS:
+        record.update(params=[], params_total=0, local_nonfinite=True)
+        stat = st.sampled_from([0.5, 6.5e4, "inf", "nan", None])
+        if kind == "frames":
+            frames = [{"step": step, "module": module, "class": "Linear", "call": call, "recomputed": 0,
+                       "entries": [{"name": "output", "kind": "output", "dtype": "torch.float16",
+                                    "abs_min": draw(stat), "abs_max": draw(stat)}]}
+                      for call, module in enumerate(draw(st.lists(st.sampled_from(MODULE_NAMES), max_size=3)))]
+            record.update(mode=draw(st.sampled_from(["detect", "trace"])), frames=frames, frames_total=len(frames),
+                          first_nonfinite=draw(st.sampled_from([None, 0, 5])))
+        else:
+            record["probes"] = [{"label": "x", "module": draw(st.sampled_from([None, *MODULE_NAMES])), "step": step,
+                                 "recompute": False, "nan": draw(st.integers(0, 3)), "inf": 1, "abs_min": draw(stat),
+                                 "abs_max": draw(stat), "shape": [2], "dtype": "torch.float16"}]
     return record
 
 
@@ -382,7 +398,8 @@ def check_report(files: Dict[str, bytes]) -> None:
 
 
 CLI_COMMANDS = (["report"], ["report", "--json"], ["maps"], ["maps", "--json"],
-                ["maps", "--rank", "0", "--id", "1"])
+                ["maps", "--rank", "0", "--id", "1"], ["frames"], ["frames", "--json"],
+                ["frames", "--rank", "1", "--step", "2", "--last", "1"])
 
 
 def check_cli(files: Dict[str, bytes], capsys) -> None:
@@ -496,6 +513,9 @@ CLI_CRASHES = [
         UnicodeEncodeError, "cli._print_maps", "print() of a name the reader accepted to a UTF-8 stdout"),
     bug("lone-surrogate-in-a-host", a_run(a_record(rank=rank_0(host=LONE_SURROGATE))),
         UnicodeEncodeError, "cli.main (report)", "print(format_text(report)) to a UTF-8 stdout"),
+    bug("frames-first_nonfinite-out-of-range",
+        a_run(a_record(kind="frames", mode="detect", params=[], frames=[], frames_total=0, first_nonfinite=0)),
+        IndexError, "frames_report.format_frames via cli (frames)", "record['frames'][first_nonfinite] of an empty list"),
 ]
 
 def with_examples(cases: List[Any]):
