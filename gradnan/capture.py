@@ -240,7 +240,7 @@ class ForwardOriginFinder:
 
     def __init__(self, modules: List[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
                  max_frames: int = 21) -> None:
-        self.tracer = FrameTracer(modules, step_now, lambda step: True)
+        self.tracer = FrameTracer(modules, step_now, lambda: True)
         self.max_frames = max_frames
         self.steps_left = FINDER_STEPS
         self.found: Optional[str] = None

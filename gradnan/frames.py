@@ -7,12 +7,15 @@ floating-point entry one ``aminmax`` of its magnitude left on the device. ``Fram
 the step's statistics and copies them to the host once; only then are frames turned into JSON.
 
 Weights change only at the optimizer step, so a module's weights are measured once per step however
-often it is called. A call made during backward (activation recompute) measures nothing: the frame of
-the same module's forward gets ``recomputed`` counted instead, so frames are never doubled.
+often it is called; a tensor seen again unchanged (a parent's input is its first child's, an identity
+module's output is its input, a bias is returned as an output) is not measured twice. A call made
+during backward (activation recompute) measures nothing: the frame of the same module's forward gets
+``recomputed`` counted instead, so frames are never doubled. A frame without any tensor is not kept.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -86,14 +89,19 @@ def measurable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.numel() > 0
 
 
-class FrameTracer:
-    """Forward hooks on the given modules, collecting frames while ``active(step)`` says so.
+MAX_PENDING = 1 << 16  # statistics kept on the device before an early read (long forward-only phases)
 
-    ``step_now()`` gives the step a forward belongs to (asked once per step, at its first frame).
-    Statistics stay on the device until ``read()``; frames are pure host data after it."""
+
+class FrameTracer:
+    """Forward hooks on the given modules, collecting frames while ``active()`` says so.
+
+    ``step_now()`` names the step a forward belongs to and ``active()`` says whether it is traced (both
+    asked once per step, at its first frame). Statistics stay on the device until ``read()`` (or until
+    ``MAX_PENDING`` of them wait: evaluation between two optimizer steps runs forwards only); frames
+    are pure host data after it."""
 
     def __init__(self, modules: Sequence[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
-                 active: Callable[[int], bool]) -> None:
+                 active: Callable[[], bool]) -> None:
         self._modules = list(modules)
         self._step_now, self._active = step_now, active
         self._handles: List[Any] = []
@@ -103,8 +111,10 @@ class FrameTracer:
         self._step: Optional[int] = None
         self._on = False
         self._pending: List[torch.Tensor] = []
+        self._values: List[Tuple[float, float]] = []
         self._frames: List[Frame] = []
         self._weights: Dict[int, List[Tuple[str, str, Optional[int]]]] = {}
+        self._seen: Dict[int, Tuple[Any, int, int]] = {}
         self._last_frame: Dict[str, Frame] = {}
 
     def attach(self) -> "FrameTracer":
@@ -123,17 +133,27 @@ class FrameTracer:
         return bool(self._handles)
 
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
+        """The index of the tensor's (abs-min, abs-max) in this step's statistics, measuring it if this
+        very tensor, unchanged since (same version), was not measured yet this step."""
         if not measurable(tensor):
             return None
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            return seen[2]
         low, high = torch.aminmax(tensor.detach().abs())
         self._pending += [low, high]
-        return len(self._pending) // 2 - 1
+        index = len(self._values) + len(self._pending) // 2 - 1
+        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, index)
+        if len(self._pending) >= MAX_PENDING:
+            self._values += read_pairs(self._pending)
+            self._pending = []
+        return index
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, outputs: Any) -> None:
             if self._step is None:
                 self._step = self._step_now()
-                self._on = self._active(self._step)
+                self._on = self._active()
             if not self._on:
                 return
             if torch._C._current_autograd_node() is not None:  # activation recompute runs in backward
@@ -147,6 +167,8 @@ class FrameTracer:
                            for param_name, param in module.named_parameters(recurse=False)]
                 self._weights[id(module)] = weights
             entries = named_entries(args, kwargs, outputs)
+            if not weights and not entries:
+                return
             frame = Frame(step=self._step, module=name, cls=type(module).__qualname__, call=len(self._frames),
                           names=[w[0] for w in weights] + [e[0] for e in entries],
                           kinds=["weight"] * len(weights) + [e[1] for e in entries],
@@ -158,26 +180,30 @@ class FrameTracer:
 
     def read(self) -> Tuple[Optional[int], List[Frame]]:
         """The step's frames with their values (one host read), and the tracer ready for the next step."""
-        step, frames, pending = self._step, self._frames, self._pending
+        step, frames, values = self._step, self._frames, self._values
+        pending = self._pending
         self._reset()
         if not frames:
             return step, []
-        values = read_pairs(pending)
+        values = values + read_pairs(pending)
         for frame in frames:
             frame.values = [None if index is None else values[index] for index in frame.stats]
         return step, frames
 
 
 def read_pairs(flat: List[torch.Tensor]) -> List[Tuple[float, float]]:
-    """[low0, high0, low1, high1, ...] 0-d tensors -> [(low0, high0), ...], one copy to the host per device."""
-    by_device: Dict[torch.device, List[int]] = {}
+    """[low0, high0, low1, high1, ...] 0-d tensors -> [(low0, high0), ...]: one stack per dtype, one cast
+    and one copy to the host per device."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for position, tensor in enumerate(flat):
-        by_device.setdefault(tensor.device, []).append(position)
+        groups.setdefault((tensor.device, tensor.dtype), []).append(position)
+    by_device: Dict[torch.device, List[Tuple[List[int], torch.Tensor]]] = {}
+    for (device, _), positions in groups.items():
+        by_device.setdefault(device, []).append((positions, torch.stack([flat[p] for p in positions]).double()))
     numbers: List[float] = [0.0] * len(flat)
-    for positions in by_device.values():
-        host = torch.stack([flat[p].to(torch.float64) if flat[p].dtype == torch.float64 else flat[p].float()
-                            for p in positions]).cpu().tolist()
-        for position, number in zip(positions, host):
+    for parts in by_device.values():
+        host = torch.cat([stacked for _, stacked in parts]).cpu().tolist()
+        for position, number in zip((p for positions, _ in parts for p in positions), host):
             numbers[position] = number
     return list(zip(numbers[0::2], numbers[1::2]))
 

@@ -279,12 +279,12 @@ class Runtime:
             logger.warning("frames=%s: no module to trace (model not seen yet, or modules/exclude_modules"
                            " exclude them all)", self.config.frames)
             return
-        self.frames = FrameTracer(modules, self.selection_step, self._frames_wanted).attach()
+        self.frames = FrameTracer(modules, self.record_step, self._frames_wanted).attach()
 
-    def _frames_wanted(self, step: int) -> bool:
-        if not self.recording(step):
+    def _frames_wanted(self) -> bool:
+        if not self.recording():
             return False
-        return step in self._trace_steps if self.config.frames == "trace" else True
+        return self.selection_step() in self._trace_steps if self.config.frames == "trace" else True
 
     def flush_step(self) -> None:
         """Read what the step's frames and probes measured (one host read each) and write what matters."""
@@ -295,11 +295,14 @@ class Runtime:
         if self.frames is None:
             return
         _, frames = self.frames.read()
-        if not frames:
-            return
         if self.config.frames == "trace":
-            self._write("frames", step, [], {"mode": "trace", "frames": [f.to_json() for f in frames],
-                                             "frames_total": len(frames), "first_nonfinite": first_nonfinite(frames)})
+            if frames:
+                self._write("frames", step, [], {"mode": "trace", "frames": [f.to_json() for f in frames],
+                                                 "frames_total": len(frames), "first_nonfinite": first_nonfinite(frames)})
+            if self.selection_step() >= max(self._trace_steps):
+                self.frames.detach()  # the last traced step is written: no hook is left on the model
+            return
+        if not frames:
             return
         window = self._frame_buffer.add(frames)
         if window is None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from gradnan.frames import FrameBuffer, FrameTracer, forward_origin, named_entries
+from gradnan import frames as frames_module
+from gradnan.frames import FrameBuffer, FrameTracer, forward_origin, named_entries, read_pairs
 from gradnan.measure import HostSyncCounter
 from gradnan.probe import Probes, enclosing_module
 
@@ -31,7 +32,7 @@ class Block(torch.nn.Module):
         return self.fc2(torch.relu(hidden)), hidden
 
 
-def tracer_for(model, active=lambda step: True, step=1):
+def tracer_for(model, active=lambda: True, step=1):
     modules = [(name, module) for name, module in model.named_modules()]
     return FrameTracer(modules, lambda: step, active).attach()
 
@@ -78,6 +79,55 @@ def test_weights_are_measured_once_per_step_and_integer_inputs_are_named_not_mea
     assert frames[0].dtypes[1] == "torch.int64"
 
 
+def test_a_tensor_seen_again_unchanged_is_measured_once_and_frames_without_tensors_are_dropped():
+    class Passthrough(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Nothing(torch.nn.Module):
+        def forward(self):
+            return None
+
+    model = torch.nn.Sequential(Passthrough(), torch.nn.Linear(4, 4), Passthrough())
+    nothing = Nothing()
+    modules = [(name, module) for name, module in model.named_modules()] + [("nothing", nothing)]
+    tracer = FrameTracer(modules, lambda: 1, lambda: True).attach()
+    x = torch.randn(2, 4)
+    model(x)
+    nothing()
+    x.mul_(1e6)  # changed in place: a new version, measured again
+    model[0](x)
+    _, frames = tracer.read()
+    assert [f.module for f in frames] == ["0", "1", "2", "", "0"]
+    passthrough = frames[0]
+    assert passthrough.stats[0] == passthrough.stats[1]  # input and output: one tensor, one measurement
+    assert frames[1].stats[2] == passthrough.stats[1]  # the Linear's input is the same tensor again
+    assert frames[4].stats[0] not in (passthrough.stats[0], None)
+    assert frames[4].values[0][1] == pytest.approx(x.abs().max().item())
+
+
+def test_statistics_of_mixed_dtypes_come_back_in_order():
+    flat = [torch.tensor(1.5, dtype=torch.float16), torch.tensor(2.0, dtype=torch.bfloat16),
+            torch.tensor(3.0, dtype=torch.float64), torch.tensor(float("inf")), torch.tensor(0.25, dtype=torch.float16),
+            torch.tensor(float("nan"), dtype=torch.bfloat16)]
+    pairs = read_pairs(flat)
+    assert pairs[:2] == [(1.5, 2.0), (3.0, float("inf"))]
+    assert pairs[2][0] == 0.25 and pairs[2][1] != pairs[2][1]
+
+
+def test_long_forward_only_phases_are_read_early_instead_of_piling_up(monkeypatch):
+    """Evaluation between two optimizer steps runs forwards only: statistics are read in batches."""
+    monkeypatch.setattr(frames_module, "MAX_PENDING", 8)
+    model = torch.nn.Linear(4, 4)
+    tracer = tracer_for(model)
+    with HostSyncCounter() as counter, torch.no_grad():
+        for _ in range(10):
+            model(torch.randn(2, 4))
+    assert counter.total >= 2 and len(tracer._pending) < 8
+    _, frames = tracer.read()
+    assert len(frames) == 10 and all(v is not None for frame in frames for v in frame.values)
+
+
 def test_activation_recompute_marks_the_forward_frame_instead_of_adding_one():
     model = Block()
     tracer = tracer_for(model)
@@ -91,7 +141,7 @@ def test_activation_recompute_marks_the_forward_frame_instead_of_adding_one():
 
 def test_nothing_is_measured_in_steps_that_are_not_traced():
     model = Block()
-    tracer = tracer_for(model, active=lambda step: step == 3, step=2)
+    tracer = tracer_for(model, active=lambda: False, step=2)
     model(torch.randn(2, 4))
     assert tracer.read() == (2, [])
 
