@@ -7,6 +7,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Set
@@ -20,6 +21,7 @@ ENV_PREFIX = "GRADNAN_"
 CONFIG_FILE_ENV = "GRADNAN_CONFIG"  # names a config file; not a field
 FRAME_MODES = ("off", "detect", "trace")
 RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
+_NUMBER = re.compile(r"[0-9]+")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -146,8 +148,8 @@ def parse_ranges(text: str, field_name: str = "ranges") -> Set[int]:
     """ "3,7-9" -> {3, 7, 8, 9}; empty text -> empty set."""
     numbers: Set[int] = set()
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+        low, dash, high = part.partition("-")
+        if not _NUMBER.fullmatch(low) or (dash and not _NUMBER.fullmatch(high)) or (dash and int(high) < int(low)):
             raise ConfigError(f"gradnan config field '{field_name}' has a bad entry {part!r} (use 3,7-9)")
         numbers.update(range(int(low), int(high or low) + 1))
     return numbers
@@ -196,6 +198,8 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, A
 
 def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
     """A config-file value as the field's type: ranges and patterns may also be lists."""
+    if name in RANGE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
     if name in RANGE_FIELDS and isinstance(value, list):
         if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{where}: field '{name}' must list step/rank numbers or ranges like \"3-5\"")
@@ -208,6 +212,11 @@ def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         kind = {"str": "text", "bool": "true or false", "int": "an integer"}[type_name]
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
+    if name in RANGE_FIELDS:
+        try:
+            parse_ranges(value, name)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     return value
 
 
@@ -215,14 +224,15 @@ def options_from_file(path: str) -> Dict[str, Any]:
     """The fields of a JSON (``.json``) or TOML (``.toml``) config file; unknown or ill-typed fields are
     errors naming the field."""
     where = f"gradnan config file {path}"
+    is_toml = str(path).lower().endswith(".toml")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        document = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
+        document = tomllib.loads(text) if is_toml else json.loads(text)
     except (ValueError, RecursionError) as exc:
-        syntax = "TOML" if str(path).endswith(".toml") else "JSON"
+        syntax = "TOML" if is_toml else "JSON"
         raise ConfigError(f"{where}: invalid {syntax} ({str(exc).splitlines()[0][:100]})") from None
     if not isinstance(document, dict):
         raise ConfigError(f"{where}: must hold one object of fields")

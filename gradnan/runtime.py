@@ -255,11 +255,23 @@ class Runtime:
         self._recording = on
 
     def advance_step(self) -> None:
-        """A custom loop finished a step: write what it measured, then count the next one."""
-        finished = self.selection_step()
+        """A custom loop finished a step (call it after the optimizer's step): write what it measured,
+        then count the next one."""
+        finished = self._finished_step()
         self.flush_step()
         self._manual_step = finished + 1
         self._abort_if_asked(finished)
+
+    def _finished_step(self) -> int:
+        """The step a custom loop has just ended: its own count once ``step()`` was called, else Megatron-LM's
+        iteration, else the optimizer steps taken so far (at least 1: a loop without a Megatron optimizer)."""
+        if self._manual_step is not None:
+            return self._manual_step
+        iteration = self._iteration()
+        if iteration is not None:
+            return iteration
+        with self._lock:
+            return max([1, *(t.steps for t in self._tracked.values())])
 
     def _abort_if_asked(self, finished: int) -> None:
         limit = self.config.abort_after_step

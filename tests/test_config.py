@@ -262,3 +262,21 @@ def test_resolve_does_not_modify_the_given_config():
 def test_the_selftest_switches_are_not_config_variables():
     """`gradnan selftest` reads GRADNAN_SELFTEST_*; install() must not reject them as unknown."""
     assert options_from_env({"GRADNAN_SELFTEST_PERTURB_RANK": "1", "GRADNAN_STRICT": "1"}) == {"strict": True}
+
+
+@pytest.mark.parametrize("text", ["²", "3-²", "٣x", "-3", "3-", "a"])
+def test_a_range_with_anything_but_ascii_digits_is_a_config_error(text):
+    with pytest.raises(ConfigError, match="'steps' has a bad entry"):
+        GradnanConfig(steps=text)
+
+
+def test_a_config_file_may_give_one_step_as_a_number_and_names_itself_in_a_bad_range(tmp_path):
+    from gradnan.config import options_from_file
+
+    good = tmp_path / "good.TOML"
+    good.write_text("steps = 5\nranks = [1, \"3-4\"]\n")
+    assert options_from_file(str(good)) == {"steps": "5", "ranks": "1,3-4"}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"trace_steps": "5-3"}')
+    with pytest.raises(ConfigError, match=f"{bad}.*'trace_steps' has a bad entry '5-3'"):
+        options_from_file(str(bad))
