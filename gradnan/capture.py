@@ -306,7 +306,7 @@ class CaptureManager:
 
     def arm_forward_origin(self) -> None:
         if self.finder is None:
-            self.finder = ForwardOriginFinder(self._watchable(), self._step_now).attach()
+            self.finder = ForwardOriginFinder(self._watchable(), self._step_now, self.config.max_frames).attach()
 
     def start(self, next_step: int) -> None:
         """Optimizer built: retention begins; an explicit capture of the first step is armed."""

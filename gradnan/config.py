@@ -47,6 +47,8 @@ class GradnanConfig:
     on_nonfinite: "continue" (Megatron's behaviour) or "raise": stop the run with
         ``NonFiniteGradientError`` right after the record of a non-finite grad norm (or a collapsed
         fp16 loss scale) is on disk. Every rank of the norm's group sees the same norm, so all stop.
+        With frames="detect", also at the first non-finite forward value (DebugUnderflowOverflow's
+        behaviour), on the ranks that saw it, once its frames are on disk.
     run_id: names this launch in every record, so restarts into one out_dir stay apart; empty: taken
         from TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else launches are told apart by their start time.
     max_records_bytes: a rank stops appending records (with one log line) once its file is this big.

@@ -214,10 +214,12 @@ def first_nonfinite(frames: Sequence[Frame]) -> Optional[int]:
 
 
 def forward_origin(frames: Sequence[Frame]) -> Optional[Frame]:
-    """The first call whose weights and inputs are finite and whose outputs are not: where a forward
-    value first went non-finite (deeper modules finish first, so the smallest such module)."""
-    return next((frame for frame in frames if frame.nonfinite_in("output") and not frame.nonfinite_in("input")
-                 and not frame.nonfinite_in("weight")), None)
+    """Where a forward value first went non-finite: the first call (deeper modules finish first, so the
+    smallest such module) whose inputs are finite and outputs are not, preferring one whose weights are
+    finite too (its own computation overflowed); else the first whose weights already are non-finite
+    (a non-finite update was applied to them)."""
+    produced = [frame for frame in frames if frame.nonfinite_in("output") and not frame.nonfinite_in("input")]
+    return next((frame for frame in produced if not frame.nonfinite_in("weight")), produced[0] if produced else None)
 
 
 class FrameBuffer:

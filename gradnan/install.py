@@ -110,7 +110,7 @@ def _flush_at_exit(installation: Installation) -> None:
     """A run that dies of an exception before its optimizer step (Megatron-LM's NaN-loss check raises in
     the forward) still gets that step's frames and probes written."""
     if _current is installation:
-        installation.runtime.guarded("end of run", installation.runtime.flush_step)
+        installation.runtime.flush_at_end()
 
 
 def _announce(installation: Installation) -> None:

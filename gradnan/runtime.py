@@ -112,7 +112,7 @@ class Runtime:
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
-        self.guarded("end of run", self.flush_step)
+        self.flush_at_end()
         self.captures.close()
         if self.frames is not None:
             self.frames.detach()
@@ -249,6 +249,13 @@ class Runtime:
             return False
         return not self._steps or (self.selection_step() if step is None else step) in self._steps
 
+    def flush_at_end(self) -> None:
+        """``flush_step`` when the run ends (uninstall, interpreter exit): nothing to stop any more."""
+        try:
+            self.guarded("end of run", self.flush_step)
+        except _INTENDED:
+            pass
+
     def set_recording(self, on: bool) -> None:
         if not on:
             self.guarded("frames", self.flush_step)  # the window's last step is written before it closes
@@ -309,8 +316,10 @@ class Runtime:
         _, frames = self.frames.read()
         if self.config.frames == "trace":
             if frames:
+                bad = first_nonfinite(frames)
                 self._write("frames", step, [], {"mode": "trace", "frames": [f.to_json() for f in frames],
-                                                 "frames_total": len(frames), "first_nonfinite": first_nonfinite(frames)})
+                                                 "frames_total": len(frames), "first_nonfinite": bad,
+                                                 "local_nonfinite": bad is not None})
             if self.selection_step() >= max(self._trace_steps):
                 self.frames.detach()  # the last traced step is written: no hook is left on the model
             return
@@ -327,6 +336,7 @@ class Runtime:
                      " %s; frame detection now stops", step, last.module or "<model>", last.cls, _where(record),
                      len(window) - 1, record["_path"])
         self.frames.detach()
+        self._stop_if_asked(record)
 
     def probe(self, tensor: torch.Tensor, label: str) -> None:
         if self.recording():

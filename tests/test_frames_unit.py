@@ -158,7 +158,8 @@ def test_the_ring_keeps_the_last_frames_across_steps_and_ends_at_the_first_nonfi
     window = ring.add(tracer.read()[1])
     assert [f.module for f in window] == ["fc2", "", "fc1", "fc2"]
     assert window[-1].nonfinite and not any(f.nonfinite for f in window[:-1])
-    assert forward_origin(window) is None  # fc2's weight itself is non-finite: not a computation's fault
+    origin = forward_origin(window)  # no computation overflowed: the module whose weight is non-finite
+    assert origin is window[-1] and origin.nonfinite_in("weight")
 
 
 def test_the_forward_origin_is_the_first_call_with_finite_inputs_and_nonfinite_outputs():
@@ -197,6 +198,25 @@ def test_a_probe_names_the_innermost_model_module_on_the_call_stack():
     model(torch.randn(1, 4))
     assert seen == ["fc2"]
     assert enclosing_module(lambda: names) is None
+
+
+def test_on_nonfinite_raise_stops_at_the_first_nonfinite_forward_value_after_writing_its_frames(tmp_path):
+    import gradnan
+
+    handle = gradnan.install(out_dir=str(tmp_path), frames="detect", on_nonfinite="raise", log_level="CRITICAL")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        handle.start(model=model)
+        model(torch.ones(1, 4))
+        handle.step()  # a healthy step goes on
+        model(torch.full((1, 4), float("inf")))
+        with pytest.raises(gradnan.NonFiniteGradientError, match="frames at step 2"):
+            handle.step()
+    finally:
+        gradnan.uninstall()
+    [record] = [json.loads(line) for path in (tmp_path / "records").glob("*.jsonl")
+                for line in path.read_text().splitlines()]
+    assert record["kind"] == "frames" and record["step"] == 2 and record["frames"][-1]["module"] == "0"
 
 
 def test_a_run_that_dies_before_its_optimizer_step_still_writes_its_frames(tmp_path):
