@@ -132,6 +132,26 @@ def test_detect_writes_the_frames_up_to_the_first_overflowing_module_once(runs):
     assert _entry(fc1, "input[0]") == _entry(healthy_fc1, "input[0]")
 
 
+def test_gradnan_frames_prints_them_as_debug_underflow_overflow_does_and_the_report_points_there(runs, capsys):
+    from gradnan.cli import main
+
+    run_dir = runs[0] / "detect"
+    assert main(["frames", str(run_dir), "--rank", "1", "--last", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("rank 1 (tp1 pp0 dp0) step 3, detect mode: 2 forward frame(s); first non-finite:"
+                        f" {FC2} RowParallelLinear")
+    assert lines[1].split() == ["abs", "min", "abs", "max", "metadata"]
+    assert lines[2].strip() == f"{FC1} ColumnParallelLinear" and lines[3].endswith(" 3.00e+01 weight")
+    assert lines[-2].split()[1:] == ["inf", "output[0]"] and lines[-6].strip() == f"{FC2} RowParallelLinear"
+    assert main(["report", str(run_dir)]) == 0
+    report = capsys.readouterr().out
+    assert (f"Forward frames: rank 1 (tp1 pp0 dp0) step 3: first non-finite in {FC2} (RowParallelLinear);"
+            f" gradnan frames {run_dir} --rank 1 --step 3") in report
+    assert main(["frames", str(run_dir), "--step", "2"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "no frames recorded for step 2" in error
+
+
 def test_the_tensor_parallel_peer_received_the_overflow_through_the_all_reduce(runs):
     [record] = _frames_records(runs[0] / "detect", 0)
     assert record["step"] == 3 and record["mode"] == "detect"
