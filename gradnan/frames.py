@@ -128,10 +128,6 @@ class FrameTracer:
         self._handles = []
         self._reset()
 
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
-
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
         """The index of the tensor's (abs-min, abs-max) in this step's statistics, measuring it if this
         very tensor, unchanged since (same version), was not measured yet this step."""

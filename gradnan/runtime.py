@@ -239,7 +239,7 @@ class Runtime:
         iteration = self._iteration()
         return iteration if iteration is not None else self.upcoming_step()
 
-    def recording(self, step: Optional[int] = None) -> bool:
+    def recording(self) -> bool:
         """Whether anything is recorded now (``start()``/``stop()``, ``ranks``, ``steps``)."""
         if not self._recording:
             return False
@@ -247,7 +247,7 @@ class Runtime:
             self._rank_recorded = int(self.coords()["global_rank"]) in self._ranks
         if self._ranks and not self._rank_recorded:
             return False
-        return not self._steps or (self.selection_step() if step is None else step) in self._steps
+        return not self._steps or self.selection_step() in self._steps
 
     def flush_at_end(self) -> None:
         """``flush_step`` when the run ends (uninstall, interpreter exit): nothing to stop any more."""
@@ -263,22 +263,15 @@ class Runtime:
 
     def advance_step(self) -> None:
         """A custom loop finished a step (call it after the optimizer's step): write what it measured,
-        then count the next one."""
-        finished = self._finished_step()
+        then count the next one. The loop's count starts from the optimizer steps taken so far (at least
+        1: a loop without a Megatron optimizer) and from then on names records and steps filters."""
+        if self._manual_step is None:
+            with self._lock:
+                self._manual_step = max([1, *(t.steps for t in self._tracked.values())])
+        finished = self._manual_step
         self.flush_step()
         self._manual_step = finished + 1
         self._abort_if_asked(finished)
-
-    def _finished_step(self) -> int:
-        """The step a custom loop has just ended: its own count once ``step()`` was called, else Megatron-LM's
-        iteration, else the optimizer steps taken so far (at least 1: a loop without a Megatron optimizer)."""
-        if self._manual_step is not None:
-            return self._manual_step
-        iteration = self._iteration()
-        if iteration is not None:
-            return iteration
-        with self._lock:
-            return max([1, *(t.steps for t in self._tracked.values())])
 
     def _abort_if_asked(self, finished: int) -> None:
         limit = self.config.abort_after_step
