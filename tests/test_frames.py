@@ -65,6 +65,8 @@ RUNS = {
                                                   "modules": "decoder.layers.1.*"}),
     "no_attention": LAYOUT.with_(steps=1, gradnan={"frames": "trace", "trace_steps": "1",
                                                    "exclude_modules": "*.self_attention*"}),
+    "pipeline": LAYOUT.with_(tp=1, pp=2, dtype="bf16", steps=2, micro_batches=2,
+                             gradnan={"frames": "trace", "trace_steps": "2"}),
     # last: its processes stop with AbortRequested, so nothing after it would run
     "abort": LAYOUT.with_(steps=4, gradnan={"frames": "trace", "trace_steps": "1-4", "abort_after_step": 2}),
 }
@@ -206,6 +208,21 @@ def test_activation_recompute_counts_on_the_forward_frames_instead_of_doubling_t
         assert all(f["recomputed"] == 0 for f in plain["frames"])
         # the forward's values, not the recompute's overwriting them (they are equal anyway)
         assert [f["entries"] for f in record["frames"]] == [f["entries"] for f in plain["frames"]]
+
+
+def test_under_pipeline_parallelism_each_stage_traces_its_own_modules_by_global_name(runs):
+    """PP=2, 1F1B with 2 micro-batches: stage 0 holds the embedding and layer 0, stage 1 layer 1 (named by
+    its global number) and the output layer; each stage's record holds both micro-batches' calls."""
+    first = ["embedding.word_embeddings", "embedding.position_embeddings", "embedding.embedding_dropout",
+             "embedding"] + _layer(0) + ["decoder", ""]
+    last = _layer(1) + ["decoder.final_layernorm", "decoder", "output_layer", ""]
+    for rank, modules in ((0, first), (1, last)):
+        [record] = _frames_records(runs[0] / "pipeline", rank)
+        assert record["step"] == 2 and record["rank"]["pp"] == rank
+        assert [f["module"] for f in record["frames"]] == modules * 2
+        assert all(_frame_finite(f) for f in record["frames"])
+        fc1 = [f for f in record["frames"] if f["module"].endswith("mlp.linear_fc1")]
+        assert len(fc1) == 2 and _entry(fc1[0], "input[0]") != _entry(fc1[1], "input[0]")  # two micro-batches
 
 
 def test_max_frames_keeps_the_last_frames_before_the_first_nonfinite_one(runs):
