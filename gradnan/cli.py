@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     frames = commands.add_parser("frames", help="the forward frames a rank recorded (frame tracing)")
     frames.add_argument("run_dir", type=Path)
     frames.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1); default: every rank")
-    frames.add_argument("--step", type=int, help="only this step")
+    frames.add_argument("--step", type=int, help="only this step (the records' step)")
+    frames.add_argument("--iteration", type=int, help="only this Megatron-LM iteration (as trace_steps counts there)")
     frames.add_argument("--last", type=_positive, metavar="N", help="only the last N frames of each record")
     frames.add_argument("--json", action="store_true", help="the frames records as JSON")
     replay = commands.add_parser("replay", help="rerun a captured module call offline: does the failure reproduce?")
@@ -98,10 +99,13 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     files = read_run(args.run_dir)
     chosen = [record for record in files.all_records() if record.get("kind") == "frames"
               and (args.rank is None or _matches_rank(record["rank"], args.rank))
-              and (args.step is None or record["step"] == args.step)]
+              and (args.step is None or record["step"] == args.step)
+              and (args.iteration is None or record.get("iteration") == args.iteration)]
     if not chosen:
         wanted = " and ".join(text for text in (args.rank and f"rank {args.rank}",
-                                                 args.step is not None and f"step {args.step}") if text)
+                                                 args.step is not None and f"step {args.step}",
+                                                 args.iteration is not None and f"iteration {args.iteration}")
+                              if text)
         raise ReadError(f"{args.run_dir}: no frames recorded{' for ' + wanted if wanted else ''}"
                         " (frame tracing is on with frames=detect or frames=trace)")
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))

@@ -241,3 +241,20 @@ def test_a_run_that_dies_before_its_optimizer_step_still_writes_its_frames(tmp_p
     assert kinds["frames"]["frames"][-1]["module"] == "1" and kinds["frames"]["step"] == 1
     probe = kinds["probe"]["probes"][0]
     assert probe["label"] == "loss" and probe["module"] is None and probe["nan"] + probe["inf"] == 1
+
+
+def test_gradnan_frames_selects_by_megatron_lm_iteration_as_trace_steps_count_there(tmp_path, capsys):
+    from gradnan.cli import main
+
+    rank = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0, "host": "h", "device": "cpu"}
+    frame = {"step": 3, "module": "fc", "class": "Linear", "call": 0, "recomputed": 0,
+             "entries": [{"name": "output", "kind": "output", "dtype": "torch.float32", "abs_min": 0.5, "abs_max": 2.0}]}
+    record = {"schema": "gradnan.record", "version": 1, "kind": "frames", "step": 3, "iteration": 1003, "rank": rank,
+              "params": [], "params_total": 0, "mode": "trace", "frames": [frame], "frames_total": 1,
+              "first_nonfinite": None}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "rank00000_tp0_pp0_dp0.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["frames", str(tmp_path), "--iteration", "1003"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "5.00e-01 2.00e+00 output"
+    assert main(["frames", str(tmp_path), "--iteration", "3"]) == 2
+    assert "no frames recorded for iteration 3" in capsys.readouterr().err
