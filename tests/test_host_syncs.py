@@ -1,7 +1,8 @@
 """Healthy steps pay no host sync for the kit: per step, the same number of host-syncing tensor calls
 (item, tolist, bool/float/int conversions, numpy) with the kit at its defaults as without it, on real
 megatron-core (DP=2, bf16, overlapped reduction with several buckets). ``pre_reduction="sync"`` adds one
-read per bucket group per step, and none per parameter."""
+read per bucket group per step, and none per parameter; frame tracing one read per step in all, however
+many module calls and tensors it measures."""
 
 from __future__ import annotations
 
@@ -16,20 +17,29 @@ JOB = TinyGPTJob(dtype="bf16", steps=4, overlap_grad_reduce=True, bucket_size=60
 def counts(tmp_path_factory):
     root = tmp_path_factory.mktemp("syncs")
     jobs = [JOB, JOB.with_(gradnan={"out_dir": str(root / "defaults")}),
-            JOB.with_(gradnan={"out_dir": str(root / "sync"), "pre_reduction": "sync"})]
+            JOB.with_(gradnan={"out_dir": str(root / "sync"), "pre_reduction": "sync"}),
+            JOB.with_(gradnan={"out_dir": str(root / "frames"), "frames": "detect"}),
+            JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"})]
     outcomes = launch_many(jobs)
     return [{rank: [s.host_syncs for s in result.steps] for rank, result in outcome.items()}
             for outcome in outcomes], outcomes[0][0].bucket_groups
 
 
 def test_defaults_add_no_host_sync_on_healthy_steps(counts):
-    (without, defaults, _), _ = counts
+    (without, defaults, *_), _ = counts
     assert defaults == without
     assert all(count > 0 for count in without[0])  # the counter does see Megatron's own syncs
 
 
 def test_sync_mode_adds_one_read_per_bucket_group_not_per_parameter(counts):
-    (without, _, sync), bucket_groups = counts
+    (without, _, sync, *_), bucket_groups = counts
     assert bucket_groups > 1  # several buckets, each its own group, so "per group" is really tested
     for rank in without:
         assert [s - w for s, w in zip(sync[rank][1:], without[rank][1:])] == [bucket_groups] * (JOB.steps - 1)
+
+
+def test_frame_tracing_reads_once_per_step_not_per_tensor(counts):
+    (without, _, _, detect, trace), _ = counts
+    for rank in without:  # dozens of module calls and over a hundred tensors measured per step
+        assert [d - w for d, w in zip(detect[rank], without[rank])] == [1] * JOB.steps
+        assert [t - w for t, w in zip(trace[rank], without[rank])] == [1] * JOB.steps
