@@ -10,7 +10,7 @@ from .maps import ParamSlot
 from .records import json_float
 from .scan import find_nonfinite, unravel
 
-_DTYPE_MAX = {
+DTYPE_MAX = {  # the largest finite value of each floating dtype, by its name in maps and frames
     "torch.float16": torch.finfo(torch.float16).max,
     "torch.bfloat16": torch.finfo(torch.bfloat16).max,
     "torch.float32": torch.finfo(torch.float32).max,
@@ -30,7 +30,7 @@ def offending_params(
     for position, found in find_nonfinite(grads):
         slot = slots[position]
         flat_index = found.first_bad + (slot.shard[0] if slot.shard else 0)
-        dtype_max = _DTYPE_MAX.get(slot.dtype)
+        dtype_max = DTYPE_MAX.get(slot.dtype)
         offending.append(
             {
                 "id": slot.id,

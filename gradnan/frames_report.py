@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from .detect import DTYPE_MAX
 from .records import shown_axes
 
 
@@ -70,6 +71,14 @@ def _stat(value: Any) -> str:
     return f"{value:8.2e}"
 
 
+def _near_limit(entry: Dict[str, Any]) -> str:
+    """A marker where a finite abs-max is within 2x of its dtype's largest value: the climb to an overflow."""
+    limit, value = DTYPE_MAX.get(entry["dtype"]), entry["abs_max"]
+    if limit is None or not isinstance(value, (int, float)) or value * 2 < limit:
+        return ""
+    return f"  [near {entry['dtype'].replace('torch.', '')} max {limit:.2e}]"
+
+
 def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
     """A frames record as DebugUnderflowOverflow lays its frames out; ``limit``: the last so many frames."""
     frames = record["frames"] if limit is None else record["frames"][-limit:]
@@ -84,5 +93,5 @@ def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
         recomputed = f" (recomputed x{frame['recomputed']})" if frame["recomputed"] else ""
         lines.append(f"{'':17} {_module_text(frame)}{recomputed}")
         for entry in frame["entries"]:
-            lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])} {entry['name']}")
+            lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])} {entry['name']}{_near_limit(entry)}")
     return "\n".join(lines)

@@ -258,3 +258,19 @@ def test_gradnan_frames_selects_by_megatron_lm_iteration_as_trace_steps_count_th
     assert capsys.readouterr().out.splitlines()[-1] == "5.00e-01 2.00e+00 output"
     assert main(["frames", str(tmp_path), "--iteration", "3"]) == 2
     assert "no frames recorded for iteration 3" in capsys.readouterr().err
+
+
+def test_gradnan_frames_marks_values_within_2x_of_their_dtypes_largest():
+    from gradnan.frames_report import format_frames
+
+    def entry(name, dtype, high):
+        return {"name": name, "kind": "output", "dtype": dtype, "abs_min": 0.0, "abs_max": high}
+
+    frame = {"step": 1, "module": "m", "class": "Linear", "call": 0, "recomputed": 0,
+             "entries": [entry("output[0]", "torch.float16", 3.3e4), entry("output[1]", "torch.float16", 3.2e4),
+                         entry("output[2]", "torch.float16", "inf"), entry("output[3]", "torch.float32", 3.3e4)]}
+    record = {"rank": {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}, "step": 1, "mode": "trace",
+              "frames": [frame], "first_nonfinite": None}
+    lines = format_frames(record).splitlines()[-4:]
+    assert lines[0].endswith("output[0]  [near float16 max 6.55e+04]")
+    assert [line.endswith(name) for line, name in zip(lines[1:], ("output[1]", "output[2]", "output[3]"))] == [True] * 3
