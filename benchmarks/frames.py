@@ -230,7 +230,7 @@ class GradnanFrames(Variant):
         self.tracer.attach()
 
     def end_step(self) -> None:
-        _, frames = self.tracer.read()
+        frames = self.tracer.read()
         if self.buffer.add(frames) is not None:
             raise RuntimeError("gradnan frames: a healthy step went non-finite")
         self.step += 1

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .config import parse_patterns, parse_ranges
-from .frames import FrameTracer, forward_origin
+from .frames import FrameTracer, forward_origin, in_backward
 from .log import logger
 from .scan import has_nonfinite, tensors_in
 from .trace import OpRecorder, Trace
@@ -148,8 +148,7 @@ class ModuleCapture:
 
     def _keep(self, recorder: OpRecorder, rng: Dict[str, torch.Tensor], outputs: Any, args: Any,
               kwargs: Any) -> None:
-        in_backward = torch._C._current_autograd_node() is not None  # activation recompute runs in backward
-        call = ModuleCall(trace=recorder.result(outputs), rng=rng, recompute=in_backward,
+        call = ModuleCall(trace=recorder.result(outputs), rng=rng, recompute=in_backward(),
                           grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
                           call_index=self._calls_this_step)
         self._calls_this_step += 1
@@ -254,7 +253,7 @@ class ForwardOriginFinder:
         self.tracer.detach()
 
     def end_step(self) -> None:
-        _, frames = self.tracer.read()
+        frames = self.tracer.read()
         self.steps_left -= 1
         origin = forward_origin(frames)
         if origin is not None:

@@ -108,8 +108,7 @@ class GradnanConfig:
     def __post_init__(self) -> None:
         for spec in fields(self):
             value = getattr(self, spec.name)
-            expected = {"str": str, "bool": bool, "int": int}[spec.type]
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            if not _has_type(value, spec.type):
                 raise ConfigError(
                     f"gradnan config field '{spec.name}' must be {spec.type}, got {value!r}"
                 )
@@ -144,6 +143,12 @@ class GradnanConfig:
         include, exclude = parse_patterns(self.modules), parse_patterns(self.exclude_modules)
         return (not include or any(fnmatch.fnmatchcase(module_name, p) for p in include)) and not any(
             fnmatch.fnmatchcase(module_name, p) for p in exclude)
+
+
+def _has_type(value: Any, type_name: str) -> bool:
+    """Whether ``value`` is of a field's type ("str", "bool", "int"; a bool is not an int here)."""
+    expected = {"str": str, "bool": bool, "int": int}[type_name]
+    return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
 
 
 def parse_ranges(text: str, field_name: str = "ranges") -> Set[int]:
@@ -210,8 +215,7 @@ def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
         if not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: field '{name}' must list module names or patterns (text)")
         value = ",".join(value)
-    expected = {"str": str, "bool": bool, "int": int}[type_name]
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+    if not _has_type(value, type_name):
         kind = {"str": "text", "bool": "true or false", "int": "an integer"}[type_name]
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
     if name in RANGE_FIELDS:

@@ -15,6 +15,7 @@ during backward (activation recompute) measures nothing: the frame of the same m
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,11 +43,12 @@ class Frame:
 
     @property
     def nonfinite(self) -> bool:
-        return any(v is not None and not all(map(_finite, v)) for v in self.values)
+        return any(v is not None and not all(map(math.isfinite, v)) for v in self.values)
 
     def nonfinite_in(self, kind: str) -> bool:
         """Whether any entry of this kind ("weight", "input", "output") is non-finite."""
-        return any(v is not None and not all(map(_finite, v)) for k, v in zip(self.kinds, self.values) if k == kind)
+        return any(v is not None and not all(map(math.isfinite, v))
+                   for k, v in zip(self.kinds, self.values) if k == kind)
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "module": self.module, "class": self.cls, "call": self.call,
@@ -55,10 +57,6 @@ class Frame:
                              "abs_min": None if v is None else json_float(v[0]),
                              "abs_max": None if v is None else json_float(v[1])}
                             for name, kind, dtype, v in zip(self.names, self.kinds, self.dtypes, self.values)]}
-
-
-def _finite(value: float) -> bool:
-    return value == value and abs(value) != float("inf")
 
 
 def named_entries(args: Sequence[Any], kwargs: Dict[str, Any], outputs: Any) -> List[Tuple[str, str, Any]]:
@@ -89,6 +87,11 @@ def measurable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.numel() > 0
 
 
+def in_backward() -> bool:
+    """Whether this code runs inside the backward pass: a forward call there is activation recompute."""
+    return torch._C._current_autograd_node() is not None
+
+
 MAX_PENDING = 1 << 16  # statistics kept on the device before an early read (long forward-only phases)
 
 
@@ -113,7 +116,6 @@ class FrameTracer:
         self._pending: List[torch.Tensor] = []
         self._values: List[Tuple[float, float]] = []
         self._frames: List[Frame] = []
-        self._weights: Dict[int, List[Tuple[str, str, Optional[int]]]] = {}
         self._seen: Dict[int, Tuple[Any, int, int]] = {}
         self._last_frame: Dict[str, Frame] = {}
 
@@ -152,16 +154,13 @@ class FrameTracer:
                 self._on = self._active()
             if not self._on:
                 return
-            if torch._C._current_autograd_node() is not None:  # activation recompute runs in backward
+            if in_backward():
                 previous = self._last_frame.get(name)
                 if previous is not None:
                     previous.recomputed += 1
                 return
-            weights = self._weights.get(id(module))
-            if weights is None:
-                weights = [(param_name, str(param.dtype), self._measure(param))
-                           for param_name, param in module.named_parameters(recurse=False)]
-                self._weights[id(module)] = weights
+            weights = [(param_name, str(param.dtype), self._measure(param))
+                       for param_name, param in module.named_parameters(recurse=False)]
             entries = named_entries(args, kwargs, outputs)
             if not weights and not entries:
                 return
@@ -174,17 +173,16 @@ class FrameTracer:
             self._last_frame[name] = frame
         return hook
 
-    def read(self) -> Tuple[Optional[int], List[Frame]]:
+    def read(self) -> List[Frame]:
         """The step's frames with their values (one host read), and the tracer ready for the next step."""
-        step, frames, values = self._step, self._frames, self._values
-        pending = self._pending
+        frames, values, pending = self._frames, self._values, self._pending
         self._reset()
         if not frames:
-            return step, []
+            return []
         values = values + read_pairs(pending)
         for frame in frames:
             frame.values = [None if index is None else values[index] for index in frame.stats]
-        return step, frames
+        return frames
 
 
 def read_pairs(flat: List[torch.Tensor]) -> List[Tuple[float, float]]:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .frames import read_pairs
+from .frames import in_backward, read_pairs
 from .records import json_float
 
 
@@ -43,7 +43,7 @@ class Probes:
             return
         value = tensor.detach()
         low, high = torch.aminmax(value.abs())
-        self._pending.append(_Pending(label, step, module, torch._C._current_autograd_node() is not None,
+        self._pending.append(_Pending(label, step, module, in_backward(),
                                       list(value.shape), str(value.dtype), len(self._stats) // 2))
         self._stats += [torch.isnan(value).sum(), torch.isinf(value).sum(), low, high]
 

@@ -202,8 +202,7 @@ class Runtime:
             self._pre_reduction_checked = False
             self._pre_reduction_found = False
         tracked, _ = self._track(optimizer)
-        ended = tracked.steps if self._manual_step is None else self._manual_step
-        self.captures.end_step(ended, finished + 1)
+        self.captures.end_step(self._loop_step(tracked.steps), finished + 1)
         if skipped is not None:
             tracked.consecutive_skips = tracked.consecutive_skips + 1 if skipped else 0
             if not skipped:
@@ -230,7 +229,11 @@ class Runtime:
     def record_step(self) -> int:
         """The step in progress as records name it: the custom loop's count once ``step()`` is used,
         else the optimizer's."""
-        return self._manual_step if self._manual_step is not None else self.upcoming_step()
+        return self._loop_step(self.upcoming_step())
+
+    def _loop_step(self, step: int) -> int:
+        """``step`` (an optimizer count), or the custom loop's count once it calls ``step()``."""
+        return self._manual_step if self._manual_step is not None else step
 
     def selection_step(self) -> int:
         """The step in progress as the step filters see it: Megatron-LM's iteration where its loop runs."""
@@ -306,7 +309,7 @@ class Runtime:
             self._write_probes(step, bad_probes)
         if self.frames is None:
             return
-        _, frames = self.frames.read()
+        frames = self.frames.read()
         if self.config.frames == "trace":
             if frames:
                 bad = first_nonfinite(frames)
@@ -408,7 +411,7 @@ class Runtime:
                extra: Dict[str, Any]) -> Dict[str, Any]:
         coords = self.coords()
         limit = self.config.max_params_per_record
-        step = self._manual_step if self._manual_step is not None else step
+        step = self._loop_step(step)
         record = {
             "schema": RECORD_SCHEMA,
             "version": SCHEMA_VERSION,
@@ -483,7 +486,7 @@ class Runtime:
                       context: Dict[str, Any]) -> bool:
         if not self.recording():
             return False
-        step = self._manual_step if self._manual_step is not None else step
+        step = self._loop_step(step)
         manifest, tensors = bundle_contents(capture, call, observed, context, self._param_facts)
         size = tensors_bytes(tensors)
         limit = ("max_bundles" if self._bundles_written >= self.config.max_bundles

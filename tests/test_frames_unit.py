@@ -54,9 +54,9 @@ def test_a_step_costs_one_host_read_and_values_match_the_tensors():
     with HostSyncCounter() as during:
         model(x, scale=torch.tensor(2.0))
     with HostSyncCounter() as reading:
-        step, frames = tracer.read()
+        frames = tracer.read()
     assert during.total == 0 and reading.total == 1
-    assert step == 1 and [f.module for f in frames] == ["fc1", "fc2", ""]
+    assert [f.step for f in frames] == [1, 1, 1] and [f.module for f in frames] == ["fc1", "fc2", ""]
     root = frames[-1]
     assert root.names == ["input[0]", "kwargs.scale", "output[0]", "output[1]"]
     assert root.values[0] == pytest.approx((x.abs().min().item(), x.abs().max().item()))
@@ -73,7 +73,7 @@ def test_weights_are_measured_once_per_step_and_integer_inputs_are_named_not_mea
     tracer = tracer_for(model)
     for _ in range(3):
         model(torch.tensor([1, 2]))
-    _, frames = tracer.read()
+    frames = tracer.read()
     assert len(frames) == 3 and len({frame.stats[0] for frame in frames}) == 1  # one weight measurement
     assert frames[0].names == ["weight", "input[0]", "output"] and frames[0].values[1] is None
     assert frames[0].dtypes[1] == "torch.int64"
@@ -97,7 +97,7 @@ def test_a_tensor_seen_again_unchanged_is_measured_once_and_frames_without_tenso
     nothing()
     x.mul_(1e6)  # changed in place: a new version, measured again
     model[0](x)
-    _, frames = tracer.read()
+    frames = tracer.read()
     assert [f.module for f in frames] == ["0", "1", "2", "", "0"]
     passthrough = frames[0]
     assert passthrough.stats[0] == passthrough.stats[1]  # input and output: one tensor, one measurement
@@ -124,7 +124,7 @@ def test_long_forward_only_phases_are_read_early_instead_of_piling_up(monkeypatc
         for _ in range(10):
             model(torch.randn(2, 4))
     assert counter.total >= 2 and len(tracer._pending) < 8
-    _, frames = tracer.read()
+    frames = tracer.read()
     assert len(frames) == 10 and all(v is not None for frame in frames for v in frame.values)
 
 
@@ -134,7 +134,7 @@ def test_activation_recompute_marks_the_forward_frame_instead_of_adding_one():
     x = torch.randn(2, 4, requires_grad=True)
     out, _ = checkpoint(model, x, use_reentrant=True)  # Megatron's recompute re-runs the whole forward too
     out.sum().backward()
-    _, frames = tracer.read()
+    frames = tracer.read()
     assert [f.module for f in frames] == ["fc1", "fc2", ""]
     assert [f.recomputed for f in frames] == [1, 1, 1]
 
@@ -143,7 +143,7 @@ def test_nothing_is_measured_in_steps_that_are_not_traced():
     model = Block()
     tracer = tracer_for(model, active=lambda: False, step=2)
     model(torch.randn(2, 4))
-    assert tracer.read() == (2, [])
+    assert tracer.read() == []
 
 
 def test_the_ring_keeps_the_last_frames_across_steps_and_ends_at_the_first_nonfinite():
@@ -151,11 +151,11 @@ def test_the_ring_keeps_the_last_frames_across_steps_and_ends_at_the_first_nonfi
     tracer = tracer_for(model)
     ring = FrameBuffer(max_frames=4)
     model(torch.randn(2, 4))
-    assert ring.add(tracer.read()[1]) is None
+    assert ring.add(tracer.read()) is None
     with torch.no_grad():
         model.fc2.weight[0, 0] = float("inf")
     model(torch.randn(2, 4))
-    window = ring.add(tracer.read()[1])
+    window = ring.add(tracer.read())
     assert [f.module for f in window] == ["fc2", "", "fc1", "fc2"]
     assert window[-1].nonfinite and not any(f.nonfinite for f in window[:-1])
     origin = forward_origin(window)  # no computation overflowed: the module whose weight is non-finite
@@ -166,7 +166,7 @@ def test_the_forward_origin_is_the_first_call_with_finite_inputs_and_nonfinite_o
     model = Block()
     tracer = tracer_for(model)
     model(torch.full((2, 4), 1e30), scale=torch.tensor(1e30))
-    _, frames = tracer.read()
+    frames = tracer.read()
     origin = forward_origin(frames)
     fc1, fc2, root = frames
     assert not fc1.nonfinite and fc2.nonfinite_in("input")  # the overflow happened between the two
