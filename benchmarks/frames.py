@@ -5,12 +5,12 @@
     python benchmarks/frames.py --rounds 15 --sizes medium
 
 Real megatron-core, one process (CPU with the shim in fp32, or a real GPU in bf16 when CUDA is there), the
-harness of ``overhead.py`` (``gradnan.toy.TinyGPT``: Megatron DDP and ``get_megatron_optimizer``'s Adam). On
+harness of ``overhead.py`` (``gradnan.testing.toy.TinyGPT``: Megatron DDP and ``get_megatron_optimizer``'s Adam). On
 the same model, one full training step (forward, backward, optimizer step) is timed in three ways, interleaved
 round by round in a rotating order so that drift falls on all of them alike:
 
 - ``off``: no tracing;
-- ``gradnan``: ``gradnan.frames.FrameTracer`` in detect mode over every module (``global_named_modules``),
+- ``gradnan``: ``gradnan.training.frames.FrameTracer`` in detect mode over every module (``global_named_modules``),
   as ``Runtime`` runs it: an ``aminmax`` of |x| per floating tensor left on the device, weights measured
   once per step, then ``read()`` (one host copy) and ``FrameBuffer.add`` once per step;
 - ``hf``: ``HfStyleOverflowDebugger``, a re-implementation of ``transformers.debug_utils.DebugUnderflowOverflow``
@@ -18,7 +18,7 @@ round by round in a rotating order so that drift falls on all of them alike:
   formatted into a string and ``isnan(x).any().item()``/``isinf(x).any().item()``: four host reads each).
 
 Prints medians with quartiles, the median per-round ratio to ``off``, the extra time over ``off`` and
-hf's extra over gradnan's, host syncs per step (``gradnan.measure.HostSyncCounter``), frames and tensors
+hf's extra over gradnan's, host syncs per step (``gradnan.testing.measure.HostSyncCounter``), frames and tensors
 measured per step. On CPU both wall-clock and process CPU time are reported, with one intra-op thread by
 default (``--threads``): on a small machine shared with other work, multi-threaded step times swing tenfold,
 while one thread's CPU time barely moves. On CPU no host read waits, so there the difference is the work
@@ -41,10 +41,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from gradnan.frames import FrameBuffer, FrameTracer
-from gradnan.measure import HostSyncCounter
-from gradnan.patches._megatron import destroy_model_parallel, global_named_modules, unwrap_model
-from gradnan.toy import TinyGPT, TinyGPTJob
+from gradnan.training.frames import FrameBuffer, FrameTracer
+from gradnan.testing.measure import HostSyncCounter
+from gradnan.training.megatron.model import destroy_model_parallel, global_named_modules, unwrap_model
+from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
 try:  # python benchmarks/frames.py: the script's folder is on sys.path
     from overhead import _quartiles, _setup, _sync
@@ -419,7 +419,7 @@ def main() -> None:
     print()
     print(table(results, with_cpu=device.type == "cpu"))
     print("\nextra: median over rounds of (variant step - off step) within one round; cpu: the process's CPU time"
-          " (time.process_time); host syncs: one step counted with gradnan.measure.HostSyncCounter (a GPU waits at"
+          " (time.process_time); host syncs: one step counted with gradnan.testing.measure.HostSyncCounter (a GPU waits at"
           f" each); frames: module calls traced; total {time.perf_counter() - began:.0f} s")
 
 

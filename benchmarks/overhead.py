@@ -28,10 +28,10 @@ from typing import Any, Callable, Dict, List
 import torch
 
 import gradnan
-from gradnan.measure import HostSyncCounter, PeakMemory
-from gradnan.runtime import Runtime
-from gradnan.scan import find_nonfinite, finite_flag
-from gradnan.toy import TinyGPT, TinyGPTJob
+from gradnan.testing.measure import HostSyncCounter, PeakMemory
+from gradnan.training.runtime import Runtime
+from gradnan.training.scan import find_nonfinite, finite_flag
+from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
 SIZES = {
     "1m": dict(hidden_size=128, num_layers=4, num_heads=4),
@@ -166,7 +166,7 @@ def _setup() -> torch.device:
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
-    from gradnan.patches.cpu_shim import SHIM
+    from gradnan.testing.cpu_shim import SHIM
 
     SHIM.activate()
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
@@ -219,7 +219,7 @@ def main() -> None:
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
             results["sizes"][size] = entry
-            from gradnan.patches._megatron import destroy_model_parallel
+            from gradnan.training.megatron.model import destroy_model_parallel
 
             destroy_model_parallel()
             print(f"{size}: done", flush=True)

@@ -37,7 +37,7 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group("nccl")
     else:
-        from gradnan.patches.cpu_shim import SHIM  # CPU only: megatron-core is wired to CUDA
+        from gradnan.testing.cpu_shim import SHIM  # CPU only: megatron-core is wired to CUDA
 
         SHIM.activate()
         torch.distributed.init_process_group("gloo")

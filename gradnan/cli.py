@@ -11,32 +11,22 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import selftest
-from .config import ConfigError
-from .frames_report import format_frames
-from .reader import ReadError, read_run
-from .report import build_report, format_text
-
-EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """A command line argparse rejects; the message is one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        raise UsageError(f"{self.prog}: error: {message}")
+from .commandline import OneLineParser, bad_input, positive
+from .errors import GradnanError, InputError
+from .offline.frames_view import format_frames
+from .offline.read import read_run
+from .offline.report import build_report, format_text
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradnan", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="gradnan", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     demo = commands.add_parser("demo", help="run the embedded tiny Megatron GPT with an injected NaN")
     demo.add_argument("--out", default="gradnan_demo", help="run directory to create (default: %(default)s)")
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
-    report.add_argument("--fp16-skips", type=_positive, default=3, metavar="N",
+    report.add_argument("--fp16-skips", type=positive, default=3, metavar="N",
                         help="consecutive fp16 loss-scale skips that count as a failure (default: %(default)s)")
     report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
     report.add_argument("--plot", type=Path, metavar="FILE",
@@ -51,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     frames.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1); default: every rank")
     frames.add_argument("--step", type=int, help="only this step (the records' step)")
     frames.add_argument("--iteration", type=int, help="only this Megatron-LM iteration (as trace_steps counts there)")
-    frames.add_argument("--last", type=_positive, metavar="N", help="only the last N frames of each record")
+    frames.add_argument("--last", type=positive, metavar="N", help="only the last N frames of each record")
     frames.add_argument("--json", action="store_true", help="the frames records as JSON")
     replay = commands.add_parser("replay", help="rerun a captured module call offline: does the failure reproduce?")
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
@@ -60,12 +50,6 @@ def _parser() -> argparse.ArgumentParser:
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return int(text)
 
 
 def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
@@ -83,7 +67,7 @@ def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     files = read_run(args.run_dir)
     documents = [doc for doc in files.maps.values() if args.rank is None or _matches_rank(doc["rank"], args.rank)]
     if not documents:
-        raise ReadError(f"{args.run_dir}: no map for rank {args.rank!r}")
+        raise InputError(f"{args.run_dir}: no map for rank {args.rank!r}")
     rows = []
     for document in documents:
         for entry in document["params"]:
@@ -91,7 +75,7 @@ def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
                 rows.append({"rank": document["rank"]["global_rank"],
                              "optimizer_index": document.get("optimizer_index", 0), **entry})
     if args.param_id is not None and not rows:
-        raise ReadError(f"{args.run_dir}: no parameter with id {args.param_id} on rank {args.rank!r}")
+        raise InputError(f"{args.run_dir}: no parameter with id {args.param_id} on rank {args.rank!r}")
     return rows
 
 
@@ -106,7 +90,7 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
                                                  args.step is not None and f"step {args.step}",
                                                  args.iteration is not None and f"iteration {args.iteration}")
                               if text)
-        raise ReadError(f"{args.run_dir}: no frames recorded{' for ' + wanted if wanted else ''}"
+        raise InputError(f"{args.run_dir}: no frames recorded{' for ' + wanted if wanted else ''}"
                         " (frame tracing is on with frames=detect or frames=trace)")
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
 
@@ -126,21 +110,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "demo":
-            from .demo import run_demo
+            from .testing.demo import run_demo
 
             print(run_demo(Path(args.out)))
         elif args.command == "report":
             report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
             if args.plot and report["incident"] is not None:
-                from .plot import plot_incident
+                from .offline.plot import plot_incident
 
                 plot_incident(report, args.plot)
             print(json.dumps(report, indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
                 print(f"Picture: {args.plot}" if report["incident"] is not None else "Nothing to plot: no failing step.")
         elif args.command == "replay":
-            from .replay import format_text as replay_text
-            from .replay import replay_bundle
+            from .offline.replay import format_text as replay_text
+            from .offline.replay import replay_bundle
 
             result = replay_bundle(args.bundle, device=args.device)
             print(json.dumps(result, indent=1) if args.json else replay_text(result))
@@ -158,12 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(rows, indent=1))
             else:
                 _print_maps(rows)
-    except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (ReadError, ConfigError) as exc:
-        print(f"gradnan: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except GradnanError as exc:
+        return bad_input("gradnan", exc)
     except BrokenPipeError:  # `gradnan maps ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

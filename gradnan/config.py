@@ -1,33 +1,106 @@
 """One configuration dataclass, settable three ways: keyword arguments, ``GRADNAN_*`` environment
-variables, and a JSON or TOML file named by ``GRADNAN_CONFIG`` (same field names in all three)."""
+variables, and a JSON or TOML file named by ``GRADNAN_CONFIG`` (same field names in all three).
+
+Modes are enums (``str`` enums: ``config.frames == "detect"`` holds); rank/step ranges and module patterns
+are given as text and parsed once, when the configuration is made (``config.ranges(name)``,
+``config.patterns(name)``), into intervals and tuples.
+"""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import enum
 import fnmatch
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .errors import ConfigError
+
 ENV_PREFIX = "GRADNAN_"
 CONFIG_FILE_ENV = "GRADNAN_CONFIG"  # names a config file; not a field
-FRAME_MODES = ("off", "detect", "trace")
 RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
 _NUMBER = re.compile(r"[0-9]+")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-class ConfigError(ValueError):
-    """A configuration value or name is wrong; the message names the field."""
+class PreReduction(str, enum.Enum):
+    """When each rank's own gradients are checked before the data-parallel collective."""
+
+    AUTO = "auto"
+    SYNC = "sync"
+    OFF = "off"
+
+
+class OnNonfinite(str, enum.Enum):
+    """What happens to training after a non-finite grad norm is recorded."""
+
+    CONTINUE = "continue"
+    RAISE = "raise"
+
+
+class FramesMode(str, enum.Enum):
+    """Forward frame tracing."""
+
+    OFF = "off"
+    DETECT = "detect"
+    TRACE = "trace"
+
+
+class Ranges:
+    """A set of non-negative integers ("3,7-9") kept as sorted, merged intervals: a range as wide as
+    ``0-10**12`` costs two numbers, and membership is a binary search."""
+
+    def __init__(self, intervals: List[Tuple[int, int]]) -> None:
+        merged: List[Tuple[int, int]] = []
+        for low, high in sorted(intervals):
+            if merged and low <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+            else:
+                merged.append((low, high))
+        self._lows = [low for low, _ in merged]
+        self._intervals = merged
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "ranges") -> "Ranges":
+        """ "3,7-9" -> {3, 7, 8, 9}; empty text -> the empty set."""
+        intervals = []
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            low, dash, high = part.partition("-")
+            if not _NUMBER.fullmatch(low) or (dash and not _NUMBER.fullmatch(high)) or (
+                    dash and int(high) < int(low)):
+                raise ConfigError(f"gradnan config field '{field_name}' has a bad entry {part!r} (use 3,7-9)")
+            intervals.append((int(low), int(high or low)))
+        return cls(intervals)
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        position = bisect.bisect_right(self._lows, value) - 1
+        return position >= 0 and value <= self._intervals[position][1]
+
+    def __bool__(self) -> bool:
+        return bool(self._intervals)
+
+    def last(self) -> int:
+        """The largest member (the set must not be empty)."""
+        return self._intervals[-1][1]
+
+
+RANGE_FIELDS = ("ranks", "steps", "trace_steps", "capture_steps", "capture_ranks")
+PATTERN_FIELDS = ("modules", "exclude_modules", "capture_modules")
+_ENUM_FIELDS = {"pre_reduction": PreReduction, "on_nonfinite": OnNonfinite, "frames": FramesMode}
 
 
 @dataclass(frozen=True)
@@ -81,11 +154,11 @@ class GradnanConfig:
     out_dir: str = "gradnan_out"
     maps: bool = True
     detect: bool = True
-    pre_reduction: str = "auto"
+    pre_reduction: PreReduction = PreReduction.AUTO
     max_params_per_record: int = 64
     skip_warn_after: int = 3
     strict: bool = False
-    on_nonfinite: str = "continue"
+    on_nonfinite: OnNonfinite = OnNonfinite.CONTINUE
     run_id: str = ""
     max_records_bytes: int = 64 << 20
     capture: bool = True
@@ -99,7 +172,7 @@ class GradnanConfig:
     steps: str = ""
     modules: str = ""
     exclude_modules: str = ""
-    frames: str = "off"
+    frames: FramesMode = FramesMode.OFF
     trace_steps: str = ""
     max_frames: int = 21
     abort_after_step: int = 0
@@ -108,23 +181,18 @@ class GradnanConfig:
     def __post_init__(self) -> None:
         for spec in fields(self):
             value = getattr(self, spec.name)
-            if not _has_type(value, spec.type):
+            enum_type = _ENUM_FIELDS.get(spec.name)
+            if enum_type is not None:
+                object.__setattr__(self, spec.name, _enum_value(spec.name, enum_type, value))
+            elif not _has_type(value, _FIELD_TYPES[spec.name]):
                 raise ConfigError(
-                    f"gradnan config field '{spec.name}' must be {spec.type}, got {value!r}"
+                    f"gradnan config field '{spec.name}' must be {_FIELD_TYPES[spec.name].__name__}, got {value!r}"
                 )
-        if self.pre_reduction not in ("auto", "sync", "off"):
-            raise ConfigError(
-                f"gradnan config field 'pre_reduction' must be auto, sync or off, got {self.pre_reduction!r}")
-        if self.on_nonfinite not in ("continue", "raise"):
-            raise ConfigError(
-                f"gradnan config field 'on_nonfinite' must be continue or raise, got {self.on_nonfinite!r}")
         if self.max_records_bytes < 4096:
             raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
-        for name in ("capture_steps", "capture_ranks", "ranks", "steps", "trace_steps"):
-            parse_ranges(getattr(self, name), name)
-        if self.frames not in FRAME_MODES:
-            raise ConfigError(f"gradnan config field 'frames' must be off, detect or trace, got {self.frames!r}")
-        if (self.frames == "trace") != bool(self.trace_steps.strip()):
+        object.__setattr__(self, "_ranges", {name: Ranges.parse(getattr(self, name), name) for name in RANGE_FIELDS})
+        object.__setattr__(self, "_patterns", {name: parse_patterns(getattr(self, name)) for name in PATTERN_FIELDS})
+        if (self.frames is FramesMode.TRACE) != bool(self.ranges("trace_steps")):
             raise ConfigError("gradnan config fields 'frames' and 'trace_steps' go together: frames='trace'"
                               " needs trace_steps, and trace_steps needs frames='trace'")
         if self.max_frames < 1 or self.abort_after_step < 0:
@@ -138,39 +206,57 @@ class GradnanConfig:
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
 
+    def ranges(self, name: str) -> Ranges:
+        """A rank/step range field, parsed (``RANGE_FIELDS``); empty means "all"."""
+        return self._ranges[name]
+
+    def patterns(self, name: str) -> Tuple[str, ...]:
+        """A module pattern field, split (``PATTERN_FIELDS``)."""
+        return self._patterns[name]
+
     def watches(self, module_name: str) -> bool:
         """Whether frame tracing and capture may hook this module (``modules`` / ``exclude_modules``)."""
-        include, exclude = parse_patterns(self.modules), parse_patterns(self.exclude_modules)
+        include, exclude = self.patterns("modules"), self.patterns("exclude_modules")
         return (not include or any(fnmatch.fnmatchcase(module_name, p) for p in include)) and not any(
             fnmatch.fnmatchcase(module_name, p) for p in exclude)
 
 
-def _has_type(value: Any, type_name: str) -> bool:
-    """Whether ``value`` is of a field's type ("str", "bool", "int"; a bool is not an int here)."""
-    expected = {"str": str, "bool": bool, "int": int}[type_name]
+_FIELD_TYPES: Dict[str, type] = typing.get_type_hints(GradnanConfig)
+
+
+def _enum_value(name: str, enum_type: type, value: Any) -> Any:
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in enum_type)
+        raise ConfigError(f"gradnan config field '{name}' must be one of {allowed}, got {value!r}") from None
+
+
+def _has_type(value: Any, expected: type) -> bool:
+    """Whether ``value`` is of a field's type (str, bool, int; a bool is not an int here)."""
     return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
 
 
-def parse_ranges(text: str, field_name: str = "ranges") -> Set[int]:
-    """ "3,7-9" -> {3, 7, 8, 9}; empty text -> empty set."""
-    numbers: Set[int] = set()
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        low, dash, high = part.partition("-")
-        if not _NUMBER.fullmatch(low) or (dash and not _NUMBER.fullmatch(high)) or (dash and int(high) < int(low)):
-            raise ConfigError(f"gradnan config field '{field_name}' has a bad entry {part!r} (use 3,7-9)")
-        numbers.update(range(int(low), int(high or low) + 1))
-    return numbers
+def parse_bool(text: str) -> Optional[bool]:
+    """1/0, true/false, yes/no, on/off (any case, spaces around); None for anything else."""
+    lowered = text.strip().lower()
+    return True if lowered in _TRUE else False if lowered in _FALSE else None
 
 
-def _parse(name: str, type_name: str, raw: str) -> Any:
+def _input_type(name: str) -> type:
+    """The type a field is given as in a variable or a file: text for a mode (an enum)."""
+    return str if name in _ENUM_FIELDS else _FIELD_TYPES[name]
+
+
+def _parse(name: str, raw: str) -> Any:
     text = raw.strip()
-    if type_name == "bool":
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
+    type_name = _input_type(name)
+    if type_name is bool:
+        value = parse_bool(text)
+        if value is not None:
+            return value
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean (use 1/0, true/false)")
-    if type_name == "int":
+    if type_name is int:
         try:
             return int(text)
         except ValueError:
@@ -178,13 +264,9 @@ def _parse(name: str, type_name: str, raw: str) -> Any:
     return text
 
 
-RANGE_FIELDS = ("ranks", "steps", "trace_steps", "capture_steps", "capture_ranks")
-PATTERN_FIELDS = ("modules", "exclude_modules", "capture_modules")
-
-
-def parse_patterns(text: str) -> List[str]:
-    """ "decoder.*, output_layer" -> ["decoder.*", "output_layer"]."""
-    return [part.strip() for part in text.split(",") if part.strip()]
+def parse_patterns(text: str) -> Tuple[str, ...]:
+    """ "decoder.*, output_layer" -> ("decoder.*", "output_layer")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -199,11 +281,11 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, A
         if spec is None:
             known = ", ".join(sorted([*by_env_name, CONFIG_FILE_ENV]))
             raise ConfigError(f"unknown environment variable {key} (known: {known})")
-        options[spec.name] = _parse(spec.name, spec.type, raw)
+        options[spec.name] = _parse(spec.name, raw)
     return options
 
 
-def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
+def _file_value(where: str, name: str, value: Any) -> Any:
     """A config-file value as the field's type: ranges and patterns may also be lists."""
     if name in RANGE_FIELDS and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
@@ -215,12 +297,13 @@ def _file_value(where: str, name: str, type_name: str, value: Any) -> Any:
         if not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: field '{name}' must list module names or patterns (text)")
         value = ",".join(value)
+    type_name = _input_type(name)
     if not _has_type(value, type_name):
-        kind = {"str": "text", "bool": "true or false", "int": "an integer"}[type_name]
+        kind = {str: "text", bool: "true or false", int: "an integer"}[type_name]
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
     if name in RANGE_FIELDS:
         try:
-            parse_ranges(value, name)
+            Ranges.parse(value, name)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return value
@@ -248,7 +331,7 @@ def options_from_file(path: str) -> Dict[str, Any]:
         spec = by_name.get(name)
         if spec is None:
             raise ConfigError(f"{where}: unknown field '{name}' (known: {', '.join(sorted(by_name))})")
-        options[name] = _file_value(where, name, spec.type, value)
+        options[name] = _file_value(where, name, value)
     return options
 
 

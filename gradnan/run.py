@@ -20,28 +20,18 @@ import sys
 from dataclasses import fields
 from typing import List, Optional
 
-from .config import ConfigError, GradnanConfig
-
-EXIT_BAD_INPUT = 2
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise _UsageError(message)
-
+from .commandline import OneLineParser, bad_input, boolean
+from .config import GradnanConfig
+from .errors import GradnanError, UsageError
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m gradnan.run", description="Run a training script with gradnan installed.",
+    parser = OneLineParser(
+        prog="gradnan.run", description="Run a training script with gradnan installed.",
         usage="python -m gradnan.run [gradnan options] (SCRIPT | -m MODULE) [script arguments]")
     for spec in fields(GradnanConfig):
         flag = "--" + spec.name.replace("_", "-")
         if spec.type == "bool":
-            parser.add_argument(flag, dest=spec.name, type=_boolean, metavar="BOOL")
+            parser.add_argument(flag, dest=spec.name, type=boolean, metavar="BOOL")
         else:
             parser.add_argument(flag, dest=spec.name, type=int if spec.type == "int" else str)
     parser.add_argument("--config", dest="config_file", metavar="FILE",
@@ -51,29 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _boolean(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     import gradnan
 
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
         if not args.module and not args.target:
-            raise _UsageError("give the training script (or -m MODULE) to run")
+            raise UsageError("give the training script (or -m MODULE) to run")
         if not args.module and not os.path.isfile(args.target[0]):
-            raise _UsageError(f"no such script: {args.target[0]}")
+            raise UsageError(f"no such script: {args.target[0]}")
         gradnan.install(config_file=args.config_file,
                         **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
-    except (_UsageError, ConfigError) as exc:
-        print(f"gradnan.run: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except GradnanError as exc:
+        return bad_input("gradnan.run", exc)
     if args.module:
         sys.argv = [args.module, *args.target]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)

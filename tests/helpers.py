@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
-from gradnan.reader import read_run
+from gradnan.offline.read import read_run
 
 
 def records_by_rank(run_dir: Path) -> Dict[int, List[Dict[str, Any]]]:
@@ -18,7 +18,7 @@ def records_by_rank(run_dir: Path) -> Dict[int, List[Dict[str, Any]]]:
 
 
 def map_names(map_file: str) -> Dict[int, str]:
-    from gradnan.reader import load_map
+    from gradnan.formats.maps import load as load_map
 
     return {entry["id"]: entry["name"] for entry in load_map(Path(map_file))["params"]}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnan.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 OVERFLOW_WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
 CORRUPTED_MODULE = "decoder.layers.0.mlp.linear_fc1"
@@ -137,7 +137,7 @@ def test_from_report_to_replay_in_two_commands(runs):
 
 def test_an_armed_capture_whose_failure_does_not_recur_stops_watching():
     """Unit level (a plain module): capture and finder detach themselves after their step budget."""
-    from gradnan.capture import ARMED_STEPS, FINDER_STEPS, CaptureManager
+    from gradnan.training.capture import ARMED_STEPS, FINDER_STEPS, CaptureManager
     from gradnan.config import GradnanConfig
 
     module = torch.nn.Linear(4, 4)

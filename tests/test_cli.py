@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gradnan.demo import DEMO_PARAM, DEMO_RANK, DEMO_STEP
+from gradnan.testing.demo import DEMO_PARAM, DEMO_RANK, DEMO_STEP
 
 
 def gradnan(*args, cwd=None):
@@ -127,9 +127,9 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
 
 
 def test_report_plot_draws_the_origin_rank(demo, tmp_path):
-    from gradnan.plot import CLEAN, ORIGIN, RECEIVED, incident_grid, plot_incident
-    from gradnan.reader import read_run
-    from gradnan.report import build_report
+    from gradnan.offline.plot import CLEAN, ORIGIN, RECEIVED, incident_grid, plot_incident
+    from gradnan.offline.read import read_run
+    from gradnan.offline.report import build_report
 
     out, _ = demo
     picture = tmp_path / "incident.png"

@@ -14,7 +14,7 @@ from typing import Any, Dict
 import pytest
 
 from gradnan.config import ConfigError, GradnanConfig, options_from_file, resolve_config
-from gradnan.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank
 

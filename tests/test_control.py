@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gradnan
-from gradnan.reader import read_run
-from gradnan.toy import Injection, TinyGPT, TinyGPTJob, _free_port
+from gradnan.offline.read import read_run
+from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob, _free_port
 
 from .helpers import records_by_rank
 
@@ -80,9 +80,9 @@ LOOPS = {"window": _window, "steps_filter": _steps_filter, "ranks_filter": _rank
 
 
 def _worker(rank: int, port: int, root: str) -> None:
-    """gradnan.toy._worker's pattern: one gloo group, then each hand-written loop in turn."""
-    from gradnan.patches._megatron import destroy_model_parallel
-    from gradnan.patches.cpu_shim import SHIM
+    """gradnan.testing.toy._worker's pattern: one gloo group, then each hand-written loop in turn."""
+    from gradnan.training.megatron.model import destroy_model_parallel
+    from gradnan.testing.cpu_shim import SHIM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.records import rank_tag
-from gradnan.toy import Injection, TinyGPTJob, launch_many
+from gradnan.formats.layout import rank_tag
+from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import assert_clean_elsewhere, assert_origin, records_by_rank
 

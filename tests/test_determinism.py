@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import step_trace
 

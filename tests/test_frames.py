@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import gradnan
-from gradnan.reader import read_run
-from gradnan.toy import Injection, JobFailed, TinyGPTJob, launch_many
+from gradnan.offline.read import read_run
+from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank
 
@@ -268,9 +268,9 @@ PROBE_JOB = TinyGPTJob(world_size=2, dtype="fp16", steps=3, quiet=True,  # DP=2
 
 
 def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_dir: str) -> None:
-    from gradnan.patches._megatron import destroy_model_parallel
-    from gradnan.patches.cpu_shim import SHIM
-    from gradnan.toy import TinyGPT, _module_by_global_name
+    from gradnan.training.megatron.model import destroy_model_parallel
+    from gradnan.testing.cpu_shim import SHIM
+    from gradnan.testing.toy import TinyGPT, _module_by_global_name
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(job.world_size))
@@ -297,7 +297,7 @@ def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_d
 def probed(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from gradnan.toy import _free_port
+    from gradnan.testing.toy import _free_port
 
     root = tmp_path_factory.mktemp("probes")
     out_dir, results = root / "run", root / "results"

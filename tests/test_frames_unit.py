@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from gradnan import frames as frames_module
-from gradnan.frames import FrameBuffer, FrameTracer, forward_origin, named_entries, read_pairs
-from gradnan.measure import HostSyncCounter
-from gradnan.probe import Probes, enclosing_module
+from gradnan.training import frames as frames_module
+from gradnan.training.frames import FrameBuffer, FrameTracer, forward_origin, named_entries, read_pairs
+from gradnan.testing.measure import HostSyncCounter
+from gradnan.training.probe import Probes, enclosing_module
 
 
 class Block(torch.nn.Module):
@@ -261,7 +261,7 @@ def test_gradnan_frames_selects_by_megatron_lm_iteration_as_trace_steps_count_th
 
 
 def test_gradnan_frames_marks_values_within_2x_of_their_dtypes_largest():
-    from gradnan.frames_report import format_frames
+    from gradnan.offline.frames_view import format_frames
 
     def entry(name, dtype, high):
         return {"name": name, "kind": "output", "dtype": dtype, "abs_min": 0.0, "abs_max": high}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.toy import TinyGPTJob, launch_many
+from gradnan.testing.toy import TinyGPTJob, launch_many
 
 JOB = TinyGPTJob(dtype="bf16", steps=4, overlap_grad_reduce=True, bucket_size=6000, count_host_syncs=True)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.reader import read_run
-from gradnan.report import build_report
+from gradnan.offline.read import read_run
+from gradnan.offline.report import build_report
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_megatron_core.py"
 
@@ -29,7 +29,7 @@ def _torchrun(*args, env=None):
 
 
 def test_torchrun_launches_an_unmodified_script_with_the_kit_from_the_environment(tmp_path):
-    assert "gradnan" not in SCRIPT.read_text().split('"""', 2)[2].replace("gradnan.patches.cpu_shim", "")
+    assert "gradnan" not in SCRIPT.read_text().split('"""', 2)[2].replace("gradnan.testing.cpu_shim", "")
     result = _torchrun(SCRIPT, "--tp", "2", "--inject-nan", "1:2", env={"GRADNAN_OUT_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 3:" in result.stdout

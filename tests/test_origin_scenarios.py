@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.reader import read_run
-from gradnan.report import build_report, format_text
-from gradnan.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
+from gradnan.offline.read import read_run
+from gradnan.offline.report import build_report, format_text
+from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
 
 from .helpers import records_by_rank
 

@@ -12,9 +12,11 @@ from typing import Any, Callable, List
 import pytest
 from packaging.version import Version
 
-from gradnan.names import global_name
-from gradnan.patches._guard import Outermost
-from gradnan.patches._patcher import (
+from gradnan.errors import InternalError
+
+from gradnan.training.megatron.names import global_name
+from gradnan.training.megatron.guard import Outermost
+from gradnan.training.megatron.patcher import (
     WRAPPED_ATTR,
     Instrumentor,
     Patcher,
@@ -363,26 +365,26 @@ def test_instrument_undoes_partial_patches_on_unexpected_error(classes):
     base, _ = classes
     original = vars(base)["step"]
     instrumentor = FakeInstrumentor(base, error=TypeError("signature changed"))
-    with pytest.raises(SurfaceMissing, match="unexpected TypeError: signature changed"):
+    with pytest.raises(InternalError, match="TypeError: signature changed"):
         instrumentor.instrument(runtime=None)
     assert vars(base)["step"] is original
     assert instrumentor.active is False
 
 
 def test_base_apply_is_abstract():
-    with pytest.raises(SurfaceMissing, match="NotImplementedError"):
+    with pytest.raises(InternalError, match="NotImplementedError"):
         Instrumentor().instrument(runtime=None)
 
 
 @pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.16.99"])
 def test_version_note_none_within_supported_range(mocker, version):
-    mocker.patch("gradnan.patches._patcher.installed_version", return_value=Version(version))
+    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version(version))
     assert Instrumentor().version_note() is None
 
 
 @pytest.mark.parametrize("version", ["0.11.9", "0.17.0", "1.0.0"])
 def test_version_note_outside_range_names_version_and_range(mocker, version):
-    installed = mocker.patch("gradnan.patches._patcher.installed_version", return_value=Version(version))
+    installed = mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version(version))
     note = Instrumentor().version_note()
     installed.assert_called_once_with("megatron-core")
     assert note is not None
@@ -390,7 +392,7 @@ def test_version_note_outside_range_names_version_and_range(mocker, version):
 
 
 def test_version_note_none_when_megatron_version_unknown(mocker):
-    mocker.patch("gradnan.patches._patcher.installed_version", return_value=None)
+    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=None)
     assert Instrumentor().version_note() is None
 
 
@@ -398,7 +400,7 @@ def test_version_note_uses_subclass_range(mocker):
     class Narrow(Instrumentor):
         supported = ">=0.15"
 
-    mocker.patch("gradnan.patches._patcher.installed_version", return_value=Version("0.14.0"))
+    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version("0.14.0"))
     assert ">=0.15" in Narrow().version_note()
     assert Instrumentor().version_note() is None
 

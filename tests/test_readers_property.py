@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis) for every reader and for what runs on what the readers accept.
 
 Issue "Hardening": arbitrary bytes and mutated valid files never crash a reader with anything but the
-clear error (a one-line ``ReadError`` naming the file); the report and the CLI never crash on a run
+clear error (a one-line ``InputError`` naming the file); the report and the CLI never crash on a run
 directory the readers accepted; no reader ever executes code from a file.
 
 Crashes these properties found (now fixed: the readers validate every field the report and the CLI
@@ -24,19 +24,16 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradnan.cli import main
-from gradnan.maps import ParamSlot, map_document
-from gradnan.reader import (
-    SELFTEST_DIR,
-    SELFTEST_SCHEMA,
-    ReadError,
-    RunFiles,
-    load_map,
-    load_records,
-    load_selftest,
-    read_run,
-)
-from gradnan.records import MAPS_DIR, RECORD_SCHEMA, RECORDS_DIR, SCHEMA_VERSION, rank_tag
-from gradnan.report import build_report, format_text
+from gradnan.errors import InputError
+from gradnan.formats import records, selftest
+from gradnan.formats.layout import MAPS_DIR, RECORDS_DIR, SELFTEST_DIR, rank_tag
+from gradnan.formats.maps import ParamSlot
+from gradnan.formats.maps import load as load_map
+from gradnan.formats.maps import to_json as map_document
+from gradnan.formats.records import load as load_records
+from gradnan.formats.selftest import load as load_selftest
+from gradnan.offline.read import RunFiles, read_run
+from gradnan.offline.report import build_report, format_text
 
 # --- a fresh directory per example ------------------------------------------------------------
 
@@ -123,7 +120,7 @@ def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, An
     kind = draw(st.sampled_from(INCIDENT_KINDS + OBSERVATION_KINDS))
     step = draw(st.integers(0, 6))
     record = {
-        "schema": RECORD_SCHEMA, "version": SCHEMA_VERSION, "kind": kind, "step": step,
+        "schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": kind, "step": step,
         "time": 1.7e9 + step, "rank": coords(draw(rank)), "run": run_identity(draw),
         "local_nonfinite": bool(params), "params": params, "params_total": len(params) + draw(st.integers(0, 2)),
         "optimizer_index": 0, "map": "maps/rank.json",
@@ -154,7 +151,7 @@ def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, An
 def a_selftest(failing_ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """A ``gradnan.selftest`` result of the 4-rank job, as ``selftest.build_document`` writes it."""
     return {
-        "schema": SELFTEST_SCHEMA, "version": 1, "time": "2026-11-22T12:00:00Z", "world_size": WORLD_SIZE,
+        "schema": selftest.SCHEMA.name, "version": 1, "time": "2026-11-22T12:00:00Z", "world_size": WORLD_SIZE,
         "layout": {"tp": 2, "pp": 1, "dp": 2}, "backend": "gloo", "size": 1024, "seconds": None,
         "repeats": 1, "timeout": 60.0, "ranks": [{"rank": r, **coords(r)} for r in range(WORLD_SIZE)],
         "checks": [], "skipped": [], "unreachable": None,
@@ -322,8 +319,8 @@ def check_map(path: Path) -> None:
 
 
 def check_records(path: Path) -> None:
-    records, problems = load_records(path)
-    assert all(record["schema"] == RECORD_SCHEMA and isinstance(record["step"], int) for record in records)
+    found, problems = load_records(path)
+    assert all(record["schema"] == records.SCHEMA.name and isinstance(record["step"], int) for record in found)
     for problem in problems:
         assert problem.startswith(f"{path}:")
         assert_one_line_naming(problem, path)
@@ -348,7 +345,7 @@ def read_or_clear_error(reader: str, data: bytes) -> None:
         path.write_bytes(data)
         try:
             check(path)
-        except ReadError as error:
+        except InputError as error:
             assert_one_line_naming(str(error), path)
 
 
@@ -374,7 +371,7 @@ def read_run_checked(run_dir: Path, files: Dict[str, bytes]) -> Optional[RunFile
     """``read_run`` raises only for a directory without a single candidate file; otherwise every file
     is either read or named in ``problems``. None where it raised."""
     if not files:
-        with pytest.raises(ReadError) as info:
+        with pytest.raises(InputError) as info:
             read_run(run_dir)
         assert_one_line_naming(str(info.value), run_dir)
         return None
@@ -428,7 +425,7 @@ CLI_SETTINGS = settings(max_examples=150, deadline=None,
 
 def a_record(**changes: Any) -> Dict[str, Any]:
     """A pre-reduction record of rank 0 at step 1 naming one NaN gradient, with ``changes``."""
-    return {"schema": RECORD_SCHEMA, "version": SCHEMA_VERSION, "kind": "pre_reduction", "step": 1,
+    return {"schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": "pre_reduction", "step": 1,
             "time": 1.7e9, "rank": coords(0), "params": [param_entry(PARAM_NAMES[2], "nan", False)],
             "params_total": 1, **changes}
 
@@ -616,7 +613,7 @@ def test_a_reader_given_a_pickle_rejects_it_without_running_it(tmp_path, reader,
     path.write_bytes(pickle.dumps(CreatesFileWhenUnpickled(marker), protocol=protocol))
     try:
         result = reader(path)
-    except ReadError as error:
+    except InputError as error:
         assert_one_line_naming(str(error), path)
     else:  # a readable text file: load_records names each unusable line instead of raising
         assert reader is load_records and result[0] == [] and result[1]

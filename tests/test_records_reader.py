@@ -1,4 +1,4 @@
-"""File names, atomic/append writers (gradnan.records) and the strict readers (gradnan.reader)."""
+"""File names, atomic/append writers (gradnan.formats.records) and the strict readers (gradnan.offline.read)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,16 @@ import numpy
 import pytest
 import torch
 
-from gradnan.maps import ParamSlot, map_document
-from gradnan.reader import ReadError, load_map, load_records, read_run
-from gradnan.records import (
-    MAP_SCHEMA,
-    MAPS_DIR,
-    RECORD_SCHEMA,
-    RECORDS_DIR,
-    SCHEMA_VERSION,
-    append_record,
-    json_float,
-    map_path,
-    rank_tag,
-    records_path,
-    write_json_atomic,
-)
+from gradnan.errors import InputError
+from gradnan.formats import maps, records
+from gradnan.formats.layout import MAPS_DIR, RECORDS_DIR, map_path, rank_tag, records_path
+from gradnan.formats.maps import ParamSlot
+from gradnan.formats.maps import load as load_map
+from gradnan.formats.maps import to_json as map_document
+from gradnan.formats.records import load as load_records
+from gradnan.formats.schema import append_json_line as append_record
+from gradnan.formats.schema import json_float, write_json_atomic
+from gradnan.offline.read import read_run
 
 
 def coords(global_rank: int = 0, **overrides: Any) -> Dict[str, Any]:
@@ -64,7 +59,7 @@ def a_map_document(rank: Dict[str, Any] = None) -> Dict[str, Any]:
 def a_record(step: int, rank: Dict[str, Any] = None, *, param_id: int = 1) -> Dict[str, Any]:
     """A record shaped like ``Runtime._record`` writes (minus the in-memory ``_path``)."""
     return {
-        "schema": RECORD_SCHEMA, "version": SCHEMA_VERSION, "kind": "nonfinite_grad_norm",
+        "schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": "nonfinite_grad_norm",
         "step": step, "time": 1700000000.5, "rank": rank or coords(), "optimizer_index": 0,
         "map": "/run/maps/rank00000_tp0_pp0_dp0.json", "local_nonfinite": True,
         "params": [{
@@ -191,7 +186,7 @@ def test_write_json_atomic_keeps_old_file_when_serialization_fails(tmp_path):
 def test_write_json_atomic_cleans_up_when_rename_fails(tmp_path, mocker):
     path = tmp_path / "doc.json"
     path.write_text("old")
-    mocker.patch("gradnan.records.os.replace", side_effect=OSError("disk gone"))
+    mocker.patch("gradnan.formats.schema.os.replace", side_effect=OSError("disk gone"))
     with pytest.raises(OSError, match="disk gone"):
         write_json_atomic(path, {"new": 1})
     assert path.read_text() == "old"
@@ -256,14 +251,14 @@ def write_text(path: Path, text: str) -> Path:
 
 def test_load_map_missing_file(tmp_path):
     path = tmp_path / "nope.json"
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     assert "cannot read" in assert_one_line_naming(info.value, path)
 
 
 def test_load_map_invalid_json(tmp_path):
     path = write_text(tmp_path / "m.json", '{"schema": "gradnan.map",\n "version": ')
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     assert "invalid JSON" in assert_one_line_naming(info.value, path)
 
@@ -271,7 +266,7 @@ def test_load_map_invalid_json(tmp_path):
 def test_load_map_not_utf8(tmp_path):
     path = tmp_path / "m.json"
     path.write_bytes(b'{"name": "\xff\xfe"}')
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     assert "UTF-8" in assert_one_line_naming(info.value, path)
 
@@ -279,23 +274,23 @@ def test_load_map_not_utf8(tmp_path):
 @pytest.mark.parametrize("body", ["[1, 2]", '"text"', "3"])
 def test_load_map_not_an_object(tmp_path, body):
     path = write_text(tmp_path / "m.json", body)
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     assert "not a JSON object" in assert_one_line_naming(info.value, path)
 
 
 def test_load_map_wrong_schema(tmp_path):
-    document = dict(a_map_document(), schema=RECORD_SCHEMA)
+    document = dict(a_map_document(), schema=records.SCHEMA.name)
     path = write_text(tmp_path / "m.json", json.dumps(document))
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     message = assert_one_line_naming(info.value, path)
-    assert MAP_SCHEMA in message and RECORD_SCHEMA in message
+    assert maps.SCHEMA.name in message and records.SCHEMA.name in message
 
 
 def test_load_map_future_version(tmp_path):
-    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=SCHEMA_VERSION + 1)))
-    with pytest.raises(ReadError) as info:
+    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=records.SCHEMA.version + 1)))
+    with pytest.raises(InputError) as info:
         load_map(path)
     message = assert_one_line_naming(info.value, path)
     assert "newer" in message and "upgrade" in message
@@ -309,7 +304,7 @@ def test_load_map_missing_or_non_integer_version(tmp_path, version):
     else:
         document["version"] = version
     path = write_text(tmp_path / "m.json", json.dumps(document))
-    with pytest.raises(ReadError, match="version") as info:
+    with pytest.raises(InputError, match="version") as info:
         load_map(path)
     assert_one_line_naming(info.value, path)
 
@@ -322,7 +317,7 @@ def test_load_map_param_entry_needs_id_and_name(tmp_path, bad_entry):
     document = a_map_document()
     document["params"].append(bad_entry)
     path = write_text(tmp_path / "m.json", json.dumps(document))
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_map(path)
     assert "params[2]" in assert_one_line_naming(info.value, path)
 
@@ -331,7 +326,7 @@ def test_load_map_param_entry_needs_id_and_name(tmp_path, bad_entry):
 def test_load_map_needs_params_list_and_rank_object(tmp_path, field, value):
     document = dict(a_map_document(), **{field: value})
     path = write_text(tmp_path / "m.json", json.dumps(document))
-    with pytest.raises(ReadError, match="'params' list and a 'rank' object") as info:
+    with pytest.raises(InputError, match="'params' list and a 'rank' object") as info:
         load_map(path)
     assert_one_line_naming(info.value, path)
 
@@ -340,7 +335,7 @@ def test_load_map_needs_global_rank(tmp_path):
     document = a_map_document()
     del document["rank"]["global_rank"]
     path = write_text(tmp_path / "m.json", json.dumps(document))
-    with pytest.raises(ReadError, match="global_rank") as info:
+    with pytest.raises(InputError, match="global_rank") as info:
         load_map(path)
     assert_one_line_naming(info.value, path)
 
@@ -409,8 +404,8 @@ def test_load_records_bad_middle_line_is_reported_not_as_truncated(tmp_path):
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"schema": MAP_SCHEMA}, "not a gradnan.record document"),
-        ({"version": SCHEMA_VERSION + 1}, "newer"),
+        ({"schema": maps.SCHEMA.name}, "not a gradnan.record document"),
+        ({"version": records.SCHEMA.version + 1}, "newer"),
         ({"step": "3"}, "integer 'step'"),
         ({"step": None}, "integer 'step'"),
         ({"rank": 0}, "'rank' object"),
@@ -430,7 +425,7 @@ def test_load_records_invalid_record_is_a_problem_with_line_number(tmp_path, cha
 
 def test_load_records_missing_file_is_read_error(tmp_path):
     path = tmp_path / "none.jsonl"
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         load_records(path)
     assert_one_line_naming(info.value, path)
 
@@ -487,14 +482,14 @@ def test_read_run_ignores_leftover_temporary_files(tmp_path):
 
 def test_read_run_missing_directory(tmp_path):
     run_dir = tmp_path / "missing"
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         read_run(run_dir)
     assert "no such directory" in assert_one_line_naming(info.value, run_dir)
 
 
 def test_read_run_not_a_directory(tmp_path):
     run_dir = write_text(tmp_path / "file.txt", "x")
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         read_run(run_dir)
     assert "not a directory" in assert_one_line_naming(info.value, run_dir)
 
@@ -503,7 +498,7 @@ def test_read_run_not_a_directory(tmp_path):
 def test_read_run_empty_directory(tmp_path, subdirs):
     for name in subdirs:
         (tmp_path / name).mkdir()
-    with pytest.raises(ReadError) as info:
+    with pytest.raises(InputError) as info:
         read_run(tmp_path)
     assert "no gradnan maps or records" in assert_one_line_naming(info.value, tmp_path)
 
@@ -520,7 +515,7 @@ def test_read_run_with_a_corrupt_map_returns_the_rest(tmp_path):
 
 def test_read_run_collects_problems_from_maps_and_record_lines(tmp_path):
     written = write_run(tmp_path)
-    written["map0"].write_text(json.dumps(dict(a_map_document(), version=SCHEMA_VERSION + 1)))
+    written["map0"].write_text(json.dumps(dict(a_map_document(), version=records.SCHEMA.version + 1)))
     with open(written["records1"], "a") as stream:
         stream.write('{"schema":"gradnan.rec')
     files = read_run(tmp_path)

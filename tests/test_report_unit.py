@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradnan.reader import RunFiles
-from gradnan.report import build_report, format_text
+from gradnan.offline.read import RunFiles
+from gradnan.offline.report import build_report, format_text
 
 
 def _record(step, kind, rank=0, params=(), **extra):
@@ -84,9 +84,9 @@ def test_launches_without_an_id_are_told_apart_by_start_time():
 def test_an_unknown_run_is_a_clear_error():
     import pytest
 
-    from gradnan.reader import ReadError
+    from gradnan.errors import InputError
 
-    with pytest.raises(ReadError, match="no run 'nope'"):
+    with pytest.raises(InputError, match="no run 'nope'"):
         build_report(_files(_overflow(1, 1)), run="nope")
 
 
@@ -163,7 +163,7 @@ def test_frames_and_probe_records_are_summarised_with_the_command_to_list_them()
 
 
 def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
-    from gradnan.records import run_identity
+    from gradnan.formats.layout import run_identity
 
     both = run_identity("", {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2",
                              "TORCHELASTIC_RUN_ID": "none"}, 5.0)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from gradnan.config import GradnanConfig
-from gradnan.maps import ParamSlot
-from gradnan.runtime import Runtime
+from gradnan.errors import InternalError
+from gradnan.formats.maps import ParamSlot
+from gradnan.training.events import ModelFacts
+from gradnan.training.runtime import Runtime
 
 COORDS = {"global_rank": 0, "world_size": 1, "host": "h", "device": "cpu", "tp": 0, "pp": 0, "dp": 0,
           "tp_size": 1, "pp_size": 1, "dp_size": 1}
@@ -20,7 +22,7 @@ class FakeOptimizer:
 
 
 def _runtime(tmp_path, **options):
-    return Runtime(GradnanConfig(out_dir=str(tmp_path), **options), lambda: dict(COORDS), lambda: {})
+    return Runtime(GradnanConfig(out_dir=str(tmp_path), **options), ModelFacts(lambda: dict(COORDS), lambda: {}))
 
 
 def _slot():
@@ -83,7 +85,7 @@ def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict)
         raise KeyError("unexpected Megatron attribute")
 
     if strict:
-        with pytest.raises(KeyError):
+        with pytest.raises(InternalError, match="internal error in scan: KeyError"):
             runtime.guarded("scan", broken)
         return
     with caplog.at_level(logging.ERROR, logger="gradnan"):
@@ -130,14 +132,14 @@ def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monke
     import sys
     import types
 
-    from gradnan.patches._megatron import megatron_lm_iteration
+    from gradnan.training.megatron.model import megatron_lm_iteration
 
     assert megatron_lm_iteration() is None
     global_vars = types.ModuleType("megatron.training.global_vars")
     global_vars._GLOBAL_ARGS = types.SimpleNamespace(curr_iteration=41)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
-    runtime = Runtime(GradnanConfig(out_dir=str(tmp_path)), lambda: dict(COORDS), lambda: {},
-                      megatron_lm_iteration)
+    runtime = Runtime(GradnanConfig(out_dir=str(tmp_path)),
+                      ModelFacts(lambda: dict(COORDS), lambda: {}, iteration=megatron_lm_iteration))
     optimizer = FakeOptimizer()
     runtime.begin_step(optimizer, lambda: [_slot()])
     runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [torch.tensor([float("nan")] * 4)])

@@ -8,7 +8,7 @@ import numpy
 import pytest
 import torch
 
-from gradnan.scan import NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices, unravel
+from gradnan.training.scan import NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices, unravel
 
 NAN = float("nan")
 INF = float("inf")

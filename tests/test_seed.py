@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gradnan.config import ConfigError
-from gradnan.seed import seed_all
+from gradnan.training.seed import seed_all
 
 TP = 2  # world size too: one tensor-parallel group, so the tracker's tensor-parallel stream is used
 VOCAB, SEQ, MICRO_BATCH, STEPS = 64, 16, 2, 3
@@ -149,7 +149,7 @@ def _train(seed: int, junk: int) -> Dict[str, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from gradnan.patches._megatron import destroy_model_parallel
+    from gradnan.training.megatron.model import destroy_model_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     try:
@@ -184,7 +184,7 @@ def _train(seed: int, junk: int) -> Dict[str, Any]:
 
 
 def _worker(rank: int, port: int, runs: List[List[int]], out_dir: str) -> None:
-    from gradnan.patches.cpu_shim import SHIM
+    from gradnan.testing.cpu_shim import SHIM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradnan.trace import TRACE_VERSION, OpRecorder, Trace, TraceError, _FirstNonFinite, replay
+from gradnan.formats.trace import SCHEMA as TRACE
+from gradnan.formats.trace import FirstNonFinite, Trace, TraceError
+from gradnan.offline.trace_replay import replay
+from gradnan.training.recorder import OpRecorder
 
 
 def record(module, *args, **kwargs):
@@ -234,7 +237,7 @@ def test_a_nonfinite_backward_is_named_with_its_phase():
 def test_ops_returning_uninitialized_memory_are_never_blamed():
     """``torch.empty`` may hold any bit pattern, NaN included: that is garbage, not an overflow."""
     garbage = torch.tensor([float("nan")])
-    empty, exp = _FirstNonFinite(), _FirstNonFinite()
+    empty, exp = FirstNonFinite(), FirstNonFinite()
     empty.check(0, "aten.empty.memory_format", True, garbage)
     exp.check(0, "aten.exp.default", True, garbage)
     assert empty.found is None and exp.found == {"index": 0, "op": "aten.exp.default"}
@@ -418,7 +421,7 @@ def _set(path, value):
 
 
 REFUSALS = {
-    "future version": (_set(["version"], TRACE_VERSION + 1), "newer"),
+    "future version": (_set(["version"], TRACE.version + 1), "newer"),
     "other schema": (_set(["schema"], "gradnan.bundle"), "not a gradnan.trace"),
     "version true": (_set(["version"], True), "version"),
     "extra key": (_set(["code"], "print(1)"), "exactly the keys"),

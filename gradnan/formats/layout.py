@@ -1,0 +1,80 @@
+"""The run directory: where every rank's files go, how ranks are named, and how launches are told apart.
+
+    <out_dir>/maps/<rank tag>[_opt<k>].json                     one parameter map per optimizer
+    <out_dir>/records/<rank tag>.jsonl                          append-only JSON lines
+    <out_dir>/bundles/<rank tag>/step<NNNNNNN>_<module>[_<k>]/  capture bundles (manifest.json, tensors.pt)
+    <out_dir>/selftest/<time>.json                              self-test results
+
+The rank tag starts with the global rank (unique per process) and carries the tp/pp/dp coordinates,
+plus cp/ep where their sizes are above 1: ``rank00003_tp1_pp0_dp1``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+MAPS_DIR = "maps"
+RECORDS_DIR = "records"
+BUNDLES_DIR = "bundles"
+SELFTEST_DIR = "selftest"
+MANIFEST = "manifest.json"
+TENSORS = "tensors.pt"
+BUNDLE_MANIFESTS = f"{BUNDLES_DIR}/*/*/{MANIFEST}"
+
+AXES = ("tp", "pp", "dp", "cp", "ep")
+
+
+def shown_axes(coords: Mapping[str, Any]) -> List[str]:
+    """The parallel axes worth naming for a rank: tp, pp and dp always, cp and ep where used (size > 1)."""
+    return [axis for axis in AXES if axis in ("tp", "pp", "dp") or (coords.get(f"{axis}_size") or 1) > 1]
+
+
+def rank_label(coords: Mapping[str, Any], place: str = "", axes: Optional[Sequence[str]] = None) -> str:
+    """ "rank 3 (tp1 pp0 dp1)"; ``place="inside"`` adds ", host device" in the brackets, ``"after"``
+    adds " on host device" after them. ``axes``: the axes to name (default: ``shown_axes``)."""
+    axes = " ".join(f"{axis}{coords.get(axis)}" for axis in (shown_axes(coords) if axes is None else axes))
+    machine = f"{coords.get('host')} {coords.get('device')}"
+    if place == "inside":
+        return f"rank {coords['global_rank']} ({axes}, {machine})"
+    return f"rank {coords['global_rank']} ({axes})" + (f" on {machine}" if place == "after" else "")
+
+
+def rank_tag(coords: Mapping[str, Any]) -> str:
+    parts = [f"rank{int(coords['global_rank']):05d}"]
+    for axis in shown_axes(coords):
+        value = coords.get(axis)
+        parts.append(f"{axis}{value if value is not None else 'x'}")
+    return "_".join(parts)
+
+
+def map_path(out_dir: str, coords: Mapping[str, Any], optimizer_index: int) -> Path:
+    suffix = f"_opt{optimizer_index}" if optimizer_index else ""
+    return Path(out_dir) / MAPS_DIR / f"{rank_tag(coords)}{suffix}.json"
+
+
+def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
+    return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
+
+
+def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: str) -> Path:
+    """A new, unused directory name for this rank, step and module (a suffix keeps earlier bundles)."""
+    parent = Path(out_dir) / BUNDLES_DIR / rank_tag(coords)
+    stem = f"step{step:07d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', module_path) or 'model'}"
+    candidate, suffix = parent / stem, 1
+    while candidate.exists():
+        suffix += 1
+        candidate = parent / f"{stem}_{suffix}"
+    return candidate
+
+
+def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:
+    """Names this launch in every record: all ranks of one launch agree on ``id`` and ``attempt``
+    without talking to each other (launcher variables); ``started`` tells launches apart otherwise."""
+    launcher_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if launcher_id in ("", "none"):
+        launcher_id = environ.get("SLURM_JOB_ID", "")
+    counts = [environ.get(name, "") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")]
+    attempt = ".".join(count for count in counts if count.isdigit()) or "0"  # requeue.restart under both
+    return {"id": run_id or launcher_id or None, "attempt": attempt, "started": started}

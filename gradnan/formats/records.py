@@ -1,0 +1,132 @@
+"""A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
+
+Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``
+(docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import InputError
+from .schema import (
+    Schema,
+    check_rank,
+    check_run,
+    is_int,
+    is_number,
+    is_stat,
+    is_text,
+    optional,
+    parse_json,
+    read_text,
+)
+
+SCHEMA = Schema("gradnan.record", 1)
+FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
+DTYPE_MAX = {  # the largest finite value of each floating dtype, by its name in maps and frames
+    str(dtype): torch.finfo(dtype).max for dtype in (torch.float16, torch.bfloat16, torch.float32)
+}
+
+_PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
+
+
+def to_json(kind: str, step: int, iteration: Optional[int], coords: Mapping[str, Any],
+            run: Mapping[str, Any], params: Sequence[Mapping[str, Any]], params_total: int,
+            extra: Mapping[str, Any]) -> Dict[str, Any]:
+    """One record; ``params`` are the offending parameters listed in full (the writer caps them)."""
+    return {
+        **SCHEMA.header(),
+        "kind": kind,
+        "step": step,
+        "iteration": iteration,
+        "time": time.time(),
+        "rank": dict(coords),
+        "run": dict(run),
+        "local_nonfinite": params_total > 0,
+        "params": list(params),
+        "params_total": params_total,
+        **extra,
+    }
+
+
+def from_json(record: Any, where: str) -> Dict[str, Any]:
+    """One record, checked: InputError (one line) for anything a reader could not use."""
+    record = SCHEMA.check(record, where)
+    if not is_int(record.get("step")):
+        raise InputError(f"{where}: a record needs an integer 'step'")
+    check_rank(record.get("rank"), where)
+    params = record.get("params")
+    if not isinstance(params, list):
+        raise InputError(f"{where}: a record needs a 'params' list")
+    for position, entry in enumerate(params):
+        if not isinstance(entry, dict) or not is_text(entry.get("name")) or not all(
+                optional(entry.get(key), is_int) for key in _PARAM_INTS) or not all(
+                is_int(entry.get(key)) for key in ("nan", "inf")):
+            raise InputError(f"{where}: params[{position}] needs a text 'name' and integer counts")
+    for key in ("params_total", "consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
+        if not optional(record.get(key), is_int):
+            raise InputError(f"{where}: '{key}' must be an integer")
+    if not optional(record.get("time"), is_number) or not optional(record.get("scale_collapsed"),
+                                                                     lambda v: isinstance(v, bool)):
+        raise InputError(f"{where}: 'time' must be a number and 'scale_collapsed' a boolean")
+    check_run(record.get("run"), where)
+    for key in ("kind", "pre_reduction", "mode", "map"):
+        if not optional(record.get(key), is_text):
+            raise InputError(f"{where}: '{key}' must be text")
+    if record.get("kind") == "frames":
+        _check_frames(record, where)
+    elif record.get("kind") == "probe":
+        _check_probes(record, where)
+    return record
+
+
+def _check_frames(record: Dict[str, Any], where: str) -> None:
+    frames, first = record.get("frames"), record.get("first_nonfinite")
+    if not isinstance(frames, list) or not (first is None or (is_int(first) and 0 <= first < len(frames))):
+        raise InputError(f"{where}: a frames record needs a 'frames' list and 'first_nonfinite' null or the"
+                         " index of one of them")
+    for position, frame in enumerate(frames):
+        if not (isinstance(frame, dict) and is_text(frame.get("module")) and is_text(frame.get("class"))
+                and all(is_int(frame.get(key)) for key in ("step", "call", "recomputed"))
+                and isinstance(frame.get("entries"), list)):
+            raise InputError(f"{where}: frames[{position}] needs text 'module'/'class', integer 'step'/'call'/"
+                             "'recomputed' and an 'entries' list")
+        for entry in frame["entries"]:
+            if not (isinstance(entry, dict) and all(is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
+                    and is_stat(entry.get("abs_min")) and is_stat(entry.get("abs_max"))):
+                raise InputError(f"{where}: frames[{position}] has an entry without text 'name'/'kind'/'dtype'"
+                                 " and numeric 'abs_min'/'abs_max'")
+
+
+def _check_probes(record: Dict[str, Any], where: str) -> None:
+    probes = record.get("probes")
+    if not isinstance(probes, list) or not all(
+            isinstance(probe, dict) and is_text(probe.get("label")) and optional(probe.get("module"), is_text)
+            and is_int(probe.get("nan")) and is_int(probe.get("inf")) and is_stat(probe.get("abs_min"))
+            and is_stat(probe.get("abs_max")) for probe in probes):
+        raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', integer 'nan'/'inf'")
+
+
+def load(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The records of one rank's file, and a problem per line that could not be used.
+
+    A last line without its newline is a record cut short (the process died while writing it)."""
+    text = read_text(path)
+    records, problems = [], []
+    lines = text.split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            records.append(from_json(parse_json(line, where), where))
+        except InputError as exc:
+            cut_short = number == len(lines) and not text.endswith("\n")
+            problems.append(f"{where}: truncated last line (the rank died while writing it)"
+                            if cut_short else str(exc))
+    return records, problems

@@ -1,0 +1,159 @@
+"""What every gradnan document has in common: a named, versioned schema and strict field checks.
+
+Each file format (``maps``, ``records``, ``bundle``, ``selftest``, ``trace``) declares its own
+``Schema``; a reader accepts a document of its schema at the version it knows or an older one, and
+refuses a newer one with the advice to upgrade. Each schema is versioned on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A document kind: ``name`` is its ``schema`` field, ``version`` the newest this gradnan writes."""
+
+    name: str
+    version: int
+
+    def header(self) -> Dict[str, Any]:
+        """The fields that open every document of this schema."""
+        return {"schema": self.name, "version": self.version}
+
+    def check(self, document: Any, where: str) -> Dict[str, Any]:
+        """``document`` as a dict of this schema at a version this gradnan reads; InputError otherwise."""
+        if not isinstance(document, dict):
+            raise InputError(f"{where}: not a JSON object")
+        if document.get("schema") != self.name:
+            raise InputError(f"{where}: not a {self.name} document (schema={document.get('schema')!r})")
+        version = document.get("version")
+        if not is_int(version) or version < 1:
+            raise InputError(f"{where}: missing or invalid schema version")
+        if version > self.version:
+            raise InputError(f"{where}: {self.name} version {version} is newer than this gradnan reads"
+                             f" ({self.version}); upgrade gradnan")
+        return document
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A usable number: not a bool, not NaN/Inf, and small enough for a float (time stamps, counts)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
+
+
+def is_text(value: Any) -> bool:
+    return isinstance(value, str) and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+
+
+def is_stat(value: Any) -> bool:
+    """An abs-min/abs-max as written: a number, "nan"/"inf"/"-inf", or null (not measured)."""
+    return value is None or value in ("nan", "inf", "-inf") or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+
+
+def optional(value: Any, check: Callable[[Any], bool]) -> bool:
+    return value is None or check(value)
+
+
+def json_float(value: float) -> Any:
+    """JSON has no NaN/Inf: non-finite floats are written as the strings "nan", "inf", "-inf"."""
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+_RANK_INTS = ("tp", "pp", "dp", "cp", "ep", "tp_size", "pp_size", "dp_size", "cp_size", "ep_size",
+              "world_size", "local_rank", "pid")
+
+
+def check_rank(rank: Any, where: str) -> None:
+    """The rank object every reader and the report rely on: integers where integers go, text for host."""
+    if not isinstance(rank, dict) or not is_int(rank.get("global_rank")):
+        raise InputError(f"{where}: needs a 'rank' object with an integer 'global_rank'")
+    for key in _RANK_INTS:
+        if not optional(rank.get(key), is_int):
+            raise InputError(f"{where}: rank.{key} must be an integer")
+    for key in ("host", "device"):
+        if not optional(rank.get(key), is_text):
+            raise InputError(f"{where}: rank.{key} must be text")
+
+
+def check_run(run: Any, where: str) -> None:
+    """The launch identity written into records, maps and bundles (``layout.run_identity``)."""
+    if run is not None and not (isinstance(run, dict) and optional(run.get("started"), is_number)
+                                and optional(run.get("id"), is_text)
+                                and optional(run.get("attempt"), lambda v: is_int(v) or is_text(v))):
+        raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and an 'attempt'")
+
+
+def parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise InputError(f"{where}: invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts
+        raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
+
+
+def read_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def read_document(path: Path, schema: Schema) -> Dict[str, Any]:
+    """A JSON file of ``schema``, checked for its name and version (the caller checks its fields)."""
+    return schema.check(parse_json(read_text(path), str(path)), str(path))
+
+
+def nonfinite_counts(entry: Mapping[str, Any]) -> str:
+    """ "3 NaN, 1 Inf" for an entry with ``nan``/``inf`` counts (zero counts left out)."""
+    return ", ".join(f"{entry[key]} {label}" for key, label in (("nan", "NaN"), ("inf", "Inf"))
+                     if entry.get(key))
+
+
+def write_json_atomic(path: Path, document: Mapping[str, Any]) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
+    sees the whole document or none of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(temporary, 0o644)  # mkstemp makes it 0600; documents are read by other users' tools
+        with os.fdopen(handle, "w") as stream:
+            json.dump(document, stream, indent=1, allow_nan=False)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def append_json_line(path: Path, document: Mapping[str, Any]) -> None:
+    """One JSON line, flushed and fsynced before returning: the process may die right after."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(document, allow_nan=False, separators=(",", ":")) + "\n"
+    with open(path, "a") as stream:
+        stream.write(line)
+        stream.flush()
+        os.fsync(stream.fileno())

@@ -1,0 +1,310 @@
+"""The op trace inside a capture bundle (``gradnan.trace``, JSON): its encoding, validation and meaning.
+
+A trace is one module call written down as the aten operations it dispatched: each op's overload name
+(``aten.addmm.default``), its arguments with tensors as references, the names of its outputs, and a flat
+``name -> tensor`` dict of the tensors the ops started from (inputs, parameters, buffers). Nothing in it is
+pickled code. The training side writes traces (``gradnan.training.recorder``); the offline side replays
+them (``gradnan.offline.trace_replay``); both judge "the first non-finite op" by ``FirstNonFinite`` here,
+so the field means the same thing at record time and at replay.
+
+Op names resolve only in ``torch.ops.aten`` and ``torch.ops.prims``: a trace can name no other code.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..errors import InputError
+from .schema import Schema
+
+SCHEMA = Schema("gradnan.trace", 1)
+
+REPLAYABLE_NAMESPACES = ("aten", "prims")
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+# Ops that return uninitialized memory: garbage that happens to be NaN is nobody's fault.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                            "new_empty_strided", "resize_"})
+# ``half_to_float`` is legal for a float16 input only; a replay cast to another dtype drops it.
+HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
+_OP_NAME = re.compile(r"(\w+)\.(\w+)\.(\w+)")
+_OP_KEYS = frozenset({"op", "collective", "external", "opaque", "args", "kwargs", "out"})
+_DOCUMENT_KEYS = frozenset({"schema", "version", "ops", "outputs", "first_nonfinite", "leaves"})
+
+
+class TraceError(InputError, ValueError):
+    """A malformed trace or an op that may not be replayed; the message is one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode(value: Any, name_of: Callable[[torch.Tensor], str]) -> Any:
+    """JSON for one argument or output tree; tensors become ``{"t": name_of(tensor)}``."""
+    if isinstance(value, torch.Tensor):
+        return {"t": name_of(value)}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"float": repr(float(value))}
+    if isinstance(value, torch.Size):
+        return list(value)
+    if isinstance(value, tuple):
+        return {"tuple": [encode(item, name_of) for item in value]}
+    if isinstance(value, list):
+        return [encode(item, name_of) for item in value]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {"dict": {key: encode(item, name_of) for key, item in value.items()}}
+    for kind, tag in ((torch.dtype, "dtype"), (torch.device, "device"), (torch.layout, "layout"),
+                      (torch.memory_format, "memory_format")):
+        if isinstance(value, kind):
+            return {tag: str(value).removeprefix("torch.")}
+    return {"opaque": type(value).__name__}
+
+
+def child_encodings(encoded: Any) -> List[Any]:
+    if isinstance(encoded, list):
+        return encoded
+    if isinstance(encoded, dict) and isinstance(encoded.get("tuple"), list):
+        return encoded["tuple"]
+    if isinstance(encoded, dict) and isinstance(encoded.get("dict"), dict):
+        return list(encoded["dict"].values())
+    return []
+
+
+def nodes(encoded: Any) -> Iterator[Dict[str, Any]]:
+    """Every tagged node (``{"t": ...}``, ``{"opaque": ...}``, ...) of an encoding."""
+    if isinstance(encoded, dict):
+        yield encoded
+    for child in child_encodings(encoded):
+        yield from nodes(child)
+
+
+def refs(encoded: Any) -> List[str]:
+    """The tensor names an encoding refers to, in order."""
+    return [node["t"] for node in nodes(encoded) if isinstance(node.get("t"), str)]
+
+
+def op_inputs(op: Dict[str, Any]) -> List[Any]:
+    return list(op["args"]) + list(op["kwargs"].values())
+
+
+def _torch_constant(name: Any, kind: type) -> Any:
+    value = getattr(torch, name, None) if isinstance(name, str) and re.fullmatch(r"[a-z]\w*", name) else None
+    if not isinstance(value, kind):
+        raise TraceError(f"unknown {kind.__name__} {name!r}")
+    return value
+
+
+def cast_dtype(dtype: torch.dtype, to: Optional[torch.dtype]) -> torch.dtype:
+    """The replay dtype for a floating dtype, when there is one; every other dtype stays."""
+    return to if to is not None and dtype.is_floating_point else dtype
+
+
+def decode(encoded: Any, tensor_of: Callable[[str], Any], dtype: Optional[torch.dtype] = None,
+            device: Optional[torch.device] = None) -> Any:
+    """The Python value of an encoding; strict, since it is also the validator of untrusted traces.
+    ``dtype`` replaces floating dtype arguments and ``device`` every device argument."""
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return encoded
+    if isinstance(encoded, list):
+        return [decode(item, tensor_of, dtype, device) for item in encoded]
+    if not (isinstance(encoded, dict) and len(encoded) == 1):
+        raise TraceError(f"malformed value {repr(encoded)[:80]}")
+    (tag, value), = encoded.items()
+    if tag == "t" and isinstance(value, str):
+        return tensor_of(value)
+    if tag == "float" and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if tag == "tuple" and isinstance(value, list):
+        return tuple(decode(item, tensor_of, dtype, device) for item in value)
+    if tag == "dict" and isinstance(value, dict):
+        return {key: decode(item, tensor_of, dtype, device) for key, item in value.items()}
+    if tag == "dtype":
+        return cast_dtype(_torch_constant(value, torch.dtype), dtype)
+    if tag in ("layout", "memory_format"):
+        return _torch_constant(value, getattr(torch, tag))
+    if tag == "device" and isinstance(value, str):
+        try:
+            parsed = torch.device(value)
+        except RuntimeError:
+            raise TraceError(f"malformed device {value!r}") from None
+        return device if device is not None else parsed
+    if tag == "opaque" and isinstance(value, str):
+        return None  # never passed to an op: replay refuses ops marked opaque
+    raise TraceError(f"malformed value {repr(encoded)[:80]}")
+
+
+def replayable_op(name: Any) -> Any:
+    """The aten/prims ``OpOverload`` a name denotes; nothing else can be reached from a trace."""
+    match = _OP_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None or match[1] not in REPLAYABLE_NAMESPACES:
+        raise TraceError(f"op {repr(name)[:80]} is not an aten or prims op: refused")
+    packet = getattr(getattr(torch.ops, match[1]), match[2], None)
+    overload = getattr(packet, match[3], None) if isinstance(packet, torch._ops.OpOverloadPacket) else None
+    if not isinstance(overload, torch._ops.OpOverload):
+        raise TraceError(f"op {name!r} does not exist in this torch")
+    return overload
+
+
+def op_name(func: Any) -> str:
+    return f"{func.namespace}.{func.__name__}"
+
+
+# --- the first non-finite op ------------------------------------------------------------------
+
+
+def _finite(tree: Any) -> bool:
+    """Every floating tensor and Python float of a tree is free of NaN/Inf (one host read each)."""
+    for value in tree_flatten(tree)[0]:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if not bool(torch.isfinite(value).all()):
+                return False
+        elif isinstance(value, float) and not math.isfinite(value):
+            return False
+    return True
+
+
+class FirstNonFinite:
+    """The first op whose floating inputs are all finite and whose output is not. A non-finite
+    scalar argument counts as an input (``masked_fill(mask, -inf)`` is not to blame for its -inf)."""
+
+    def __init__(self, **extra: Any) -> None:
+        self.found: Optional[Dict[str, Any]] = None
+        self._extra = extra
+
+    def inputs_finite(self, args: Any, kwargs: Any) -> bool:
+        """Checked before the op runs, since an in-place op overwrites its input."""
+        return self.found is None and _finite((args, kwargs))
+
+    def check(self, index: int, name: str, inputs_finite: bool, out: Any) -> None:
+        if inputs_finite and name.split(".")[1] not in _UNINITIALIZED and not _finite(out):
+            self.found = {"index": index, "op": name, **self._extra}
+
+
+# --- the trace ------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One module call: ``ops`` (JSON, in execution order), the tensors they started from, the
+    encoded return tree and the first op that turned finite inputs into a NaN/Inf at record time."""
+
+    ops: List[Dict[str, Any]]
+    leaves: Dict[str, torch.Tensor]
+    outputs: Any
+    first_nonfinite: Optional[Dict[str, Any]]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            **SCHEMA.header(),
+            "ops": self.ops,
+            "outputs": self.outputs,
+            "first_nonfinite": self.first_nonfinite,
+            "leaves": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                       for name, t in self.leaves.items()},
+        }
+
+    @staticmethod
+    def from_json(document: Dict[str, Any], leaves: Dict[str, torch.Tensor]) -> "Trace":
+        """Validate a document from ``to_json`` against its tensors (``leaves`` may hold other tensors
+        too: only the trace's are taken). Raises TraceError on anything malformed or refused."""
+        if not isinstance(document, dict) or document.get("schema") != SCHEMA.name:
+            raise TraceError(f"not a {SCHEMA.name} document")
+        version = document.get("version")
+        if type(version) is not int or version != SCHEMA.version:
+            newer = isinstance(version, int) and version > SCHEMA.version
+            raise TraceError(f"trace version {version!r} is {'newer than' if newer else 'not'} the one "
+                             f"this gradnan reads ({SCHEMA.version})")
+        if set(document) != _DOCUMENT_KEYS:
+            raise TraceError(f"a trace has exactly the keys {sorted(_DOCUMENT_KEYS)}")
+        taken = _checked_leaves(document["leaves"], leaves)
+        ops = document["ops"]
+        if not isinstance(ops, list):
+            raise TraceError("'ops' must be a list")
+        defined = set(taken)
+        for index, op in enumerate(ops):
+            _check_op(index, op, defined, set(taken))
+        decode(document["outputs"], _defined_in(defined, "the outputs"))
+        first = document["first_nonfinite"]
+        if first is not None and not (isinstance(first, dict) and set(first) == {"index", "op"}
+                                      and isinstance(first["index"], int) and isinstance(first["op"], str)):
+            raise TraceError("'first_nonfinite' must be null or {\"index\": int, \"op\": str}")
+        return Trace(ops=ops, leaves=taken, outputs=document["outputs"], first_nonfinite=first)
+
+
+def _checked_leaves(meta: Any, leaves: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The trace's tensors out of ``leaves``, each of the shape and dtype the document says."""
+    if not isinstance(meta, dict):
+        raise TraceError("'leaves' must be an object")
+    taken = {}
+    for name, spec in meta.items():
+        tensor = leaves.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TraceError(f"leaf {name!r} is missing from the tensors")
+        if not (isinstance(spec, dict) and spec.get("shape") == list(tensor.shape)
+                and spec.get("dtype") == str(tensor.dtype).removeprefix("torch.")):
+            raise TraceError(f"leaf {name!r} is not the {spec!r} the trace says")
+        taken[name] = tensor
+    return taken
+
+
+def _defined_in(defined: Set[str], where: str) -> Callable[[str], str]:
+    def check(name: str) -> str:
+        if name not in defined:
+            raise TraceError(f"{where} use tensor {name!r}, which no leaf or earlier op provides")
+        return name
+    return check
+
+
+def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str]) -> None:
+    """One op entry: well formed, replayable or flagged as not executed, referring only to tensors
+    defined before it. Adds the names it produces to ``defined``."""
+    name = op.get("op") if isinstance(op, dict) else None
+    try:
+        if not (isinstance(op, dict) and _OP_KEYS.issuperset(op) and {"op", "args", "kwargs", "out"} <= set(op)
+                and all(op.get(flag, True) is True for flag in ("collective", "external", "opaque"))):
+            raise TraceError("malformed entry")
+        match = _OP_NAME.fullmatch(name) if isinstance(name, str) else None
+        if op.get("collective"):
+            if match is None or match[1] not in COLLECTIVE_NAMESPACES:
+                raise TraceError("marked collective but not a c10d op")
+        elif op.get("external"):
+            if match is None:
+                raise TraceError("malformed op name")
+            if not leaf_names.issuperset(refs(op["out"])):
+                raise TraceError("the outputs of an external op must be leaves")
+        else:
+            replayable_op(name)
+        if not isinstance(op["args"], list) or not isinstance(op["kwargs"], dict):
+            raise TraceError("'args' must be a list and 'kwargs' an object")
+        for encoded in op_inputs(op):
+            decode(encoded, _defined_in(defined, "arguments"))
+        if any("opaque" in node for node in nodes(op_inputs(op))) != bool(op.get("opaque")):
+            raise TraceError("'opaque' must mark exactly the ops with an opaque argument")
+        decode(op["out"], str)
+    except TraceError as error:
+        raise TraceError(f"op {index} ({repr(name)[:80]}): {error}") from None
+    defined.update(refs(op["out"]))
+
+
+def tensors_in(tree: Any) -> List[torch.Tensor]:
+    """The tensors of a nested tuple/list/dict structure (a module's inputs or outputs), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in tensors_in(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in tensors_in(item)]
+    return []
+
+
+def has_nonfinite(tensor: Any) -> bool:
+    """True for a floating tensor holding a NaN or Inf (one host read; for the capture/replay paths)."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())

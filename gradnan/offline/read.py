@@ -1,0 +1,71 @@
+"""Read a whole run directory: every map, record, self-test result and bundle manifest that is usable.
+
+Each problem becomes a one-line message naming the file and what is wrong. A run directory in which
+some files are bad is still read: the good files are returned and the bad ones listed in ``problems``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+from ..errors import InputError
+from ..formats import bundle, maps, records, selftest
+from ..formats.layout import BUNDLE_MANIFESTS, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
+
+
+@dataclass
+class RunFiles:
+    """Everything readable in a run directory, with one line per file or line that was not."""
+
+    run_dir: Path
+    maps: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
+    selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    bundles: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    problems: List[str] = field(default_factory=list)
+
+    def all_records(self) -> List[Dict[str, Any]]:
+        return [record for records in self.records.values() for record in records]
+
+
+def read_run(run_dir: Path) -> RunFiles:
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise InputError(f"{run_dir}: no such directory")
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: not a directory")
+    map_files = sorted((run_dir / MAPS_DIR).glob("*.json"))
+    record_files = sorted((run_dir / RECORDS_DIR).glob("*.jsonl"))
+    selftest_files = sorted((run_dir / SELFTEST_DIR).glob("*.json"))
+    if not map_files and not record_files and not selftest_files:
+        raise InputError(f"{run_dir}: no gradnan maps or records here (expected {MAPS_DIR}/ and"
+                         f" {RECORDS_DIR}/ as written by gradnan.install(out_dir=...))")
+    files = RunFiles(run_dir)
+    for path in map_files:
+        try:
+            files.maps[path] = maps.load(path)
+        except InputError as exc:
+            files.problems.append(str(exc))
+    for path in selftest_files:
+        try:
+            files.selftests[path] = selftest.load(path)
+        except InputError as exc:
+            files.problems.append(str(exc))
+    for path in sorted(run_dir.glob(BUNDLE_MANIFESTS)):
+        if path.parent.name.startswith("."):  # a bundle still being written (or its writer died)
+            continue
+        try:
+            files.bundles[path.parent] = bundle.load_manifest(path)
+        except InputError as exc:
+            files.problems.append(str(exc))
+    for path in record_files:
+        try:
+            found, problems = records.load(path)
+        except InputError as exc:
+            files.problems.append(str(exc))
+            continue
+        files.records[path] = found
+        files.problems += problems
+    return files

@@ -1,0 +1,166 @@
+"""``gradnan replay BUNDLE``: rerun a captured module call offline and say whether the failure reproduces.
+
+One process, CPU or a GPU, no Megatron and no process group needed: the bundle holds the call's exact
+computation as an op trace (``gradnan.trace``) with its inputs, parameters, RNG state, the gradient that
+flowed into its outputs, and what training saw. The replay runs forward and backward three times: in
+the captured dtype, in float32 and in float64, each under a watch that names the first operator whose
+inputs were finite and whose output was not. The verdict:
+
+- ``inputs_nonfinite``: the inputs or parameters were already bad when the module ran: look upstream;
+- ``incoming_gradient_nonfinite``: the gradient flowing into the module was already bad: look downstream;
+- ``precision``: reproduces in the captured dtype, not in float64: overflow or underflow at that operator;
+- ``bad_operator_or_input``: reproduces in every precision at that operator;
+- ``not_reproduced``: from the same inputs the module computes finite values: what training saw came
+  from elsewhere (a transient device fault: run ``gradnan selftest``; or a corruption after this
+  computation, e.g. in the gradient buffer);
+- ``healthy``: nothing non-finite was captured, and the replay agrees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..errors import InputError, UsageError
+from ..formats import bundle
+from ..formats.schema import Schema
+from ..formats.trace import Trace, TraceError, has_nonfinite, tensors_in
+from .trace_replay import output_tree, replay
+
+PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
+# The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
+# uninitialised global memory buffer, written before it is read), not inputs to judge.
+MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
+SCHEMA = Schema("gradnan.replay", 1)  # what --json prints
+
+
+def _same(saved: torch.Tensor, replayed: torch.Tensor) -> bool:
+    """Bitwise equal, NaN matching NaN (a saved NaN replayed as NaN is the same result)."""
+    if saved.shape != replayed.shape or saved.dtype != replayed.dtype:
+        return False
+    return bool(((saved == replayed) | (torch.isnan(saved) & torch.isnan(replayed))).all())
+
+
+def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
+         grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor]) -> Dict[str, Any]:
+    """Forward and backward with the captured incoming gradients, the capture's RNG state restored
+    first so dropout draws the same."""
+    grad_outputs = output_tree(trace, grads.get) if grads else None
+    if rng is not None:
+        torch.set_rng_state(rng)
+    result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device)
+    outputs = tensors_in(result.outputs)
+    return {
+        "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
+        "grads_nonfinite": any(has_nonfinite(g) for g in result.grads.values()),
+        "first_nonfinite": result.first_nonfinite,
+        "_outputs": outputs,
+        "_grads": result.grads,
+    }
+
+
+def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
+    """Replay a bundle in three precisions and judge; raises InputError for an unusable bundle."""
+    manifest, tensors = bundle.load(Path(path))
+    leaf_names = list(manifest["trace"].get("leaves", {}))
+    missing = [name for name in leaf_names if name not in tensors]
+    if missing:
+        raise InputError(f"{path}: tensors.pt lacks the trace inputs {missing[:3]}")
+    try:
+        trace = Trace.from_json(manifest["trace"], {name: tensors[name] for name in leaf_names})
+    except TraceError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    try:
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"--device {device}: no such CUDA device here")
+    grads = {int(key.split(".", 1)[1]): t.to(target) for key, t in tensors.items() if key.startswith("grad_out.")}
+    grad_leaves = [name for name in leaf_names
+                   if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
+    try:
+        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"))
+                for label, dtype in PRECISIONS}
+    except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
+        raise InputError(f"{path}: cannot replay: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    seen = manifest.get("seen", {})
+    captured = runs["captured"]
+    saved_outputs = [tensors[f"out.{i}"] for i in range(int(manifest.get("outputs", 0))) if f"out.{i}" in tensors]
+    matches = len(saved_outputs) == len(captured["_outputs"]) and all(
+        _same(saved.to(target), replayed.detach()) for saved, replayed in zip(saved_outputs, captured["_outputs"]))
+    judgement = _judge(seen, runs, tensors, leaf_names, grads)
+    if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
+        judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from outside it"
+                                 " (a collective with other ranks, e.g. a tensor-parallel all-reduce)")
+    return {
+        **SCHEMA.header(),
+        "bundle": str(path),
+        "module": manifest["module"],
+        "step": manifest.get("step"),
+        "rank": {key: manifest["rank"].get(key) for key in ("global_rank", "tp", "pp", "dp", "host", "device")},
+        "recompute": manifest.get("recompute"),
+        "seen_in_training": seen,
+        "replay_matches_saved_outputs": matches,
+        "runs": {label: {k: v for k, v in run.items() if not k.startswith("_")} for label, run in runs.items()},
+        **judgement,
+    }
+
+
+def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor],
+           leaf_names: List[str], grads: Dict[int, torch.Tensor]) -> Dict[str, Any]:
+    """The forward first (its inputs are the module's own); the backward only where the forward is
+    finite, since it starts from the incoming gradient, which may already be bad."""
+    captured, wide = runs["captured"], runs["float64"]
+    bad_leaves = [name for name in leaf_names if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
+    operator = captured["first_nonfinite"]
+    where = f" at {operator['op']} ({operator.get('phase', 'forward')})" if operator else ""
+    if bad_leaves:
+        return {"verdict": "inputs_nonfinite", "reproduces": True,
+                "summary": f"the module's inputs or parameters were already non-finite ({', '.join(bad_leaves[:3])}):"
+                           " look upstream (an earlier module, or the update of the previous step)"}
+    if captured["outputs_nonfinite"]:
+        if not wide["outputs_nonfinite"]:
+            return {"verdict": "precision", "reproduces": True,
+                    "summary": f"reproduces in the captured dtype, not in float64: overflow or underflow{where}"}
+        return {"verdict": "bad_operator_or_input", "reproduces": True,
+                "summary": f"reproduces in every precision{where}: a genuinely bad input for it, or a bug in it"}
+    if seen.get("outputs_nonfinite"):
+        return {"verdict": "not_reproduced", "reproduces": False,
+                "summary": "does not reproduce: the output was non-finite in training but the module computes"
+                           " finite values from the same inputs"}
+    if any(has_nonfinite(g) for g in grads.values()):
+        return {"verdict": "incoming_gradient_nonfinite", "reproduces": True,
+                "summary": "the forward is finite but the gradient flowing into the module's outputs was already"
+                           " non-finite: look downstream (the modules after it)"}
+    if captured["grads_nonfinite"]:
+        precision = not wide["grads_nonfinite"]
+        return {"verdict": "precision" if precision else "bad_operator_or_input", "reproduces": True,
+                "summary": (f"the backward reproduces in the captured dtype, not in float64{where}" if precision
+                            else f"the backward reproduces in every precision{where}")}
+    if any(bool(value) for value in seen.values()):
+        return {"verdict": "not_reproduced", "reproduces": False,
+                "summary": "does not reproduce: from the same inputs the module computes finite values; what"
+                           " training saw came from elsewhere: a transient device fault (run gradnan selftest)"
+                           " or a corruption after this computation"}
+    return {"verdict": "healthy", "reproduces": False,
+            "summary": "nothing non-finite was captured, and the replay agrees"}
+
+
+def format_text(result: Dict[str, Any]) -> str:
+    rank = result["rank"]
+    lines = [f"gradnan replay of {result['bundle']}",
+             f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
+             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']}, {rank['host']} {rank['device']})"
+             + (", recompute pass" if result["recompute"] else ""),
+             f"Verdict: {result['verdict']}: {result['summary']}"]
+    for label, run in result["runs"].items():
+        operator = run["first_nonfinite"]
+        first = f"first non-finite at op #{operator['index']} {operator['op']} ({operator.get('phase', 'forward')})" \
+            if operator else "no operator turned finite inputs non-finite"
+        lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
+                     f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
+    lines.append(f"Replay matches the outputs saved in training: {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
+    return "\n".join(lines)

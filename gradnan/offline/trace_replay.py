@@ -1,0 +1,220 @@
+"""Replay a recorded module call (``gradnan.formats.trace``) without the module's code.
+
+``replay`` runs the ops again on copies of the leaves, in the captured dtype or with every floating
+tensor (and every floating dtype argument) in float32/float64, forward and optionally backward, and
+names the first op whose floating inputs were all finite and whose output was not.
+
+What a replay cannot do, by construction:
+- Collectives (``c10d``, ``_c10d_functional``: they do dispatch under the mode, e.g. ``allreduce_``
+  with its ProcessGroup as an opaque argument) replay as identity: a single process sees only its
+  own shard's partial result. A collective that changes shapes (all-gather over several ranks) cannot.
+- Ops of other namespaces (``torch.library`` custom ops) are not executed: their outputs are saved
+  as leaves, so the replay continues from the recorded values and no gradient flows through them.
+  Work done outside the dispatcher (pybind kernels, e.g. Transformer Engine's) is not seen at all:
+  its results simply become leaves where recorded ops consume them.
+- Random ops draw from the current generator: a replay reproduces dropout only if the caller restores
+  the RNG state of the recording first. An argument that cannot be written as JSON (a Generator)
+  marks its op ``opaque``; such an op does not replay.
+- Control flow is frozen: Python numbers read from tensors during the call are recorded as constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..formats.trace import (
+    HALF_TO_FLOAT,
+    FirstNonFinite,
+    Trace,
+    TraceError,
+    cast_dtype,
+    child_encodings,
+    decode,
+    op_inputs,
+    op_name,
+    refs,
+    replayable_op,
+)
+
+
+class _Watch(TorchDispatchMode):
+    """Counts the ops dispatched (a backward's) and finds the first non-finite one among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.first = FirstNonFinite(phase="backward")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        finite = self.first.inputs_finite(args, kwargs)
+        out = func(*args, **kwargs)
+        self.first.check(self.count, op_name(func), finite, out)
+        self.count += 1
+        return out
+
+
+@dataclass
+class ReplayResult:
+    """The replayed output tree, the first non-finite op (forward, then backward: ``index`` into the
+    trace's ops, or into the ops the backward dispatched) and the requested leaf gradients."""
+
+    outputs: Any
+    first_nonfinite: Optional[Dict[str, Any]]
+    grads: Dict[str, Optional[torch.Tensor]]
+
+
+def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype], device: torch.device,
+                   grad_names: Sequence[str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Private copies of the leaves (the trace is never mutated) and the graph leaves to differentiate."""
+    for name in grad_names:
+        if name not in leaves or not leaves[name].is_floating_point():
+            raise TraceError(f"cannot differentiate {name!r}: not a floating leaf of the trace")
+    env, graph_leaves = {}, {}
+    for name, tensor in leaves.items():
+        copy = tensor.detach().to(device=device, dtype=cast_dtype(tensor.dtype, dtype), copy=True)
+        if name in grad_names:
+            graph_leaves[name] = copy.requires_grad_()
+            copy = copy.clone()  # in-place ops on a graph leaf are illegal (on real activations they are not)
+        env[name] = copy
+    return env, graph_leaves
+
+
+def _from_env(env: Dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    def lookup(name: str) -> torch.Tensor:
+        if name not in env:
+            raise TraceError(f"tensor {name!r} is used before anything produced it")
+        return env[name]
+    return lookup
+
+
+def _bind(encoded: Any, value: Any, env: Dict[str, torch.Tensor]) -> None:
+    """Name the tensors an op returned at replay as the trace named them at record time."""
+    if isinstance(encoded, dict) and "t" in encoded:
+        if not isinstance(value, torch.Tensor):
+            raise TraceError("returned something else than a tensor at replay")
+        env[encoded["t"]] = value
+        return
+    children = child_encodings(encoded)
+    if children:
+        if not isinstance(value, (list, tuple)) or len(value) != len(children):
+            raise TraceError("returned a different structure at replay")
+        for child, item in zip(children, value):
+            _bind(child, item, env)
+
+
+def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None:
+    """Identity: each output takes the value of the input in its position (a no-op for an in-place
+    all-reduce; a copy into the destination for ``_allgather_base_(out, in)``; a clone for a
+    functional collective)."""
+    inputs, outputs = refs(op_inputs(op)), refs(op["out"])
+    sources = [name for name in inputs if name not in outputs] or inputs
+    if len(outputs) > len(sources):
+        raise TraceError("a collective with more outputs than inputs cannot replay as identity")
+    for target, source in zip(outputs, sources):
+        value = _from_env(env)(source)
+        if target == source:
+            continue
+        if target in env and env[target].shape != value.shape:
+            raise TraceError(f"a collective from {list(value.shape)} to {list(env[target].shape)} "
+                             "cannot replay as identity")
+        env[target] = env[target].copy_(value) if target in env else value.clone()
+
+
+def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
+               dtype: Optional[torch.dtype], device: torch.device) -> None:
+    if op.get("collective"):
+        _replay_collective(op, env)
+        return
+    if op.get("external"):
+        return  # its outputs are leaves, already in ``env``
+    if op.get("opaque"):
+        raise TraceError("takes an argument that was not recorded (see 'opaque'): cannot replay")
+    func = replayable_op(op["op"])
+    lookup = _from_env(env)
+    args = decode(op["args"], lookup, dtype, device)
+    kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
+    if dtype is not None and op["op"] in HALF_TO_FLOAT:
+        args[2] = False
+    finite = first.inputs_finite(args, kwargs)
+    out = func(*args, **kwargs)
+    first.check(index, op["op"], finite, out)
+    _bind(op["out"], out, env)
+
+
+def _output_grads(encoded: Any, grads: Any) -> Iterator[Tuple[str, Any]]:
+    """(output tensor name, its gradient) pairs, walking the encoded outputs and ``grads`` together."""
+    if isinstance(encoded, dict) and "t" in encoded:
+        yield encoded["t"], grads
+        return
+    if isinstance(encoded, dict) and isinstance(encoded.get("dict"), dict):
+        if not isinstance(grads, dict) or set(grads) != set(encoded["dict"]):
+            raise TraceError("grad_outputs do not have the outputs' structure")
+        for key, child in encoded["dict"].items():
+            yield from _output_grads(child, grads[key])
+        return
+    children = child_encodings(encoded)
+    if children:
+        if not isinstance(grads, (list, tuple)) or len(grads) != len(children):
+            raise TraceError("grad_outputs do not have the outputs' structure")
+        for child, grad in zip(children, grads):
+            yield from _output_grads(child, grad)
+
+
+def _backward(outputs: Any, env: Dict[str, torch.Tensor], grad_outputs: Any,
+              graph_leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype],
+              device: torch.device) -> Tuple[Dict[str, Optional[torch.Tensor]], Optional[Dict[str, Any]]]:
+    """Leaf gradients for the given output gradients, and the first non-finite backward op."""
+    pairs = [(env[name], grad.detach().to(device=device, dtype=cast_dtype(grad.dtype, dtype)))
+             for name, grad in _output_grads(outputs, grad_outputs)
+             if isinstance(grad, torch.Tensor) and env[name].requires_grad]
+    if not pairs or not graph_leaves:
+        return dict.fromkeys(graph_leaves), None
+    with _Watch() as watch:
+        grads = torch.autograd.grad([out for out, _ in pairs], list(graph_leaves.values()),
+                                    grad_outputs=[grad for _, grad in pairs], allow_unused=True)
+    return dict(zip(graph_leaves, grads)), watch.first.found
+
+
+def output_tree(trace: Trace, values: Callable[[int], Any]) -> Any:
+    """The module's output structure with ``values(i)`` in place of its i-th tensor, in the order the
+    outputs list them (e.g. the gradients captured for them, to pass as ``grad_outputs``)."""
+    positions = iter(range(len(refs(trace.outputs))))
+    return decode(trace.outputs, lambda name: values(next(positions)))
+
+
+def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any = None,
+           grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None) -> ReplayResult:
+    """Re-execute ``trace.ops`` on copies of ``trace.leaves``.
+
+    ``dtype``: every floating leaf and floating dtype argument becomes it (an fp16 computation becomes an
+    fp64 one). ``grad_leaves``: the leaves to differentiate (all floating leaves when ``grad_outputs`` is
+    given and this is empty). ``grad_outputs``: the output tree's gradients (tensors or None), cast like
+    the leaves; the backward then runs and the leaf gradients come back. ``device``: where to replay (the
+    leaves' device by default); every device argument maps to it. Autocast is off: its casts are
+    recorded ops already. Errors of the ops themselves come back as TraceError naming the op."""
+    device = torch.device(device) if device is not None else next(
+        (t.device for t in trace.leaves.values()), torch.device("cpu"))
+    if grad_outputs is not None and not grad_leaves:
+        grad_leaves = [name for name, t in trace.leaves.items() if t.is_floating_point()]
+    env, graph_leaves = _replay_leaves(trace.leaves, dtype, device, grad_leaves)
+    forward = FirstNonFinite(phase="forward")
+    with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
+        for index, op in enumerate(trace.ops):
+            try:
+                _replay_op(index, op, env, forward, dtype, device)
+            except TraceError as error:
+                raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
+            except (RuntimeError, TypeError, IndexError) as error:
+                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise TraceError(f"op {index} ({op.get('op')}) failed at replay: {first_line}") from error
+        outputs = decode(trace.outputs, _from_env(env))
+        grads: Dict[str, Optional[torch.Tensor]] = {}
+        backward = None
+        if grad_outputs is not None:
+            grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device)
+    return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads)

@@ -1,0 +1,427 @@
+"""A tiny real Megatron-Core GPT trained on CPU with gloo: the demo's job, the tests' and benchmarks' harness.
+
+Everything Megatron here is the real library (``GPTModel``, Megatron DDP, ``get_megatron_optimizer``, the
+pipeline schedules); only CUDA is replaced by the CPU shim. Faults are injected on purpose, through
+``Injection``, into one named parameter's gradient on one rank at one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Put ``value`` on global ``rank`` at ``step`` into what ``target`` names (a global name).
+
+    ``where`` says how:
+    - ``"main_grad"``: into parameter ``target``'s reduced gradient right before ``optimizer.step()``
+      (a corruption after the data-parallel collective);
+    - ``"backward"``: into parameter ``target``'s gradient as backward produces it, before any
+      collective (what a bad card or a bad kernel does to one weight gradient);
+    - ``"module_backward"``: into the output gradient of module ``target`` during backward, so every
+      gradient computed from it (that module's and all earlier layers') is poisoned;
+    - ``"forward"``: into the output of module ``target`` in the forward pass (an activation overflow);
+    - ``"scale_to"``: rescale parameter ``target`` so its largest magnitude is ``value`` (a number), once,
+      before the step's forward: drives a later operator to overflow for as long as the weight stays.
+    ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
+    """
+
+    rank: int
+    step: int
+    target: str
+    value: str = "nan"
+    where: str = "main_grad"
+    index: Optional[int] = None
+
+    def number(self) -> float:
+        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(self.value) or float(self.value)
+
+
+@dataclass(frozen=True)
+class TinyGPTJob:
+    world_size: int = 2
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "fp32"
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: Optional[int] = None
+    check_for_nan_in_grad: bool = False
+    steps: int = 3
+    micro_batches: int = 1
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    recompute: bool = False
+    position_embedding: str = "learned_absolute"
+    vocab_size: int = 64
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    seed: int = 1234
+    injections: Tuple[Injection, ...] = ()
+    gradnan: Optional[Dict[str, Any]] = None
+    quiet: bool = False
+    count_host_syncs: bool = False
+
+    def with_(self, **changes: Any) -> "TinyGPTJob":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: Optional[float]
+    grad_norm: Optional[float]
+    update_successful: bool
+    host_syncs: Optional[int] = None
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    steps: List[StepResult] = field(default_factory=list)
+    injected: List[Dict[str, Any]] = field(default_factory=list)
+    bucket_groups: int = 0
+
+
+class JobFailed(RuntimeError):
+    """A job's process raised; ``errors`` holds each failing rank's own error (``job<n>_rank<r>``)."""
+
+    def __init__(self, errors: Dict[str, str]) -> None:
+        super().__init__("; ".join(f"{where}: {error}" for where, error in errors.items()) or "a process failed")
+        self.errors = errors
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _build_model(job: TinyGPTJob, pp_rank: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job.dtype]
+    config = TransformerConfig(
+        num_layers=job.num_layers,
+        hidden_size=job.hidden_size,
+        ffn_hidden_size=job.ffn_hidden_size or 4 * job.hidden_size,
+        num_attention_heads=job.num_heads,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=job.dtype == "bf16",
+        fp16=job.dtype == "fp16",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if job.recompute else {}),
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=job.vocab_size,
+        max_sequence_length=job.seq_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == job.pp - 1,
+        position_embedding_type=job.position_embedding,
+    )
+    return config, model
+
+
+def _wrap_model(job: TinyGPTJob, config, model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if job.dtype != "fp32":
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=job.dtype != "fp32",
+        overlap_grad_reduce=job.overlap_grad_reduce,
+        use_distributed_optimizer=job.distributed_optimizer,
+        check_for_nan_in_grad=job.check_for_nan_in_grad,
+        bucket_size=job.bucket_size,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def _batches(job: TinyGPTJob, dp_rank: int):
+    generator = torch.Generator().manual_seed(job.seed + 7919 * dp_rank)
+    mask = torch.triu(torch.ones(job.seq_length, job.seq_length, dtype=torch.bool), diagonal=1)
+    position_ids = torch.arange(job.seq_length).unsqueeze(0).expand(job.micro_batch_size, -1)
+    while True:
+        tokens = torch.randint(
+            0, job.vocab_size, (job.micro_batch_size, job.seq_length + 1), generator=generator
+        )
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": position_ids,
+            "attention_mask": mask.view(1, 1, job.seq_length, job.seq_length),
+        }
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _param_by_global_name(chunks, name: str):
+    from gradnan.training.megatron.model import global_named_parameters
+
+    return next((param for param_name, param in global_named_parameters(chunks) if param_name == name), None)
+
+
+def _module_by_global_name(chunks, name: str):
+    from gradnan.training.megatron.model import global_named_modules
+
+    return next((module for module_name, module in global_named_modules(chunks) if module_name == name), None)
+
+
+def _poisoned(tensor: torch.Tensor, index: int, value: float) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[index] = value
+    return tensor
+
+
+def _poison_first(outputs: Any, index: int, value: float) -> Any:
+    """Poison the first tensor of a module's output(s) (Megatron layers return ``(output, bias)``)."""
+    if isinstance(outputs, torch.Tensor):
+        return _poisoned(outputs, index, value)
+    return (_poisoned(outputs[0], index, value), *outputs[1:])
+
+
+def _due(job: TinyGPTJob, rank: int, step: int, where: str):
+    for injection in job.injections:
+        if injection.rank == rank and injection.step == step and injection.where == where:
+            yield injection
+
+
+def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
+    from gradnan.training.megatron.optimizer_params import owned_start
+
+    param = _param_by_global_name(chunks, injection.target)
+    if param is None:
+        raise ValueError(f"no parameter named {injection.target} on this rank")
+    index = injection.index if injection.index is not None else owned_start(optimizer, param)
+    return param, index
+
+
+def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
+    """Register this step's backward, module_backward and forward injections; return their handles."""
+    handles = []
+    for injection in _due(job, rank, step, "backward"):
+        param, index = _resolve(injection, chunks, optimizer)
+        value = injection.number()
+        handles.append(param.register_hook(lambda grad, index=index, value=value: _poisoned(grad, index, value)))
+        result.injected.append({**dataclasses.asdict(injection), "index": index})
+    for where in ("module_backward", "forward"):
+        for injection in _due(job, rank, step, where):
+            module = _module_by_global_name(chunks, injection.target)
+            if module is None:
+                raise ValueError(f"no module named {injection.target} on this rank")
+            index, value = injection.index or 0, injection.number()
+            if where == "forward":
+                handles.append(module.register_forward_hook(
+                    lambda _m, _args, out, index=index, value=value: _poison_first(out, index, value)))
+            else:
+                handles.append(module.register_full_backward_pre_hook(
+                    lambda _m, grads, index=index, value=value: _poison_first(grads, index, value)))
+            result.injected.append({**dataclasses.asdict(injection), "index": index})
+    return handles
+
+
+def _apply_scale_injections(job, rank, step, chunks, result) -> None:
+    for injection in _due(job, rank, step, "scale_to"):
+        param = _param_by_global_name(chunks, injection.target)
+        if param is None:
+            raise ValueError(f"no parameter named {injection.target} on this rank")
+        with torch.no_grad():
+            param.mul_(injection.number() / param.abs().max().float())
+            main = getattr(param, "main_param", None)  # the fp32 copy a Float16 optimizer steps
+            if main is not None and main.shape == param.shape:
+                main.copy_(param.float())
+        result.injected.append(dataclasses.asdict(injection))
+
+
+def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
+    for injection in _due(job, rank, step, "main_grad"):
+        param, index = _resolve(injection, chunks, optimizer)
+        param.main_grad.view(-1)[index] = injection.number()
+        result.injected.append({**dataclasses.asdict(injection), "index": index})
+
+
+class TinyGPT:
+    """The model, optimizer and data of a job on this (already initialised) process group.
+
+    ``install`` is called between building the model and building the optimizer, as a user would
+    call ``gradnan.install()``; ``step`` runs one full training step and returns its outcome."""
+
+    def __init__(self, job: TinyGPTJob, rank: int, install=None) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        self.job, self.rank = job, rank
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
+        )
+        torch.manual_seed(job.seed)
+        model_parallel_cuda_manual_seed(job.seed)
+        config, model = _build_model(job, parallel_state.get_pipeline_model_parallel_rank())
+        self.chunk = _wrap_model(job, config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.chunk.no_sync
+        if install is not None:
+            install()
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-3,
+                clip_grad=1.0,
+                bf16=job.dtype == "bf16",
+                fp16=job.dtype == "fp16",
+                params_dtype=config.params_dtype,
+                use_distributed_optimizer=job.distributed_optimizer,
+                initial_loss_scale=2.0**12,
+            ),
+            [self.chunk],
+        )
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.batches = _batches(job, parallel_state.get_data_parallel_rank())
+        self.forward_backward = get_forward_backward_func()
+        self.result = WorkerResult(rank=rank, bucket_groups=len(self.chunk.bucket_groups)
+                                   + len(self.chunk.expert_parallel_bucket_groups))
+
+    def step(self) -> StepResult:
+        if not self.job.count_host_syncs:
+            return self._step()
+        from gradnan.testing.measure import HostSyncCounter
+
+        with HostSyncCounter() as counter:
+            outcome = self._step()
+        outcome.host_syncs = counter.total
+        return outcome
+
+    def _step(self) -> StepResult:
+        job, rank, chunk, optimizer = self.job, self.rank, self.chunk, self.optimizer
+        step = len(self.result.steps) + 1
+        chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        _apply_scale_injections(job, rank, step, [chunk], self.result)
+        hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, self.result)
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=self.batches,
+            model=[chunk],
+            num_microbatches=job.micro_batches,
+            seq_length=job.seq_length,
+            micro_batch_size=job.micro_batch_size,
+            forward_only=False,
+        )
+        for hook in hooks:
+            hook.remove()
+        _apply_main_grad_injections(job, rank, step, [chunk], optimizer, self.result)
+        update_successful, grad_norm, _ = optimizer.step()
+        loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
+        outcome = StepResult(step, loss, grad_norm, bool(update_successful))
+        self.result.steps.append(outcome)
+        return outcome
+
+
+def train(job: TinyGPTJob, rank: int) -> WorkerResult:
+    """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
+    import gradnan
+    from gradnan.training.megatron.model import destroy_model_parallel
+
+    try:
+        model = TinyGPT(job, rank, install=(lambda: gradnan.install(**job.gradnan))
+                        if job.gradnan is not None else None)
+        for _ in range(job.steps):
+            model.step()
+        return model.result
+    finally:
+        gradnan.uninstall()
+        destroy_model_parallel()
+
+
+def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
+    from gradnan.testing.cpu_shim import SHIM
+
+    world_size = jobs[0].world_size
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    if jobs[0].quiet:
+        warnings.filterwarnings("ignore")
+    SHIM.activate()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for number, job in enumerate(jobs):
+            try:
+                result = train(job, rank)
+            except Exception as exc:  # every rank's own error, not only the first the launcher sees
+                (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+                raise
+            path = Path(results_dir) / f"job{number}_rank{rank}.json"
+            path.write_text(json.dumps(dataclasses.asdict(result)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
+    """Run the jobs one after another in one set of ``world_size`` gloo processes (start-up paid once)."""
+    import torch.multiprocessing as mp
+
+    world_size = jobs[0].world_size
+    if any(job.world_size != world_size for job in jobs):
+        raise ValueError("launch_many needs jobs of one world size")
+    with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
+        try:
+            mp.spawn(_worker, args=(jobs, _free_port(), scratch), nprocs=world_size, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            errors = {path.stem: path.read_text() for path in sorted(Path(scratch).glob("*.error"))}
+            raise JobFailed(errors) from exc
+        outcome = []
+        for number in range(len(jobs)):
+            per_rank = {}
+            for rank in range(world_size):
+                raw = json.loads((Path(scratch) / f"job{number}_rank{rank}.json").read_text())
+                raw["steps"] = [StepResult(**step) for step in raw["steps"]]
+                per_rank[rank] = WorkerResult(**raw)
+            outcome.append(per_rank)
+        return outcome
+
+
+def launch(job: TinyGPTJob) -> Dict[int, WorkerResult]:
+    """Run ``job`` in ``job.world_size`` gloo processes; return each rank's losses and grad norms."""
+    return launch_many([job])[0]

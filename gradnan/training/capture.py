@@ -1,0 +1,372 @@
+"""Capture one module's calls so that a failure can be replayed offline (see ``gradnan.replay``).
+
+A ``ModuleCapture`` watches a module while armed: each call's forward is recorded as an op trace
+(``gradnan.trace``: the exact aten operations and the tensors they started from, parameters included),
+with the RNG state before it, whether it was an activation-recompute pass, its outputs' non-finite
+state, the gradients flowing back into its outputs and its parameters' gradients. At the end of the
+step (or at a detection) the chosen call becomes a bundle (``gradnan.bundle``). Nothing is watched and
+nothing costs anything while no capture is armed.
+
+Modes:
+- ``on_nonfinite``: write the first call of a step in which anything was non-finite (armed after a
+  detection: the failure recurs, the next occurrence is captured);
+- ``always``: write the first call of the step (explicit modules and steps from the configuration);
+- ``retain``: keep the last call of every step and write it only when a detection happens in that
+  same step, so the failing step itself is captured without a rerun.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import GradnanConfig
+from ..formats.trace import Trace, has_nonfinite, tensors_in
+from ..log import logger
+from .clock import StepClock
+from .events import ModelFacts, NamedModules
+from .frames import FrameTracer, forward_origin, in_backward
+from .guard import ErrorGuard
+from .messages import where
+from .recorder import OpRecorder
+from .window import RecordingWindow
+from .writer import Writer
+
+MODES = ("on_nonfinite", "always", "retain")
+ARMED_STEPS = 20  # an armed capture whose failure does not recur stops watching after this many steps
+FINDER_STEPS = 3  # the forward-origin finder checks every module call: a few steps at most
+
+
+@dataclass
+class ModuleCall:
+    """One forward of the watched module and what flowed back through it."""
+
+    trace: Trace
+    rng: Dict[str, torch.Tensor]
+    recompute: bool
+    grad_enabled: bool
+    autocast: Dict[str, Any]
+    call_index: int
+    outputs: List[torch.Tensor] = field(default_factory=list)
+    grad_outputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_inputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    param_grads: Dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs_nonfinite: bool = False
+
+    @property
+    def nonfinite(self) -> bool:
+        return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
+                or any(has_nonfinite(g) for g in self.grad_outputs.values())
+                or any(has_nonfinite(g) for g in self.param_grads.values()))
+
+
+def _rng_states() -> Dict[str, torch.Tensor]:
+    states = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["rng.cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _autocast() -> Dict[str, Any]:
+    state = {"cpu": torch.is_autocast_enabled("cpu"), "cpu_dtype": str(torch.get_autocast_dtype("cpu"))}
+    if torch.cuda.is_available():
+        state.update(cuda=torch.is_autocast_enabled("cuda"), cuda_dtype=str(torch.get_autocast_dtype("cuda")))
+    return state
+
+
+class ModuleCapture:
+    """Hooks on one module (its ``forward`` wrapped on the instance, tensor hooks on its parameters);
+    ``detach()`` removes every one of them. Capture runs inside the training step: a failure (out of
+    memory while cloning, say) goes through ``guard``: that call is not captured, the error is logged
+    once per kind and training goes on, unless ``strict``."""
+
+    def __init__(self, name: str, module: torch.nn.Module, mode: str, guard: ErrorGuard) -> None:
+        if mode not in MODES:
+            raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
+        self.name, self.module, self.mode, self._guard = name, module, mode, guard
+        self.calls: List[ModuleCall] = []
+        self.steps_watched = 0
+        self.context: Dict[str, Any] = {}
+        self._handles: List[Any] = []
+        self._had_forward = "forward" in vars(module)
+        self._original_forward = module.forward
+        self._calls_this_step = 0
+
+    def attach(self) -> "ModuleCapture":
+        self.module.forward = self._forward
+        for param_name, param in self.module.named_parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._param_hook(param_name)))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._had_forward:
+            self.module.forward = self._original_forward
+        else:
+            vars(self.module).pop("forward", None)
+
+    def _param_hook(self, param_name: str):
+        def hook(grad: torch.Tensor) -> None:
+            if self.calls:
+                current = self.calls[-1].param_grads
+                self._guard("capture of a parameter gradient", lambda: current.__setitem__(
+                    param_name, grad.detach().clone() + current.get(param_name, 0)))
+        return hook
+
+    def _prepare(self, recorder: OpRecorder, args: Any, kwargs: Any) -> Dict[str, torch.Tensor]:
+        """Name the call's inputs, parameters and buffers for the trace; the RNG state before the call."""
+        recorder.mark_inputs(list(args), "args")
+        recorder.mark_inputs(kwargs, "kwargs")
+        recorder.mark_inputs(dict(self.module.named_parameters()), "param")
+        recorder.mark_inputs(dict(self.module.named_buffers()), "buffer")
+        return _rng_states()
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        recorder = OpRecorder()
+        rng = self._guard("capture", self._prepare, recorder, args, kwargs)
+        if rng is None:
+            return self._original_forward(*args, **kwargs)
+        with recorder:
+            outputs = self._original_forward(*args, **kwargs)
+        self._guard("capture", self._keep, recorder, rng, outputs, args, kwargs)
+        return outputs
+
+    def _keep(self, recorder: OpRecorder, rng: Dict[str, torch.Tensor], outputs: Any, args: Any,
+              kwargs: Any) -> None:
+        call = ModuleCall(trace=recorder.result(outputs), rng=rng, recompute=in_backward(),
+                          grad_enabled=torch.is_grad_enabled(), autocast=_autocast(),
+                          call_index=self._calls_this_step)
+        self._calls_this_step += 1
+        produced = tensors_in(outputs)
+        call.outputs = [t.detach().clone() for t in produced]
+        call.outputs_nonfinite = any(has_nonfinite(t) for t in produced)
+        # hooks on activations only: a hook on a leaf (a Parameter returned as bias, a tied weight passed
+        # in) would outlive the call and this capture
+        for position, tensor in enumerate(produced):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(self._grad_hook(call.grad_outputs, position))
+        for position, tensor in enumerate(tensors_in((args, kwargs))):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(self._grad_hook(call.grad_inputs, position))
+        if self.mode == "retain":
+            self.calls = [call]
+        else:
+            self.calls.append(call)
+
+    def _grad_hook(self, store: Dict[int, torch.Tensor], position: int):
+        def hook(grad: torch.Tensor) -> None:
+            self._guard("capture of a gradient", lambda: store.__setitem__(position, grad.detach().clone()))
+        return hook
+
+    def chosen_call(self) -> Optional[ModuleCall]:
+        """The call worth a bundle this step, by mode (recompute passes replace the first pass)."""
+        tracked = [c for c in self.calls if c.grad_enabled] or self.calls
+        if self.mode == "on_nonfinite":
+            return next((c for c in tracked if c.nonfinite), None)
+        return tracked[0] if self.mode == "always" and tracked else (tracked[-1] if tracked else None)
+
+    def end_step(self) -> None:
+        self.calls = [] if self.mode != "retain" else self.calls
+        self._calls_this_step = 0
+        self.steps_watched += 1
+
+
+def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Optional[torch.Tensor]],
+                    context: Dict[str, Any], param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]]
+                    ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """The manifest fields and tensors of a bundle for one captured call (the caller adds rank, run...).
+
+    ``observed``: gradients as the optimizer saw them at the detection (e.g. ``main_grad``), by parameter
+    name, to compare with what the replay computes. ``param_facts``: what a parameter is beyond its
+    shape (its tensor-parallel partition, for a shard)."""
+    tensors: Dict[str, torch.Tensor] = dict(call.trace.leaves)
+    tensors.update(call.rng)
+    tensors.update({f"out.{i}": t for i, t in enumerate(call.outputs)})
+    tensors.update({f"grad_out.{i}": g for i, g in call.grad_outputs.items()})
+    tensors.update({f"grad_in.{i}": g for i, g in call.grad_inputs.items()})
+    tensors.update({f"param_grad.{name}": g for name, g in call.param_grads.items()})
+    tensors.update({f"observed.{name}": g for name, g in observed.items() if g is not None})
+    manifest = {
+        "created": time.time(),
+        "module": {"path": capture.name, "class": type(capture.module).__qualname__,
+                   "class_module": type(capture.module).__module__},
+        "mode": capture.mode,
+        "call_index": call.call_index,
+        "recompute": call.recompute,
+        "grad_enabled": call.grad_enabled,
+        "autocast": call.autocast,
+        "trace": call.trace.to_json(),
+        "outputs": len(call.outputs),
+        "grad_outputs": sorted(call.grad_outputs),
+        "grad_inputs": sorted(call.grad_inputs),
+        "params": {name: {"shape": list(param.shape), "dtype": str(param.dtype), **param_facts(param)}
+                   for name, param in capture.module.named_parameters()},
+        "param_grads": sorted(call.param_grads),
+        "observed_grads": sorted(name for name, g in observed.items() if g is not None),
+        "seen": {"outputs_nonfinite": call.outputs_nonfinite,
+                 "grad_outputs_nonfinite": any(has_nonfinite(g) for g in call.grad_outputs.values()),
+                 "grad_inputs_nonfinite": any(has_nonfinite(g) for g in call.grad_inputs.values()),
+                 "param_grads_nonfinite": any(has_nonfinite(g) for g in call.param_grads.values()),
+                 "observed_nonfinite": any(has_nonfinite(g) for g in observed.values()),
+                 "first_nonfinite_op": call.trace.first_nonfinite},
+        "rng": sorted(call.rng),
+        **context,
+    }
+    return manifest, tensors
+
+
+class ForwardOriginFinder:
+    """For a few steps, traces every module call (``gradnan.frames``, one host read per step) and finds the
+    first module (in the order forward calls finish, so the deepest first) whose weights and inputs are
+    finite and whose outputs are not, keeping the frames before it as context. Armed only after a
+    forward-pass incident."""
+
+    def __init__(self, modules: List[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
+                 max_frames: int = 21) -> None:
+        self.tracer = FrameTracer(modules, step_now, lambda: True)
+        self.max_frames = max_frames
+        self.steps_left = FINDER_STEPS
+        self.found: Optional[str] = None
+        self.frames: List[Dict[str, Any]] = []
+
+    def attach(self) -> "ForwardOriginFinder":
+        self.tracer.attach()
+        return self
+
+    def detach(self) -> None:
+        self.tracer.detach()
+
+    def end_step(self) -> None:
+        frames = self.tracer.read()
+        self.steps_left -= 1
+        origin = forward_origin(frames)
+        if origin is not None:
+            self.found = origin.module
+            self.frames = [frame.to_json() for frame in frames[:frames.index(origin) + 1]][-self.max_frames:]
+
+
+class CaptureManager:
+    """Which modules are watched when, and when their calls become bundles (through ``writer``, while
+    ``window`` records). ``named_modules()`` gives the model's modules by global name; ``facts`` says
+    what the optimizer saw of a parameter's gradient and how a parameter is partitioned."""
+
+    def __init__(self, config: GradnanConfig, clock: StepClock, window: RecordingWindow, writer: Writer,
+                 guard: ErrorGuard, facts: ModelFacts, named_modules: Callable[[], NamedModules]) -> None:
+        self.config, self._clock, self._window, self._writer = config, clock, window, writer
+        self._guard, self._facts, self._named_modules = guard, facts, named_modules
+        self.captures: Dict[str, ModuleCapture] = {}
+        self.finder: Optional[ForwardOriginFinder] = None
+
+    def _write(self, step: int, capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Any],
+               context: Dict[str, Any]) -> bool:
+        """One bundle; False when nothing more can be written (not recording, or a bound reached)."""
+        if not self._window.recording():
+            return False
+        manifest, tensors = bundle_contents(capture, call, observed, context, self._facts.param_facts)
+        written = self._writer.bundle(step, capture.name, manifest, tensors)
+        if written is None:
+            return False
+        logger.warning("step %d: captured %s on %s (%s); replay it: gradnan replay %s", step, capture.name,
+                       where(written), capture.mode, written["_path"])
+        return True
+
+    def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
+        patterns = self.config.patterns("capture_modules")
+        return [(name, module) for name, module in self._watchable()
+                if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+
+    def _watchable(self) -> List[Tuple[str, torch.nn.Module]]:
+        """Named modules that ``modules`` / ``exclude_modules`` let capture watch."""
+        return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
+
+    def _rank_selected(self) -> bool:
+        ranks = self.config.ranges("capture_ranks")
+        return not ranks or int(self._writer.coords()["global_rank"]) in ranks
+
+    def arm(self, name: str, mode: str) -> bool:
+        if name in self.captures:
+            return False
+        module = dict(self._watchable()).get(name)
+        if module is None:
+            return False
+        self.captures[name] = ModuleCapture(name, module, mode, self._guard).attach()
+        return True
+
+    def disarm(self, name: str) -> None:
+        capture = self.captures.pop(name, None)
+        if capture is not None:
+            capture.detach()
+
+    def arm_forward_origin(self) -> None:
+        if self.finder is None:
+            self.finder = ForwardOriginFinder(self._watchable(), self._clock.current, self.config.max_frames).attach()
+
+    def start(self, next_step: int) -> None:
+        """Optimizer built: retention begins; an explicit capture of the first step is armed."""
+        if self.config.capture_modules and not self._selected():
+            logger.warning("capture_modules %r matches no module of this model", self.config.capture_modules)
+        if self._rank_selected() and self.config.capture_retain:
+            for name, _ in self._selected():
+                self.arm(name, "retain")
+        self._arm_explicit(next_step)
+
+    def _arm_explicit(self, step: int) -> None:
+        if self._rank_selected() and step in self.config.ranges("capture_steps"):
+            for name, _ in self._selected():
+                self.arm(name, "always")
+
+    def end_step(self, step: int, next_step: int) -> None:
+        """``step``: the step that ended, as records name it; ``next_step``: the next one as the step
+        filters (``capture_steps``) see it."""
+        for name, capture in list(self.captures.items()):
+            if capture.mode == "retain":
+                capture.end_step()
+                continue
+            call = capture.chosen_call()
+            if call is not None:
+                self._write(step, capture, call, {}, {"trigger": capture.mode, **capture.context})
+            if call is not None or capture.mode == "always":
+                self.disarm(name)
+                continue
+            capture.end_step()
+            if capture.steps_watched >= ARMED_STEPS:
+                logger.info("capture of %s disarmed: no non-finite value in %d steps", name, ARMED_STEPS)
+                self.disarm(name)
+        if self.finder is not None:
+            self.finder.end_step()
+            if self.finder.found is not None and self.arm(self.finder.found, "on_nonfinite"):
+                self.captures[self.finder.found].context = {"forward_origin": self.finder.found,
+                                                            "frames": self.finder.frames}
+            if self.finder.found is not None or self.finder.steps_left <= 0:
+                self.finder.detach()
+                self.finder = None
+        self._arm_explicit(next_step)
+
+    def on_detection(self, step: int, forward_pattern: bool, first_param: Optional[str], arm: bool) -> None:
+        """A detection on this rank: write what retention kept, then (``arm``) watch for the next occurrence."""
+        for capture in list(self.captures.values()):
+            if capture.mode == "retain" and capture.calls:
+                params = dict(capture.module.named_parameters())
+                observed = {name: self._facts.observed_grad(param) for name, param in params.items()}
+                if not self._write(step, capture, capture.calls[-1], observed, {"trigger": "retain"}):
+                    self.disarm(capture.name)  # nothing more can be written: stop tracing every step
+        if not (arm and self.config.capture):
+            return
+        if forward_pattern:
+            self.arm_forward_origin()
+        elif first_param and "." in first_param:
+            self.arm(first_param.rsplit(".", 1)[0], "on_nonfinite")
+
+    def close(self) -> None:
+        for name in list(self.captures):
+            self.disarm(name)
+        if self.finder is not None:
+            self.finder.detach()
+            self.finder = None

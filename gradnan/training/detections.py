@@ -1,0 +1,191 @@
+"""What a detection does: a non-finite grad norm, an fp16 loss-scale overflow, a bad bucket before the
+data-parallel collective. Each one becomes a record (localized by ``detect.offending_params``), a log line
+whose level follows how serious and how repeated it is, and a hint to capture."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import GradnanConfig
+from ..formats.maps import ParamSlot
+from ..formats.records import FORWARD_SHARE
+from ..formats.schema import json_float
+from ..log import logger
+from .capture import CaptureManager
+from .clock import StepClock
+from .detect import offending_params
+from .events import DescribeBuckets, Grads
+from .messages import describe_params, is_power_of_two, where
+from .stops import stop_if_asked
+from .writer import Writer
+
+
+class OptimizerState:
+    """What the detections remember of one (outermost) optimizer."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.map_file: Optional[str] = None
+        self.consecutive_skips = 0
+        self.scale_collapse_reported = False
+        self.last_nonfinite_step: Optional[int] = None
+        self.consecutive_nonfinite = 0
+
+
+class Detections:
+    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager) -> None:
+        self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
+        self._lock = threading.Lock()
+        self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerState]" = weakref.WeakKeyDictionary()
+        self._synced: set = set()
+        self._deferred: List[Tuple[Any, torch.Tensor, DescribeBuckets]] = []
+        self._pre_reduction_checked = False
+        self._pre_reduction_found = False
+        self._pre_reduction_logged = False
+        self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+    def optimizer(self, optimizer: Any) -> Tuple[OptimizerState, bool]:
+        """The state of ``optimizer``, and whether it was seen for the first time."""
+        with self._lock:
+            state = self._optimizers.get(optimizer)
+            if state is not None:
+                return state, False
+            state = self._optimizers[optimizer] = OptimizerState(len(self._optimizers))
+            return state, True
+
+    def step_ended(self, optimizer: Any, skipped: Optional[bool]) -> None:
+        """``skipped``: the step applied no update (fp16 overflow); counts consecutive skips."""
+        with self._lock:
+            self._deferred = []
+            self._pre_reduction_checked = self._pre_reduction_found = False
+        state, _ = self.optimizer(optimizer)
+        if skipped is not None:
+            state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
+            if not skipped:
+                state.scale_collapse_reported = False
+
+    # -- pre-reduction (data-parallel bucket) checks -------------------------------------------------
+
+    def first_sync_of_step(self, group: Any) -> bool:
+        """True once per bucket group per step (Megatron may start a group's sync twice)."""
+        step = self._clock.current()
+        with self._lock:
+            key = (id(group), step)
+            if key in self._synced:
+                return False
+            self._synced = {k for k in self._synced if k[1] == step} | {key}
+            self._pre_reduction_checked = True
+            return True
+
+    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None:
+        """Keep a bucket group's on-device flags until a non-finite norm asks for them (no host sync)."""
+        with self._lock:
+            self._deferred.append((group, flags, describe))
+
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str,
+                            level: int = logging.WARNING) -> bool:
+        """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad."""
+        bad = [index for index, finite in enumerate(flags.tolist()) if not finite]
+        if not bad:
+            return False
+        slots, grads, buckets = describe(group, bad)
+        found = offending_params(slots, grads)
+        if not found:
+            return False
+        with self._lock:
+            group_index = self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
+        record = self._writer.record("pre_reduction", self._clock.current(), found, {
+            "mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
+            "micro_batch": None})
+        with self._lock:
+            self._pre_reduction_found = True
+            first, self._pre_reduction_logged = not self._pre_reduction_logged, True
+        logger.log(level if first else logging.DEBUG,
+                   "step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
+                   " this rank produced it; record: %s", record["step"], where(record),
+                   describe_params(record), record["_path"])
+        return True
+
+    def _flush_deferred(self, level: int) -> str:
+        """Read the deferred bucket flags of this step: "nonfinite", "clean" or "unchecked"."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            checked = self._pre_reduction_checked
+        bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred", level=level)
+               for group, flags, describe in deferred]
+        if any(bad) or self._pre_reduction_found:
+            return "nonfinite"
+        return "clean" if checked else "unchecked"
+
+    # -- the optimizer's findings ----------------------------------------------------------------------
+
+    def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
+                extra: Dict[str, Any]) -> Dict[str, Any]:
+        # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
+        pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm" else logging.DEBUG)
+        state, _ = self.optimizer(optimizer)
+        return self._writer.record(kind, self._clock.current(optimizer), offending_params(slots, grads), {
+            "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra})
+
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
+        record = self._record(optimizer, "nonfinite_grad_norm", slots, grads, {"grad_norm": json_float(norm)})
+        state, _ = self.optimizer(optimizer)
+        consecutive = state.last_nonfinite_step == record["step"] - 1
+        state.consecutive_nonfinite = state.consecutive_nonfinite + 1 if consecutive else 1
+        state.last_nonfinite_step = record["step"]
+        count = state.consecutive_nonfinite
+        if count > 1:
+            logger.log(logging.WARNING if is_power_of_two(count) else logging.DEBUG,
+                       "step %d: grad norm non-finite for %d consecutive steps on %s; %s",
+                       record["step"], count, where(record), describe_params(record))
+        elif record["params"]:
+            logger.error("step %d: grad norm is %s; %s on %s; record: %s. Without a loss scaler"
+                         " Megatron applies this update: the weights become non-finite.",
+                         record["step"], record["grad_norm"], describe_params(record), where(record),
+                         record["_path"])
+        else:
+            logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
+                           " came from another rank through the norm's all-reduce); record: %s",
+                           record["step"], record["grad_norm"], where(record), record["_path"])
+        self._capture_after(record, len(slots))
+        stop_if_asked(self.config, record)
+
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
+                            slots: Sequence[ParamSlot], grads: Grads) -> None:
+        state, _ = self.optimizer(optimizer)
+        skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
+        chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
+        collapsed = scale is not None and min_scale is not None and scale <= min_scale
+        record = self._record(
+            optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
+            {"loss_scale": None if scale is None else json_float(scale),
+             "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
+             "consecutive_skips": skips, "scale_collapsed": collapsed})
+        first = self.config.skip_warn_after
+        if collapsed or skips == first:
+            self._capture_after(record, len(slots))
+        if collapsed and not state.scale_collapse_reported:
+            state.scale_collapse_reported = True
+            logger.error("step %d: loss scale collapsed to %s (its minimum) after %d skipped steps;"
+                         " %s; record: %s", record["step"], scale, skips, describe_params(record), record["_path"])
+            stop_if_asked(self.config, record)
+        elif skips >= first and is_power_of_two(skips // first) and skips % first == 0:
+            logger.warning("step %d: %d consecutive fp16 steps skipped for gradient overflow"
+                           " (loss scale %s); %s; record: %s", record["step"], skips, scale,
+                           describe_params(record), record["_path"])
+        else:
+            logger.debug("step %d: loss-scale overflow (scale %s), step skipped", record["step"], scale)
+
+    def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
+        """Capture: write what retention kept of this step; arm the implicated module where this rank may
+        be the origin (not where its own gradients were clean before the data-parallel collective)."""
+        implicated = record["params"] and record["pre_reduction"] != "clean"
+        forward = implicated and local_params > 0 and record["params_total"] >= FORWARD_SHARE * local_params
+        first = max(record["params"], key=lambda p: p.get("order", -1))["name"] if implicated else None
+        self._captures.on_detection(record["step"], bool(forward), first, arm=bool(implicated))
+

@@ -1,0 +1,88 @@
+"""The interface between the Megatron adapter and the runtime, in both directions.
+
+``ModelFacts``: what the runtime asks of the model and the job; the adapter supplies it
+(``gradnan.training.megatron.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
+``Events``: the entry points the adapter's instrumentors call, with plain data (``ParamSlot`` lists and
+gradient tensors); ``Runtime`` implements them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from ..config import GradnanConfig
+from ..formats.maps import ParamSlot
+
+NamedModules = List[Tuple[str, torch.nn.Module]]
+Grads = Sequence[Optional[torch.Tensor]]
+DescribeBuckets = Callable[[Any, Sequence[int]], Tuple[List[ParamSlot], List[torch.Tensor], List[dict]]]
+
+
+def _no_modules(chunks: Sequence[torch.nn.Module]) -> NamedModules:
+    return []
+
+
+def _plain_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    return param.grad
+
+
+def _no_facts(param: torch.nn.Parameter) -> Dict[str, Any]:
+    return {}
+
+
+def _no_iteration() -> Optional[int]:
+    return None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """coords: this rank's global rank, world size, parallel coordinates, host and device.
+    versions: the library versions to write into maps and bundles.
+    iteration: the training loop's own iteration for the step in progress (Megatron-LM's), or None.
+    named_modules: every module of the model chunks with its global name.
+    observed_grad: a parameter's gradient as the optimizer sees it (Megatron's ``main_grad``).
+    param_facts: what a parameter is beyond its shape (its tensor-parallel partition)."""
+
+    coords: Callable[[], Dict[str, Any]]
+    versions: Callable[[], Dict[str, Any]]
+    iteration: Callable[[], Optional[int]] = _no_iteration
+    named_modules: Callable[[Sequence[torch.nn.Module]], NamedModules] = _no_modules
+    observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = _plain_grad
+    param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
+
+
+class Events(Protocol):
+    """What an instrumentor may call. Every call is made through ``guarded`` (an internal error is
+    logged once and training goes on, unless ``config.strict``)."""
+
+    config: GradnanConfig
+
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def register_chunks(self, chunks: Sequence[torch.nn.Module]) -> None: ...
+
+    def known_chunks(self) -> List[torch.nn.Module]: ...
+
+    def ids_by_name(self) -> Dict[str, int]: ...
+
+    def stepping_optimizer(self) -> Optional[Any]: ...
+
+    def optimizer_built(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None: ...
+
+    def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None: ...
+
+    def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None: ...
+
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None: ...
+
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
+                            slots: Sequence[ParamSlot], grads: Grads) -> None: ...
+
+    def first_sync_of_step(self, group: Any) -> bool: ...
+
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str) -> bool: ...
+
+    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None: ...

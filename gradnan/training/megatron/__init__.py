@@ -1,0 +1,19 @@
+"""The Megatron adapter: one instrumentor per patched surface (``instrument()``/``uninstrument()``), and
+``model`` for what is read without patching. The only code that imports Megatron or knows its private names."""
+
+from __future__ import annotations
+
+from typing import List
+
+from .patcher import Instrumentor, SurfaceMissing
+from .grad_sync import GradSyncInstrumentor
+from .loss_scale import LossScaleInstrumentor
+from .optimizer import OptimizerInstrumentor
+from .param_groups import ParamGroupsInstrumentor
+
+__all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
+
+
+def all_instrumentors() -> List[Instrumentor]:
+    return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
+            GradSyncInstrumentor()]

@@ -1,0 +1,178 @@
+"""What gradnan reads from Megatron without patching it: rank coordinates, global parameter names, versions.
+
+Kept here so that the rest of gradnan never touches a Megatron name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..events import ModelFacts
+from .names import global_name
+from .patcher import installed_version
+
+# Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
+_WRAPPER_CLASS_NAMES = frozenset(
+    {
+        "DistributedDataParallel",
+        "Float16Module",
+        "FullyShardedDataParallel",
+        "TorchFullyShardedDataParallel",
+        "MegatronFSDP",
+    }
+)
+_LAYER_PREFIX = re.compile(r"(^|\.)layers\.\d+$")
+
+
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    while type(chunk).__name__ in _WRAPPER_CLASS_NAMES and isinstance(
+        getattr(chunk, "module", None), torch.nn.Module
+    ):
+        chunk = chunk.module
+    return chunk
+
+
+def _layer_prefix_renames(model: torch.nn.Module) -> Dict[str, str]:
+    """Local ``...layers.<i>`` prefix -> global one, from ``TransformerLayer.layer_number`` (1-based, global)."""
+    renames = {}
+    for name, module in model.named_modules():
+        layer_number = getattr(module, "layer_number", None)
+        if isinstance(layer_number, int) and _LAYER_PREFIX.search(name) and ".mtp." not in f".{name}.":
+            head, _, _ = name.rpartition(".")
+            renames[name + "."] = f"{head}.{layer_number - 1}."
+    return renames
+
+
+def global_named_parameters(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
+    """Every parameter of the model chunks with its global name: wrapper prefixes stripped, global layer
+    numbers under pipeline (and virtual pipeline) parallelism."""
+    named = []
+    seen = set()
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        renames = _layer_prefix_renames(model)
+        for name, param in model.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                named.append((global_name(name, renames), param))
+    return named
+
+
+def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.nn.Module]]:
+    """Every module of the model chunks with its global name (as ``global_named_parameters``)."""
+    named = []
+    for chunk in chunks:
+        model = unwrap_model(chunk)
+        renames = _layer_prefix_renames(model)
+        named += [(global_name(name + ".", renames)[:-1], module) for name, module in model.named_modules()]
+    return named
+
+
+def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """A model parameter's gradient as Megatron's optimizer sees it: ``main_grad`` (DDP buffer), else ``grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
+
+
+def tensor_parallel_facts(param: torch.nn.Parameter) -> Dict[str, object]:
+    """How a parameter is split across tensor-parallel ranks (Megatron's attributes on it), if it is."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return {"tensor_parallel": False}
+    return {"tensor_parallel": True, "partition_dim": getattr(param, "partition_dim", None),
+            "partition_stride": getattr(param, "partition_stride", None)}
+
+
+def _call_or_none(getter_name: str) -> Optional[int]:
+    from megatron.core import parallel_state
+
+    getter = getattr(parallel_state, getter_name, None)
+    if getter is None:
+        return None
+    try:
+        value = getter()
+    except (AssertionError, RuntimeError, AttributeError, TypeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        try:
+            return f"cuda:{torch.cuda.current_device()}"
+        except RuntimeError:
+            return "cuda:?"
+    return "cpu"
+
+
+def rank_coordinates() -> Dict[str, object]:
+    """Global rank, world size, tp/pp/dp/cp/ep/vpp ranks and sizes, host and device of this process."""
+    dist = torch.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    coords: Dict[str, object] = {
+        "global_rank": dist.get_rank() if initialized else int(os.environ.get("RANK", 0)),
+        "world_size": dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "host": socket.gethostname(),
+        "device": _device_name(),
+        "pid": os.getpid(),
+    }
+    for axis, rank_getter, size_getter in (
+        ("tp", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+        ("pp", "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+        ("dp", "get_data_parallel_rank", "get_data_parallel_world_size"),
+        ("cp", "get_context_parallel_rank", "get_context_parallel_world_size"),
+        ("ep", "get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
+    ):
+        coords[axis] = _call_or_none(rank_getter) if initialized else 0
+        coords[f"{axis}_size"] = _call_or_none(size_getter) if initialized else 1
+    return coords
+
+
+def megatron_lm_iteration() -> Optional[int]:
+    """The iteration Megatron-LM's training loop logs for the step in progress (``args.curr_iteration``
+    counts completed iterations, the log line says one more), when that loop is running in this
+    process; None otherwise. Only looks at modules already imported: never imports Megatron-LM."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    iteration = getattr(args, "curr_iteration", None)
+    return iteration + 1 if isinstance(iteration, int) and not isinstance(iteration, bool) else None
+
+
+def versions() -> Dict[str, Optional[str]]:
+    megatron = installed_version("megatron-core")
+    return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}
+
+
+def seed_rng_tracker(seed: int) -> Optional[str]:
+    """Reseed Megatron's model-parallel RNG tracker (dropout and weight init inside tensor-parallel regions
+    draw from it, not from torch's default generator); return why it was skipped, or None."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    except ImportError:
+        return "megatron-core is not importable"
+    if not parallel_state.model_parallel_is_initialized():
+        return "Megatron model parallel state is not initialized"
+    model_parallel_cuda_manual_seed(seed)
+    return None
+
+
+def destroy_model_parallel() -> None:
+    """``parallel_state.destroy_model_parallel()``, plus the globals megatron-core 0.12 forgets to reset
+    (a later layout in the same process would otherwise see the last one's position-embedding ranks)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if hasattr(parallel_state, "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+        parallel_state._POSITION_EMBEDDING_GLOBAL_RANKS = None
+
+
+MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
+                            named_modules=global_named_modules, observed_grad=model_grad,
+                            param_facts=tensor_parallel_facts)

@@ -1,0 +1,129 @@
+"""The Megatron optimizer: its construction, its ``step()`` and every path that computes the grad norm.
+
+Since core 0.12 ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose ``step()`` calls
+``get_grad_norm()`` and ``clip_grad_by_total_norm_fp32``; ``clip_grad_norm`` is called by the older
+single-optimizer ``step()``. Both are wrapped on ``MegatronOptimizer`` and on every subclass that overrides
+them, behind one re-entrancy guard, so nested calls (a chained optimizer delegating to its only member)
+give one check. A finite norm costs one float comparison; only a non-finite one triggers the scan.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Iterator, List
+
+import torch
+
+from ..events import Events
+from .guard import Outermost
+from .optimizer_params import param_slots
+from .patcher import Instrumentor, Patcher, SurfaceMissing
+
+_OPTIMIZER_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.layer_wise_optimizer",
+)
+_NORM_METHODS = ("get_grad_norm", "clip_grad_norm")
+
+
+def optimizer_classes() -> List[type]:
+    """``MegatronOptimizer`` and all its subclasses defined so far (after importing Megatron's modules)."""
+    for module_name in _OPTIMIZER_MODULES:
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+    base = importlib.import_module(_OPTIMIZER_MODULES[0]).MegatronOptimizer
+
+    def walk(cls: type) -> Iterator[type]:
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from walk(sub)
+
+    return list(dict.fromkeys(walk(base)))
+
+
+def own_methods(classes: List[type], method: str) -> Iterator[type]:
+    return (cls for cls in classes if method in vars(cls))
+
+
+class OptimizerInstrumentor(Instrumentor):
+    name = "optimizer (ChainedOptimizer.__init__, step, get_grad_norm, clip_grad_norm)"
+
+    def _apply(self, patcher: Patcher, runtime: Events) -> None:
+        classes = optimizer_classes()
+        build_guard, step_guard, norm_guard = Outermost(), Outermost(), Outermost()
+
+        def slots_of(optimizer):
+            return lambda: param_slots(optimizer, runtime.known_chunks())[0]
+
+        def make_init_wrapper(original):
+            def wrapper(self, *args, **kwargs):
+                with build_guard.enter() as outermost:
+                    original(self, *args, **kwargs)
+                if outermost:
+                    runtime.guarded("optimizer build", runtime.optimizer_built, self, slots_of(self))
+
+            return wrapper
+
+        def make_step_wrapper(original):
+            def wrapper(self, *args, **kwargs):
+                with step_guard.enter() as outermost:
+                    if not outermost:
+                        return original(self, *args, **kwargs)
+                    runtime.guarded("optimizer step", runtime.begin_step, self, slots_of(self))
+                    result = None
+                    try:
+                        result = original(self, *args, **kwargs)
+                        return result
+                    finally:
+                        runtime.guarded("optimizer step", runtime.end_step, self, _skipped(result))
+
+            return wrapper
+
+        def on_nonfinite_norm(optimizer, norm):
+            target = runtime.stepping_optimizer() or optimizer
+            slots, grads = param_slots(target, runtime.known_chunks())
+            runtime.nonfinite_grad_norm(target, norm, slots, grads)
+
+        def check_norm(optimizer, norm):
+            if not is_finite_number(norm):
+                on_nonfinite_norm(optimizer, norm)
+
+        def make_norm_wrapper(original):
+            def wrapper(self, *args, **kwargs):
+                with norm_guard.enter() as outermost:
+                    norm = original(self, *args, **kwargs)
+                if outermost and runtime.config.detect:
+                    runtime.guarded("grad-norm check", check_norm, self, norm)
+                return norm
+
+            return wrapper
+
+        chained = [cls for cls in classes if cls.__name__ == "ChainedOptimizer"]
+        if not chained:
+            raise SurfaceMissing("megatron.core.optimizer has no ChainedOptimizer")
+        patcher.wrap(chained[0], "__init__", make_init_wrapper)
+        for cls in own_methods(classes, "step"):
+            patcher.wrap(cls, "step", make_step_wrapper)
+        for method in _NORM_METHODS:
+            for cls in own_methods(classes, method):
+                patcher.wrap(cls, method, make_norm_wrapper)
+
+
+def _skipped(step_result: Any) -> Any:
+    """Megatron's ``step()`` returns ``(update_successful, grad_norm, num_zeros)``; None if unknown."""
+    if isinstance(step_result, tuple) and step_result and isinstance(step_result[0], bool):
+        return not step_result[0]
+    return None
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for a finite Python/NumPy number or one-element tensor; None counts as finite (no norm)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(float(value))

@@ -1,0 +1,28 @@
+"""How findings read in the log: where (rank, coordinates, host, device) and what (parameter, counts)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from ..formats.layout import rank_label
+from ..formats.schema import nonfinite_counts
+
+
+def where(document: Dict[str, Any]) -> str:
+    """The rank of a record or manifest: "rank 1 (tp1 pp0 dp0, host cuda:1)"."""
+    return rank_label(document["rank"], "inside")
+
+
+def describe_params(record: Dict[str, Any]) -> str:
+    params = record["params"]
+    if not params:
+        return "no local parameter gradient is non-finite"
+    first = params[0]
+    more = record["params_total"] - 1
+    tail = f" and {more} more parameter(s)" if more else ""
+    return (f"non-finite gradient in {first['name']} ({nonfinite_counts(first)}, first at "
+            f"{first['first_bad_index']}){tail}")
+
+
+def is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0

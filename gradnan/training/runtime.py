@@ -1,0 +1,153 @@
+"""The runtime: the entry points the Megatron adapter calls (``events.Events``), routed to the parts that
+do the work. The step clock counts, the recording window says whether anything is recorded, the
+detections localize and log, capture watches modules, the forward watch traces frames and probes, the
+writer puts files on disk. An internal error goes through the guard (logged once, training goes on,
+unless ``strict``); the only exceptions raised into training on purpose are ``gradnan.errors``'s
+``NonFiniteGradientError`` and ``AbortRequested``, when asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..config import GradnanConfig
+from ..errors import INTENDED_STOPS
+from ..formats.maps import ParamSlot
+from .capture import CaptureManager
+from .clock import StepClock
+from .detections import Detections
+from .events import DescribeBuckets, Grads, ModelFacts, NamedModules
+from .forward import ForwardWatch
+from .guard import ErrorGuard
+from .stops import abort_if_asked
+from .window import RecordingWindow
+from .writer import Writer
+
+
+class Runtime:
+    def __init__(self, config: GradnanConfig, facts: ModelFacts) -> None:
+        self.config, self._facts = config, facts
+        self.guarded = ErrorGuard(config.strict)
+        self.clock = StepClock(facts.iteration)
+        self.writer = Writer(config, facts)
+        self.window = RecordingWindow(config, self.clock, lambda: int(self.writer.coords()["global_rank"]))
+        self.captures = CaptureManager(config, self.clock, self.window, self.writer, self.guarded, facts,
+                                       self.named_modules)
+        self.detections = Detections(config, self.clock, self.writer, self.captures)
+        self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules)
+        self._lock = threading.Lock()
+        self._chunks: List["weakref.ref[torch.nn.Module]"] = []
+        self._ids_by_name: Dict[str, int] = {}
+
+    def close(self) -> None:
+        """Write what this step measured so far, then remove every hook this runtime put on the model."""
+        self.flush_at_end()
+        self.captures.close()
+        self.forward.close()
+
+    # -- the model ----------------------------------------------------------------------------------
+
+    def register_chunks(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """The model chunks an optimizer is built over (or a custom loop's model)."""
+        with self._lock:
+            live = [ref for ref in self._chunks if ref() is not None]
+            known = {id(ref()) for ref in live}
+            self._chunks = live + [weakref.ref(chunk) for chunk in chunks if id(chunk) not in known]
+        self.forward.model_changed()
+
+    def known_chunks(self) -> List[torch.nn.Module]:
+        return [chunk for chunk in (ref() for ref in self._chunks) if chunk is not None]
+
+    def named_modules(self) -> NamedModules:
+        return self._facts.named_modules(self.known_chunks())
+
+    def ids_by_name(self) -> Dict[str, int]:
+        """Global parameter name -> id in the first optimizer's map."""
+        return self._ids_by_name
+
+    # -- the optimizer --------------------------------------------------------------------------------
+
+    def stepping_optimizer(self) -> Optional[Any]:
+        return self.clock.stepping()
+
+    def optimizer_built(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
+        state, new = self.detections.optimizer(optimizer)
+        if not new:
+            return
+        self.clock.add(optimizer)
+        self.writer.remember_coords()
+        if self.config.maps:
+            document = self.writer.write_map(state.index, type(optimizer).__name__, slots())
+            state.map_file = document["_path"]
+            if state.index == 0:
+                self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
+        self.captures.start(self.clock.filter_step())
+        self.forward.start()
+
+    def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
+        self.optimizer_built(optimizer, slots)
+        self.clock.begin(optimizer)
+        self.guarded("frames", self.forward.flush)  # every forward of this step is done
+
+    def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None:
+        """``skipped``: the step applied no update (fp16 overflow)."""
+        finished, step = self.clock.filter_step(), self.clock.current(optimizer)
+        self.clock.end(optimizer)
+        self.detections.step_ended(optimizer, skipped)
+        self.captures.end_step(step, finished + 1)
+        if not self.clock.counts_loop:
+            abort_if_asked(self.config, finished)
+
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
+        if self.window.recording():
+            self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads)
+
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
+                            slots: Sequence[ParamSlot], grads: Grads) -> None:
+        if self.window.recording():
+            self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
+
+    # -- the data-parallel gradient sync ------------------------------------------------------------
+
+    def first_sync_of_step(self, group: Any) -> bool:
+        return self.window.recording() and self.detections.first_sync_of_step(group)
+
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str) -> bool:
+        return self.detections.pre_reduction_flags(group, flags, describe, mode)
+
+    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None:
+        self.detections.defer_pre_reduction_flags(group, flags, describe)
+
+    # -- the user's controls -------------------------------------------------------------------------
+
+    def start_model(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """A loop whose optimizer is not Megatron's names its model: frames, probes and capture know it."""
+        self.register_chunks(chunks)
+        self.guarded("frames", self.forward.start)
+
+    def set_recording(self, on: bool) -> None:
+        if not on:
+            self.guarded("frames", self.forward.flush)  # the window's last step is written before it closes
+        self.window.open = on
+
+    def advance_step(self) -> None:
+        """A custom loop finished a step (after the optimizer's step): write what it measured, then count
+        the next one; from then on the loop's count names records and drives the step filters."""
+        finished = self.clock.loop_step()
+        self.forward.flush()
+        self.clock.advance_loop()
+        abort_if_asked(self.config, finished)
+
+    def probe(self, tensor: torch.Tensor, label: str) -> None:
+        self.forward.probe(tensor, label)
+
+    def flush_at_end(self) -> None:
+        """The step's frames and probes when the run ends (uninstall, interpreter exit): nothing to stop."""
+        try:
+            self.guarded("end of run", self.forward.flush)
+        except INTENDED_STOPS:
+            pass

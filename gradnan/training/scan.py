@@ -1,0 +1,198 @@
+"""Pure functions over lists of tensors: is everything finite, and where exactly is it not.
+
+Two levels, in the manner of ``torch.nn.utils.clip_grad``:
+- ``finite_flag`` / ``nonfinite_indices``: sums. Any NaN or Inf makes a sum non-finite, so there are no
+  false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
+  Fused fast path: tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into
+  the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each.
+- ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
+  finite values), computed only on the rows whose sum is non-finite.
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), never the
+size of the input; results stay on the device until one host read per level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+CHUNK_MIN = 1024
+CHUNK_MAX = 1 << 22
+CHUNKS_PER_SCAN = 512
+
+
+def chunk_elements_for(total_elements: int) -> int:
+    return min(CHUNK_MAX, max(CHUNK_MIN, total_elements // CHUNKS_PER_SCAN))
+
+
+def _sum(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """fp16 sums overflow at 65504: accumulate those in fp32. bf16/fp32/fp64 have the range already."""
+    kwargs = {"dtype": torch.float32} if tensor.dtype == torch.float16 else {}
+    return tensor.sum(**kwargs) if dim is None else tensor.sum(dim=dim, **kwargs)
+
+
+def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on the tensor's device: False if any element is NaN or +-Inf. No host sync."""
+    return torch.isfinite(_sum(tensor))
+
+
+def _row_sums(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum of each ``chunk``-element row of a 1-D tensor (the last row may be shorter)."""
+    if flat.numel() <= chunk:
+        return _sum(flat).reshape(1)
+    sums = [_sum(view, dim=1) for view in _rows(flat, chunk)]
+    return torch.cat(sums) if len(sums) > 1 else sums[0]
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1)
+
+
+def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]]:
+    """Group contiguous views of one storage into one flat span: ``(span, [(index, start, end)])`` with
+    offsets inside the span. Every other tensor is a span of its own."""
+    groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
+    spans = []
+    for index, tensor in enumerate(tensors):
+        if tensor is None:
+            continue
+        numel = tensor.numel()
+        if numel == 0:
+            continue
+        if tensor.is_contiguous():
+            key = (tensor.untyped_storage().data_ptr(), tensor.dtype, tensor.device)
+            offset = tensor.storage_offset()
+            groups.setdefault(key, []).append((index, offset, offset + numel))
+        else:
+            spans.append((_flat(tensor), [(index, 0, numel)]))
+    for members in groups.values():
+        first = tensors[members[0][0]]
+        if len(members) == 1:
+            spans.append((_flat(first), [(members[0][0], 0, members[0][2] - members[0][1])]))
+            continue
+        low = min(start for _, start, _ in members)
+        high = max(end for _, _, end in members)
+        span = first.new_empty(0).set_(first.untyped_storage(), low, (high - low,), (1,)).detach()
+        spans.append((span, [(index, start - low, end - low) for index, start, end in members]))
+    return spans
+
+
+def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
+    """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read in all."""
+    spans = _spans(tensors)
+    if not spans:
+        return []
+    chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in spans))
+    row_sums = [_row_sums(span, chunk) for span, _ in spans]
+    device = row_sums[0].device
+    finite = torch.isfinite(torch.cat([sums.to(device, torch.float32) for sums in row_sums])).tolist()
+    suspects = set()
+    position = 0
+    for (span, members), sums in zip(spans, row_sums):
+        bad_rows = [row for row in range(len(sums)) if not finite[position + row]]
+        position += len(sums)
+        for row in bad_rows:
+            low, high = row * chunk, min((row + 1) * chunk, span.numel())
+            suspects.update(index for index, start, end in members if start < high and end > low)
+    if len(suspects) <= 1:
+        return sorted(suspects)
+    candidates = sorted(suspects)  # several tensors shared a bad row: one more read tells them apart
+    flags = torch.stack([finite_flag(tensors[i]).to(device) for i in candidates]).tolist()
+    return [index for index, ok in zip(candidates, flags) if not ok]
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What the exact scan found in one tensor (flat indices into that tensor)."""
+
+    nan: int
+    pos_inf: int
+    neg_inf: int
+    first_bad: int
+    abs_max_finite: float
+
+    @property
+    def inf(self) -> int:
+        return self.pos_inf + self.neg_inf
+
+    @property
+    def kind(self) -> str:
+        if self.nan and self.inf:
+            return "nan+inf"
+        return "nan" if self.nan else "inf"
+
+
+def _row_stats(row: torch.Tensor, offset: int) -> torch.Tensor:
+    """NaN, +Inf, -Inf counts, first bad flat index (or a huge value) and finite abs max of one row."""
+    finite = torch.isfinite(row)
+    bad = ~finite
+    first = torch.where(bad.any(), bad.to(torch.uint8).argmax() + offset, torch.iinfo(torch.int64).max)
+    return torch.stack([
+        torch.isnan(row).sum().to(torch.float64),
+        torch.isposinf(row).sum().to(torch.float64),
+        torch.isneginf(row).sum().to(torch.float64),
+        first.to(torch.float64),
+        torch.where(finite, row.abs(), 0).amax().to(torch.float64),
+    ])
+
+
+def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
+    """The tensor as at most two 2-D views: full ``chunk``-element rows, and the shorter last row."""
+    full = flat.numel() // chunk
+    views = [flat[: full * chunk].view(full, chunk)] if full else []
+    if flat.numel() > full * chunk:
+        views.append(flat[full * chunk:].view(1, -1))
+    return views
+
+
+def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Optional[NonFinite]:
+    """Exact NaN/Inf statistics of ``tensor``, or None when every element is finite.
+
+    Per row: a sum (finite or not), a min and a max (the finite rows' abs max); the exact counts only
+    for the rows whose sum is not finite. Two host reads (one for a tensor of at most one row)."""
+    flat = _flat(tensor)
+    if flat.numel() == 0:
+        return None
+    chunk = chunk_elements or chunk_elements_for(flat.numel())
+    if flat.numel() <= chunk:
+        nan, pos_inf, neg_inf, first_bad, abs_max_finite = _row_stats(flat, 0).tolist()
+        if nan + pos_inf + neg_inf == 0:
+            return None
+        return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
+    views = _rows(flat, chunk)
+    finite = torch.cat([torch.isfinite(_sum(view, dim=1)) for view in views])
+    lows = torch.cat([view.amin(dim=1) for view in views])
+    highs = torch.cat([view.amax(dim=1) for view in views])
+    good_abs_max = torch.where(finite, torch.maximum(-lows, highs), 0).amax().to(torch.float64)
+    bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
+    if not bad_rows:
+        return None
+    stats = torch.stack([_row_stats(flat[row * chunk:(row + 1) * chunk], row * chunk) for row in bad_rows])
+    summary = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:4].amin(dim=0),
+                         torch.maximum(stats[:, 4].amax(), good_abs_max).reshape(1)])
+    nan, pos_inf, neg_inf, first_bad, abs_max_finite = summary.tolist()
+    if nan + pos_inf + neg_inf == 0:
+        return None
+    return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
+
+
+def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int, NonFinite]]:
+    """``(position, NonFinite)`` for every tensor that holds a NaN or Inf, in input order."""
+    chunk = chunk_elements_for(sum(t.numel() for t in tensors if t is not None))
+    found = []
+    for index in nonfinite_indices(tensors, chunk):
+        result = locate(tensors[index], chunk)
+        if result is not None:
+            found.append((index, result))
+    return found
+
+
+def unravel(flat_index: int, shape: Sequence[int]) -> List[int]:
+    """Flat (row-major) index -> multi-dimensional index for ``shape``."""
+    index = []
+    for size in reversed(shape):
+        flat_index, rest = divmod(flat_index, size) if size else (flat_index, 0)
+        index.append(rest)
+    return list(reversed(index))

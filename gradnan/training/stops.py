@@ -1,0 +1,24 @@
+"""The only two ways gradnan stops a run, each only when asked: ``on_nonfinite="raise"`` and
+``abort_after_step``. Both raise after the evidence is on disk."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from ..config import GradnanConfig, OnNonfinite
+from ..errors import AbortRequested, NonFiniteGradientError
+from .messages import where
+
+
+def stop_if_asked(config: GradnanConfig, record: Dict[str, Any]) -> None:
+    if config.on_nonfinite is OnNonfinite.RAISE:
+        raise NonFiniteGradientError(
+            f"gradnan: {record['kind']} at step {record['step']} on {where(record)}; stopping as"
+            f" configured (on_nonfinite=raise); record: {record['_path']}")
+
+
+def abort_if_asked(config: GradnanConfig, finished: int) -> None:
+    limit = config.abort_after_step
+    if limit and finished >= limit:
+        raise AbortRequested(f"gradnan: stopping after step {finished} as configured"
+                             f" (abort_after_step={limit}); records are in {config.out_dir}")

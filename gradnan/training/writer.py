@@ -1,0 +1,84 @@
+"""The only code on the training side that writes files: maps, records and bundles, in the formats of
+``gradnan.formats``, atomically where a reader could otherwise see half a file, within the configured
+bounds (``max_records_bytes``, ``max_params_per_record``, ``max_bundles``, ``max_bundle_bytes``), each
+bound logged once when it is reached."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from ..config import GradnanConfig
+from ..formats import bundle, maps, records
+from ..formats.layout import bundle_dir, map_path, records_path, run_identity
+from ..formats.maps import ParamSlot
+from ..formats.schema import append_json_line, write_json_atomic
+from ..log import logger
+from .events import ModelFacts
+
+
+class Writer:
+    def __init__(self, config: GradnanConfig, facts: ModelFacts) -> None:
+        self.config, self._facts = config, facts
+        self.run = run_identity(config.run_id, os.environ, time.time())
+        self._known_coords: Optional[Dict[str, Any]] = None
+        self._bounds_logged: set = set()
+        self._bundles_written = 0
+
+    def coords(self) -> Dict[str, Any]:
+        """This rank's coordinates, as first seen with the optimizer built (a write at exit, after the
+        process groups are gone, still lands in this rank's file)."""
+        return self._known_coords if self._known_coords is not None else self._facts.coords()
+
+    def remember_coords(self) -> None:
+        if self._known_coords is None:
+            self._known_coords = self._facts.coords()
+
+    def _log_bound_once(self, bound: str, level: int, message: str, *args: Any) -> None:
+        if bound not in self._bounds_logged:
+            self._bounds_logged.add(bound)
+            logger.log(level, message, *args)
+
+    def write_map(self, optimizer_index: int, optimizer_class: str, slots: Sequence[ParamSlot]) -> Dict[str, Any]:
+        """The parameter map of one optimizer; returns its document with ``_path``."""
+        coords = self.coords()
+        path = map_path(self.config.out_dir, coords, optimizer_index)
+        document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class, slots)
+        write_json_atomic(path, document)
+        logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
+        return {**document, "_path": str(path)}
+
+    def record(self, kind: str, step: int, found: List[Dict[str, Any]], extra: Mapping[str, Any]) -> Dict[str, Any]:
+        """Append one record (``found`` capped at ``max_params_per_record``, all counted); returns it with
+        ``_path``, also when ``max_records_bytes`` kept it off the disk."""
+        coords = self.coords()
+        record = records.to_json(kind, step, self._facts.iteration(), coords, self.run,
+                                 found[:self.config.max_params_per_record], len(found), extra)
+        path = records_path(self.config.out_dir, coords)
+        if path.exists() and path.stat().st_size >= self.config.max_records_bytes:
+            self._log_bound_once("max_records_bytes", logging.ERROR,
+                                 "%s reached max_records_bytes (%d): later records are not written", path,
+                                 self.config.max_records_bytes)
+        else:
+            append_json_line(path, record)
+        return {**record, "_path": str(path)}
+
+    def bundle(self, step: int, module_name: str, manifest: Dict[str, Any],
+               tensors: Mapping[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
+        """Write one capture bundle; its manifest with ``_path``, or None when a bound kept it off the disk."""
+        bound = ("max_bundles" if self._bundles_written >= self.config.max_bundles
+                 else "max_bundle_bytes" if bundle.tensors_bytes(tensors) > self.config.max_bundle_bytes else None)
+        if bound is not None:
+            self._log_bound_once(bound, logging.WARNING, "capture of %s at step %d not written: %s reached",
+                                 module_name, step, bound)
+            return None
+        coords = self.coords()
+        manifest = {**manifest, "rank": coords, "run": self.run, "versions": self._facts.versions(), "step": step,
+                    "iteration": self._facts.iteration()}
+        path = bundle.write(bundle_dir(self.config.out_dir, coords, step, module_name), manifest, tensors)
+        self._bundles_written += 1
+        return {**manifest, "_path": str(path)}
