@@ -33,7 +33,6 @@ import argparse
 import collections
 import os
 import platform
-import socket
 import statistics
 import time
 import warnings
@@ -43,6 +42,7 @@ import torch
 
 from gradnan.training.frames import FrameBuffer, FrameTracer
 from gradnan.testing.measure import HostSyncCounter
+from gradnan.testing.gloo import free_port
 from gradnan.training.megatron.model import destroy_model_parallel, global_named_modules, unwrap_model
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
@@ -365,12 +365,6 @@ def table(results: Dict[str, Any], with_cpu: bool) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
@@ -391,7 +385,7 @@ def main() -> None:
     began = time.perf_counter()
     if not args.show_warnings:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     device = _setup()
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ import torch
 
 import gradnan
 from gradnan.offline.read import read_run
-from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob, _free_port
+from gradnan.testing.gloo import free_port, gloo_process
+from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 
 from .helpers import records_by_rank
 
@@ -82,23 +82,14 @@ LOOPS = {"window": _window, "steps_filter": _steps_filter, "ranks_filter": _rank
 def _worker(rank: int, port: int, root: str) -> None:
     """gradnan.testing.toy._worker's pattern: one gloo group, then each hand-written loop in turn."""
     from gradnan.training.megatron.model import destroy_model_parallel
-    from gradnan.testing.cpu_shim import SHIM
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_process(rank, 2, port):
         for name, loop in LOOPS.items():
             try:
                 loop(rank, Path(root) / name)
             finally:
                 gradnan.uninstall()
                 destroy_model_parallel()
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +100,7 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for key in [key for key in os.environ if key.startswith("GRADNAN_")]:
             patch.delenv(key)  # only what each loop passes to install()
-        mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
     return root
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -268,41 +266,35 @@ PROBE_JOB = TinyGPTJob(world_size=2, dtype="fp16", steps=3, quiet=True,  # DP=2
 
 
 def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_dir: str) -> None:
-    from gradnan.training.megatron.model import destroy_model_parallel
-    from gradnan.testing.cpu_shim import SHIM
+    from gradnan.testing.gloo import gloo_process
     from gradnan.testing.toy import TinyGPT, _module_by_global_name
+    from gradnan.training.megatron.model import destroy_model_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(job.world_size))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=job.world_size)
-    try:
-        gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing
-        model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir))
-        mlp = _module_by_global_name([model.chunk], "decoder.layers.1.mlp")
-        mlp.register_forward_hook(lambda _module, _args, output: gradnan.check(output[0], "mlp out"))
-        for _ in range(job.steps):
-            gradnan.check(torch.tensor([float("nan")]), "outside")
-            model.step()
-        Path(results_dir, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(model.result)))
-    finally:
-        gradnan.uninstall()
-        destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+    with gloo_process(rank, job.world_size, port):
+        try:
+            gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing
+            model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir))
+            mlp = _module_by_global_name([model.chunk], "decoder.layers.1.mlp")
+            mlp.register_forward_hook(lambda _module, _args, output: gradnan.check(output[0], "mlp out"))
+            for _ in range(job.steps):
+                gradnan.check(torch.tensor([float("nan")]), "outside")
+                model.step()
+            Path(results_dir, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(model.result)))
+        finally:
+            gradnan.uninstall()
+            destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from gradnan.testing.toy import _free_port
+    from gradnan.testing.gloo import free_port
 
     root = tmp_path_factory.mktemp("probes")
     out_dir, results = root / "run", root / "results"
     results.mkdir()
-    mp.spawn(_probe_worker, args=(PROBE_JOB, _free_port(), str(out_dir), str(results)),
+    mp.spawn(_probe_worker, args=(PROBE_JOB, free_port(), str(out_dir), str(results)),
              nprocs=PROBE_JOB.world_size, join=True)
     return out_dir, {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from gradnan.config import ConfigError
+from gradnan.testing.gloo import free_port
 from gradnan.training.seed import seed_all
 
 TP = 2  # world size too: one tensor-parallel group, so the tracker's tensor-parallel stream is used
@@ -184,23 +184,11 @@ def _train(seed: int, junk: int) -> Dict[str, Any]:
 
 
 def _worker(rank: int, port: int, runs: List[List[int]], out_dir: str) -> None:
-    from gradnan.testing.cpu_shim import SHIM
+    from gradnan.testing.gloo import gloo_process
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=TP)
-    try:
+    with gloo_process(rank, TP, port, quiet=False):
         results = [_train(seed, junk) for seed, junk in runs]
-    finally:
-        torch.distributed.destroy_process_group()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))  # floats round-trip exactly
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +197,7 @@ def runs():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gradnan-seed-") as out_dir:
-        mp.spawn(_worker, args=(_free_port(), [[11, 101], [11, 202], [12, 303]], out_dir), nprocs=TP, join=True)
+        mp.spawn(_worker, args=(free_port(), [[11, 101], [11, 202], [12, 303]], out_dir), nprocs=TP, join=True)
         per_rank = [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(TP)]
     return [[per_rank[rank][run] for rank in range(TP)] for run in range(3)]
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gradnan import selftest
+from gradnan.testing.gloo import free_port
 from gradnan.selftest import (
     PERTURB_ENV,
     STALL_ENV,
@@ -200,12 +201,6 @@ def test_an_out_that_is_a_file_is_a_bad_argument(monkeypatch, capsys, tmp_path):
 # Real worlds
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _environment(**variables: str) -> Dict[str, str]:
     environ = {name: value for name, value in os.environ.items()
                if name not in LAUNCH_VARIABLES and not name.startswith("TORCHELASTIC")}
@@ -216,7 +211,7 @@ def _environment(**variables: str) -> Dict[str, str]:
 def _start(world_size: int, ranks: List[int], options: Tuple[str, ...], *, srun: bool = False,
            **variables: str) -> Dict[int, subprocess.Popen]:
     """One process per rank in ``ranks`` of a world of ``world_size``, as torchrun (or srun) starts them."""
-    port = str(_free_port())
+    port = str(free_port())
     processes = {}
     for rank in ranks:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if srun else ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -257,7 +252,7 @@ def _checks(document: dict, kind: str) -> List[dict]:
 def test_healthy_world_under_torchrun_passes(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(_free_port()), "-m", "gradnan", "selftest", *SMALL, "--timeout", "60",
+               "--master_port", str(free_port()), "-m", "gradnan", "selftest", *SMALL, "--timeout", "60",
                "--out", str(out)]
     result = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,7 +13,7 @@ Op names resolve only in ``torch.ops.aten`` and ``torch.ops.prims``: a trace can
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 from torch.utils._pytree import tree_flatten

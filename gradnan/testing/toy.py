@@ -10,15 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import socket
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from .gloo import free_port, gloo_process
 
 
 @dataclass(frozen=True)
@@ -103,12 +102,6 @@ class JobFailed(RuntimeError):
     def __init__(self, errors: Dict[str, str]) -> None:
         super().__init__("; ".join(f"{where}: {error}" for where, error in errors.items()) or "a process failed")
         self.errors = errors
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _build_model(job: TinyGPTJob, pp_rank: int):
@@ -373,19 +366,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
-    from gradnan.testing.cpu_shim import SHIM
-
-    world_size = jobs[0].world_size
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    if jobs[0].quiet:
-        warnings.filterwarnings("ignore")
-    SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_process(rank, jobs[0].world_size, port, quiet=jobs[0].quiet):
         for number, job in enumerate(jobs):
             try:
                 result = train(job, rank)
@@ -394,8 +375,6 @@ def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> N
                 raise
             path = Path(results_dir) / f"job{number}_rank{rank}.json"
             path.write_text(json.dumps(dataclasses.asdict(result)))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
@@ -407,7 +386,7 @@ def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
         raise ValueError("launch_many needs jobs of one world size")
     with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
         try:
-            mp.spawn(_worker, args=(jobs, _free_port(), scratch), nprocs=world_size, join=True)
+            mp.spawn(_worker, args=(jobs, free_port(), scratch), nprocs=world_size, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             errors = {path.stem: path.read_text() for path in sorted(Path(scratch).glob("*.error"))}
             raise JobFailed(errors) from exc

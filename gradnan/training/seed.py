@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
