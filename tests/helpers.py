@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
+
+import pytest
 
 from gradnan.offline.read import read_run
+
+
+def environ_without_gradnan() -> Dict[str, str]:
+    return {key: value for key, value in os.environ.items() if not key.startswith("GRADNAN_")}
+
+
+@contextlib.contextmanager
+def gradnan_variables_cleared() -> Iterator[pytest.MonkeyPatch]:
+    """For a module-scoped fixture: no ``GRADNAN_*`` variable is set inside the block (restored after)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [key for key in os.environ if key.startswith("GRADNAN_")]:
+            patch.delenv(key)
+        yield patch
 
 
 def records_by_rank(run_dir: Path) -> Dict[int, List[Dict[str, Any]]]:

@@ -10,6 +10,9 @@ import sys
 import pytest
 
 from gradnan.testing.demo import DEMO_PARAM, DEMO_RANK, DEMO_STEP
+from gradnan.testing.gloo import free_port
+
+from .helpers import environ_without_gradnan
 
 
 def gradnan(*args, cwd=None):
@@ -105,16 +108,11 @@ def test_report_lists_a_corrupt_rank_file_and_still_reports_the_others(demo, tmp
 
 def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
     """The documented workflow: a suspect device -> `gradnan selftest --out RUN_DIR` -> `gradnan report`."""
-    import os
-    import socket
 
     out, _ = demo
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("GRADNAN_")}
+    port, env = free_port(), environ_without_gradnan()
     ranks = [subprocess.Popen([sys.executable, "-m", "gradnan", "selftest", "--size", "32", "--repeats", "1",
                                "--timeout", "60", "--out", str(copy)],
                               env={**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

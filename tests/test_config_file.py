@@ -5,7 +5,6 @@ file is a one-line ConfigError naming the field or the file."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from gradnan.config import ConfigError, GradnanConfig, options_from_file, resolve_config
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import records_by_rank
+from .helpers import gradnan_variables_cleared, records_by_rank
 
 # One setting of every type and of each list form, as a file holds it ...
 FILE_SETTINGS: Dict[str, Any] = {
@@ -159,13 +158,12 @@ def test_a_missing_file_is_a_one_line_error_naming_it(tmp_path):
     assert str(missing) in message and "cannot read" in message and "\n" not in message, message
 
 
-def test_the_launcher_stops_on_a_bad_config_file_in_one_line(tmp_path):
+def test_the_launcher_stops_on_a_bad_config_file_in_one_line(tmp_path, clean_environ):
     script = tmp_path / "train.py"
     script.write_text("open(__file__ + '.ran', 'w').close()\n")
     bad = _write(tmp_path / "bad.json", {"out_dir": str(tmp_path / "out"), "max_bundles": "3"})
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRADNAN_")}
     result = subprocess.run([sys.executable, "-m", "gradnan.run", "--config", str(bad), str(script)],
-                            capture_output=True, text=True, timeout=120, env={**clean, "PYTHONWARNINGS": "ignore"})
+                            capture_output=True, text=True, timeout=120, env={**clean_environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "'max_bundles'" in result.stderr, result.stderr
     assert result.stderr.startswith("gradnan.run: error: gradnan config file")
@@ -195,9 +193,7 @@ def three_runs(tmp_path_factory):
         ({f"GRADNAN_{k.upper()}": v for k, v in {**RUN_KWARGS, "out_dir": str(root / "env")}.items()}, [{}]),
     ]
     for environ, options in launches:
-        with pytest.MonkeyPatch.context() as patch:
-            for key in [key for key in os.environ if key.startswith("GRADNAN_")]:
-                patch.delenv(key)
+        with gradnan_variables_cleared() as patch:
             for key, value in environ.items():
                 patch.setenv(key, value)
             launch_many([RUN_JOB.with_(gradnan=each) for each in options])

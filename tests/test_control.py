@@ -11,7 +11,6 @@ wrote the record, whatever ``step`` the record carries.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from gradnan.offline.read import read_run
 from gradnan.testing.gloo import free_port, gloo_process
 from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 
-from .helpers import records_by_rank
+from .helpers import gradnan_variables_cleared, records_by_rank
 
 TARGET = "decoder.layers.1.mlp.linear_fc1.weight"
 EVERY_STEP_ON_RANK_1 = tuple(Injection(1, step, TARGET, "nan", where="main_grad") for step in range(1, 7))
@@ -32,7 +31,7 @@ JOB = TinyGPTJob(dtype="fp16", steps=6, injections=EVERY_STEP_ON_RANK_1, quiet=T
 def _build(job: TinyGPTJob, rank: int, out_dir: Path, **options):
     """The toy model with gradnan installed where a user would install it; returns (model, installation)."""
     installed = []
-    model = TinyGPT(job, rank, install=lambda: installed.append(gradnan.install(out_dir=str(out_dir), **options)))
+    model = TinyGPT(job, rank, install=lambda: installed.append(gradnan.install(out_dir=str(out_dir), strict=True, **options)))
     return model, installed[0]
 
 
@@ -97,9 +96,7 @@ def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("control")
-    with pytest.MonkeyPatch.context() as patch:
-        for key in [key for key in os.environ if key.startswith("GRADNAN_")]:
-            patch.delenv(key)  # only what each loop passes to install()
+    with gradnan_variables_cleared():  # only what each loop passes to install()
         mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
     return root
 
@@ -151,9 +148,7 @@ def test_step_switches_records_to_the_loops_own_count(runs):
     assert _steps_by_rank(runs / "micro_batches") == {1: [2, 4, 6]}
 
 
-def test_start_with_a_model_serves_a_loop_whose_optimizer_is_not_megatrons(tmp_path, monkeypatch):
-    for key in [key for key in os.environ if key.startswith("GRADNAN_")]:
-        monkeypatch.delenv(key)
+def test_start_with_a_model_serves_a_loop_whose_optimizer_is_not_megatrons(tmp_path, no_gradnan_variables):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

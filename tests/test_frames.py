@@ -273,7 +273,7 @@ def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_d
     with gloo_process(rank, job.world_size, port):
         try:
             gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing
-            model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir))
+            model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir, strict=True))
             mlp = _module_by_global_name([model.chunk], "decoder.layers.1.mlp")
             mlp.register_forward_hook(lambda _module, _args, output: gradnan.check(output[0], "mlp out"))
             for _ in range(job.steps):

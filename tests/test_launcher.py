@@ -3,8 +3,6 @@ the maps and records appear, configured by GRADNAN_* variables or flags alone.""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,19 +11,18 @@ import pytest
 
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
+from gradnan.testing.gloo import free_port
+
+from .helpers import environ_without_gradnan
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_megatron_core.py"
 
 
 def _torchrun(*args, env=None):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "-m", "gradnan.run", *map(str, args)]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRADNAN_")}
     return subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})})
+                          env={**environ_without_gradnan(), "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def test_torchrun_launches_an_unmodified_script_with_the_kit_from_the_environment(tmp_path):

@@ -71,7 +71,7 @@ class TinyGPTJob:
     micro_batch_size: int = 2
     seed: int = 1234
     injections: Tuple[Injection, ...] = ()
-    gradnan: Optional[Dict[str, Any]] = None
+    gradnan: Optional[Dict[str, Any]] = None  # install() options; strict=True unless given: an internal error fails the job
     quiet: bool = False
     count_host_syncs: bool = False
 
@@ -355,7 +355,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     from gradnan.training.megatron.model import destroy_model_parallel
 
     try:
-        model = TinyGPT(job, rank, install=(lambda: gradnan.install(**job.gradnan))
+        model = TinyGPT(job, rank, install=(lambda: gradnan.install(**{"strict": True, **job.gradnan}))
                         if job.gradnan is not None else None)
         for _ in range(job.steps):
             model.step()
