@@ -20,3 +20,24 @@ def no_gradnan_variables(monkeypatch):
 def clean_environ():
     """``os.environ`` less the ``GRADNAN_*`` variables, for a child process."""
     return environ_without_gradnan()
+
+
+UNIT_COORDS = {"global_rank": 0, "world_size": 1, "host": "h", "device": "cpu", "tp": 0, "pp": 0, "dp": 0,
+               "tp_size": 1, "pp_size": 1, "dp_size": 1}
+
+
+@pytest.fixture
+def make_runtime(tmp_path):
+    """A runtime at unit level, writing into ``tmp_path``: ``make_runtime(named_modules, **options)``;
+    ``named_modules`` stands for the model's modules by global name."""
+    from gradnan.config import GradnanConfig
+    from gradnan.training.events import ModelFacts
+    from gradnan.training.runtime import Runtime
+
+    def make(named_modules=(), **options):
+        modules = list(named_modules)
+        facts = ModelFacts(coords=lambda: dict(UNIT_COORDS), versions=lambda: {},
+                           named_modules=lambda chunks: modules, **options.pop("facts", {}))
+        return Runtime(GradnanConfig(**{"out_dir": str(tmp_path), **options}), facts)
+
+    return make

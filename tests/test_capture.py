@@ -135,14 +135,12 @@ def test_from_report_to_replay_in_two_commands(runs):
     assert "Verdict: precision" in replayed.stdout and "decoder.layers.1.mlp" in replayed.stdout
 
 
-def test_an_armed_capture_whose_failure_does_not_recur_stops_watching():
+def test_an_armed_capture_whose_failure_does_not_recur_stops_watching(make_runtime):
     """Unit level (a plain module): capture and finder detach themselves after their step budget."""
-    from gradnan.training.capture import ARMED_STEPS, FINDER_STEPS, CaptureManager
-    from gradnan.config import GradnanConfig
+    from gradnan.training.capture import ARMED_STEPS, FINDER_STEPS
 
     module = torch.nn.Linear(4, 4)
-    manager = CaptureManager(GradnanConfig(), lambda: [("lin", module)], lambda *a: True, lambda p: p.grad,
-                             lambda: 0, lambda: 1)
+    manager = make_runtime([("lin", module)]).captures
     manager.on_detection(1, forward_pattern=False, first_param="lin.weight", arm=True)
     manager.arm_forward_origin()
     assert "forward" in vars(module) and manager.finder is not None and module._forward_hooks
@@ -170,3 +168,38 @@ def test_replay_of_an_unreplayable_bundle_is_one_line(runs, tmp_path):
     for device, message in (("cuda:7", "no such CUDA device"), ("warp-drive", "is not a device")):
         result = _replay(bundle, "--device", device)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def _failing_capture(monkeypatch, strict: bool):
+    """A capture of a plain module whose recording fails inside the training step (as a clone that runs
+    out of memory would)."""
+    from gradnan.training.capture import ModuleCapture
+    from gradnan.training.guard import ErrorGuard
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(ModuleCapture, "_keep", out_of_memory)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    return module, ModuleCapture("lin", module, "always", ErrorGuard(strict)).attach()
+
+
+def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_installation(monkeypatch, caplog):
+    x = torch.ones(2, 4)
+    for _ in range(2):  # two installations one after the other: each says it once (no process-wide memory)
+        module, capture = _failing_capture(monkeypatch, strict=False)
+        expected = torch.nn.functional.linear(x, module.weight, module.bias)
+        with caplog.at_level("ERROR", logger="gradnan"):
+            assert torch.equal(module(x), expected) and torch.equal(module(x), expected)
+        capture.detach()
+    errors = [r.getMessage() for r in caplog.records if "internal error in capture" in r.getMessage()]
+    assert len(errors) == 2 and "CUDA out of memory (simulated)" in errors[0]
+
+
+def test_a_failing_capture_fails_the_step_under_strict(monkeypatch):
+    from gradnan.errors import InternalError
+
+    module, _ = _failing_capture(monkeypatch, strict=True)
+    with pytest.raises(InternalError, match="internal error in capture: RuntimeError: CUDA out of memory"):
+        module(torch.ones(2, 4))

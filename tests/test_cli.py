@@ -151,3 +151,24 @@ def test_plot_without_matplotlib_is_one_clear_line(demo, tmp_path, monkeypatch, 
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "pip install 'gradnan[plot]'" in error
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_wrong_call_is_a_usage_error_and_a_bad_file_an_input_error(tmp_path, monkeypatch):
+    """Whose fault it is shows in the error class (same exit code 2): an option or call is the user's to
+    fix (UsageError), a file or directory is unusable input (InputError)."""
+    import sys
+
+    from gradnan.errors import InputError, UsageError
+    from gradnan.offline.plot import plot_incident
+    from gradnan.testing.demo import run_demo
+
+    (tmp_path / "maps").mkdir()
+    with pytest.raises(UsageError, match="already holds a gradnan run"):
+        run_demo(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(UsageError, match="--plot needs matplotlib"):
+        plot_incident({"run_dir": str(tmp_path), "incident": {}}, tmp_path / "x.png")
+    with pytest.raises(InputError, match="not a bundle directory"):
+        from gradnan.offline.replay import replay_bundle
+
+        replay_bundle(tmp_path / "no-bundle")

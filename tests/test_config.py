@@ -280,3 +280,22 @@ def test_a_config_file_may_give_one_step_as_a_number_and_names_itself_in_a_bad_r
     bad.write_text('{"trace_steps": "5-3"}')
     with pytest.raises(ConfigError, match=f"{bad}.*'trace_steps' has a bad entry '5-3'"):
         options_from_file(str(bad))
+
+
+def test_ranges_are_parsed_once_into_intervals_however_wide():
+    config = GradnanConfig(steps="0-100000000000,5", ranks="3,7-9")
+    steps = config.ranges("steps")
+    assert steps is config.ranges("steps")  # parsed when the configuration was made, not on every call
+    assert 0 in steps and 10 ** 11 in steps and 10 ** 11 + 1 not in steps and steps.last() == 10 ** 11
+    assert [rank for rank in range(12) if rank in config.ranges("ranks")] == [3, 7, 8, 9]
+    assert not config.ranges("trace_steps") and config.patterns("modules") == ()
+
+
+def test_modes_are_enums_that_still_compare_as_text():
+    from gradnan.config import FramesMode, PreReduction
+
+    config = GradnanConfig(frames="trace", trace_steps="2", pre_reduction="sync")
+    assert config.frames is FramesMode.TRACE and config.frames == "trace"
+    assert config.pre_reduction is PreReduction.SYNC
+    with pytest.raises(ConfigError, match="'frames' must be one of off, detect, trace, got 'sometimes'"):
+        GradnanConfig(frames="sometimes")

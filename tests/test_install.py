@@ -9,7 +9,7 @@ import pytest
 
 import gradnan
 from gradnan.config import ConfigError
-from gradnan.training.megatron.patcher import WRAPPED_ATTR
+from gradnan.training.megatron.patcher import WRAPPED_ATTR, Instrumentor
 from gradnan.training.megatron.optimizer import optimizer_classes
 
 PATCHED_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm",
@@ -129,3 +129,26 @@ def test_concurrent_installs_from_threads_make_one_installation(tmp_path):
     assert len({id(result) for result in results}) == 1
     during = _megatron_attributes()
     assert all(getattr(during[key], WRAPPED_ATTR, None) in (None, before[key]) for key in before)
+
+
+class _BuggyInstrumentor(Instrumentor):
+    """An instrumentor with a bug of gradnan's own (not a missing Megatron surface)."""
+
+    name = "buggy surface"
+
+    def _apply(self, patcher, runtime):
+        raise TypeError("'NoneType' object is not callable")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_bug_in_an_instrumentor_is_not_reported_as_a_missing_surface(tmp_path, monkeypatch, strict):
+    from gradnan.training import install as install_module
+
+    monkeypatch.setattr(install_module, "all_instrumentors", lambda: [_BuggyInstrumentor()])
+    if strict:
+        with pytest.raises(gradnan.InternalError, match="instrumenting buggy surface failed: TypeError"):
+            gradnan.install(out_dir=str(tmp_path), strict=True)
+        return
+    installation = gradnan.install(out_dir=str(tmp_path))
+    assert installation.missing == {} and list(installation.failed) == ["buggy surface"]
+    assert "FAILED (a gradnan bug, please report it): buggy surface" in installation.summary()

@@ -550,3 +550,20 @@ def test_a_boolean_is_not_an_integer_in_a_record(tmp_path, field):
     path = write_text(tmp_path / "r.jsonl", json.dumps(record) + "\n")
     records, problems = load_records(path)
     assert records == [] and len(problems) == 1 and field in problems[0]
+
+
+def test_each_document_kind_is_versioned_on_its_own(tmp_path, monkeypatch):
+    """A newer bundle schema is read by a gradnan that knows it while records stay at their version: one
+    kind's version is never checked against another's."""
+    import dataclasses
+
+    from gradnan.formats import bundle
+
+    manifest = {"schema": "gradnan.bundle", "version": 2, "module": {"path": "m"}, "step": 1, "rank": coords(0)}
+    path = write_text(tmp_path / "manifest.json", json.dumps(manifest))
+    with pytest.raises(InputError, match="gradnan.bundle version 2 is newer than this gradnan reads"):
+        bundle.load_manifest(path)
+    monkeypatch.setattr(bundle, "SCHEMA", dataclasses.replace(bundle.SCHEMA, version=2))
+    assert bundle.load_manifest(path)["version"] == 2
+    record_line = write_text(tmp_path / "r.jsonl", json.dumps({**a_record(1), "version": 2}) + "\n")
+    assert load_records(record_line)[0] == []  # records are still at version 1

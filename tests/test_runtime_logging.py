@@ -7,22 +7,13 @@ import logging
 import pytest
 import torch
 
-from gradnan.config import GradnanConfig
 from gradnan.errors import InternalError
 from gradnan.formats.maps import ParamSlot
-from gradnan.training.events import ModelFacts
-from gradnan.training.runtime import Runtime
 
-COORDS = {"global_rank": 0, "world_size": 1, "host": "h", "device": "cpu", "tp": 0, "pp": 0, "dp": 0,
-          "tp_size": 1, "pp_size": 1, "dp_size": 1}
 
 
 class FakeOptimizer:
     pass
-
-
-def _runtime(tmp_path, **options):
-    return Runtime(GradnanConfig(out_dir=str(tmp_path), **options), ModelFacts(lambda: dict(COORDS), lambda: {}))
 
 
 def _slot():
@@ -38,16 +29,16 @@ def _overflow_steps(runtime, optimizer, count, scale=1024.0, min_scale=1.0):
         runtime.end_step(optimizer, skipped=True)
 
 
-def test_repeated_skips_warn_at_the_threshold_then_at_doubling_counts(tmp_path, caplog):
-    runtime, optimizer = _runtime(tmp_path, skip_warn_after=3), FakeOptimizer()
+def test_repeated_skips_warn_at_the_threshold_then_at_doubling_counts(tmp_path, caplog, make_runtime):
+    runtime, optimizer = make_runtime(skip_warn_after=3), FakeOptimizer()
     with caplog.at_level(logging.DEBUG, logger="gradnan"):
         _overflow_steps(runtime, optimizer, 13)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [m.split(" consecutive")[0].split(": ")[1] for m in warned] == ["3", "6", "12"]
 
 
-def test_a_healthy_step_resets_the_skip_count(tmp_path, caplog):
-    runtime, optimizer = _runtime(tmp_path, skip_warn_after=3), FakeOptimizer()
+def test_a_healthy_step_resets_the_skip_count(tmp_path, caplog, make_runtime):
+    runtime, optimizer = make_runtime(skip_warn_after=3), FakeOptimizer()
     with caplog.at_level(logging.WARNING, logger="gradnan"):
         _overflow_steps(runtime, optimizer, 2)
         runtime.begin_step(optimizer, lambda: [_slot()])
@@ -56,8 +47,8 @@ def test_a_healthy_step_resets_the_skip_count(tmp_path, caplog):
     assert not caplog.records
 
 
-def test_scale_collapse_is_reported_once_with_the_parameter(tmp_path, caplog):
-    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+def test_scale_collapse_is_reported_once_with_the_parameter(tmp_path, caplog, make_runtime):
+    runtime, optimizer = make_runtime(), FakeOptimizer()
     with caplog.at_level(logging.ERROR, logger="gradnan"):
         _overflow_steps(runtime, optimizer, 4, scale=1.0, min_scale=1.0)
     [collapse] = caplog.records
@@ -65,8 +56,8 @@ def test_scale_collapse_is_reported_once_with_the_parameter(tmp_path, caplog):
     assert "decoder.layers.0.mlp.linear_fc1.weight" in collapse.getMessage()
 
 
-def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog):
-    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog, make_runtime):
+    runtime, optimizer = make_runtime(), FakeOptimizer()
     grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
     with caplog.at_level(logging.INFO, logger="gradnan"):
         for _ in range(6):
@@ -78,8 +69,8 @@ def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict):
-    runtime = _runtime(tmp_path, strict=strict)
+def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict, make_runtime):
+    runtime = make_runtime(strict=strict)
 
     def broken():
         raise KeyError("unexpected Megatron attribute")
@@ -95,8 +86,8 @@ def test_internal_errors_are_logged_once_unless_strict(tmp_path, caplog, strict)
     assert "training goes on unchanged" in caplog.text
 
 
-def test_records_stop_at_max_records_bytes_with_one_log_line(tmp_path, caplog):
-    runtime, optimizer = _runtime(tmp_path, max_records_bytes=4096), FakeOptimizer()
+def test_records_stop_at_max_records_bytes_with_one_log_line(tmp_path, caplog, make_runtime):
+    runtime, optimizer = make_runtime(max_records_bytes=4096), FakeOptimizer()
     grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
     with caplog.at_level(logging.ERROR, logger="gradnan"):
         for _ in range(40):
@@ -110,10 +101,10 @@ def test_records_stop_at_max_records_bytes_with_one_log_line(tmp_path, caplog):
     assert len(full) == 1
 
 
-def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, caplog):
+def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, caplog, make_runtime):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")
-    runtime, optimizer = _runtime(blocker), FakeOptimizer()
+    runtime, optimizer = make_runtime(out_dir=str(blocker)), FakeOptimizer()
     grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
     with caplog.at_level(logging.ERROR, logger="gradnan"):
         for _ in range(3):
@@ -125,7 +116,7 @@ def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, cap
     assert blocker.read_text() == "x"
 
 
-def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monkeypatch):
+def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monkeypatch, make_runtime):
     """Megatron-LM's training loop cannot run here (only megatron-core installs): its global args module
     is stood in for by a module object holding ``curr_iteration``, as Megatron-LM's ``train()`` sets it."""
     import json
@@ -138,8 +129,7 @@ def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monke
     global_vars = types.ModuleType("megatron.training.global_vars")
     global_vars._GLOBAL_ARGS = types.SimpleNamespace(curr_iteration=41)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
-    runtime = Runtime(GradnanConfig(out_dir=str(tmp_path)),
-                      ModelFacts(lambda: dict(COORDS), lambda: {}, iteration=megatron_lm_iteration))
+    runtime = make_runtime(facts={"iteration": megatron_lm_iteration})
     optimizer = FakeOptimizer()
     runtime.begin_step(optimizer, lambda: [_slot()])
     runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [torch.tensor([float("nan")] * 4)])
@@ -147,10 +137,10 @@ def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monke
     assert json.loads(line)["iteration"] == 42 and json.loads(line)["step"] == 1
 
 
-def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path):
+def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path, make_runtime):
     import json
 
-    runtime, optimizer = _runtime(tmp_path), FakeOptimizer()
+    runtime, optimizer = make_runtime(), FakeOptimizer()
     grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
     runtime.begin_step(optimizer, lambda: [_slot()])
     group = FakeOptimizer()  # any weak-referenceable object stands for a bucket group
