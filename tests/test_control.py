@@ -18,7 +18,7 @@ import torch
 
 import gradnan
 from gradnan.offline.read import read_run
-from gradnan.testing.gloo import free_port, gloo_process
+from gradnan.testing.gloo import free_port, gloo_process, one_job
 from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 
 from .helpers import gradnan_variables_cleared, records_by_rank
@@ -80,15 +80,10 @@ LOOPS = {"window": _window, "steps_filter": _steps_filter, "ranks_filter": _rank
 
 def _worker(rank: int, port: int, root: str) -> None:
     """gradnan.testing.toy._worker's pattern: one gloo group, then each hand-written loop in turn."""
-    from gradnan.training.megatron.model import destroy_model_parallel
-
     with gloo_process(rank, 2, port):
         for name, loop in LOOPS.items():
-            try:
+            with one_job():
                 loop(rank, Path(root) / name)
-            finally:
-                gradnan.uninstall()
-                destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")

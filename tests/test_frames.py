@@ -266,23 +266,18 @@ PROBE_JOB = TinyGPTJob(world_size=2, dtype="fp16", steps=3, quiet=True,  # DP=2
 
 
 def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_dir: str) -> None:
-    from gradnan.testing.gloo import gloo_process
+    from gradnan.testing.gloo import gloo_process, one_job
     from gradnan.testing.toy import TinyGPT, _module_by_global_name
-    from gradnan.training.megatron.model import destroy_model_parallel
 
-    with gloo_process(rank, job.world_size, port):
-        try:
-            gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing
-            model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir, strict=True))
-            mlp = _module_by_global_name([model.chunk], "decoder.layers.1.mlp")
-            mlp.register_forward_hook(lambda _module, _args, output: gradnan.check(output[0], "mlp out"))
-            for _ in range(job.steps):
-                gradnan.check(torch.tensor([float("nan")]), "outside")
-                model.step()
-            Path(results_dir, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(model.result)))
-        finally:
-            gradnan.uninstall()
-            destroy_model_parallel()
+    with gloo_process(rank, job.world_size, port), one_job():
+        gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing
+        model = TinyGPT(job, rank, install=lambda: gradnan.install(out_dir=out_dir, strict=True))
+        mlp = _module_by_global_name([model.chunk], "decoder.layers.1.mlp")
+        mlp.register_forward_hook(lambda _module, _args, output: gradnan.check(output[0], "mlp out"))
+        for _ in range(job.steps):
+            gradnan.check(torch.tensor([float("nan")]), "outside")
+            model.step()
+        Path(results_dir, f"rank{rank}.json").write_text(json.dumps(dataclasses.asdict(model.result)))
 
 
 @pytest.fixture(scope="module")

@@ -36,3 +36,17 @@ def gloo_process(rank: int, world_size: int, port: int, quiet: bool = True) -> I
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+@contextmanager
+def one_job() -> Iterator[None]:
+    """One training job inside a gloo process: after it, gradnan is uninstalled and Megatron's parallel
+    state destroyed, so the next job in the same process starts clean."""
+    import gradnan
+    from gradnan.training.megatron.model import destroy_model_parallel
+
+    try:
+        yield
+    finally:
+        gradnan.uninstall()
+        destroy_model_parallel()

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .gloo import free_port, gloo_process
+from .gloo import free_port, gloo_process, one_job
 
 
 @dataclass(frozen=True)
@@ -352,17 +352,13 @@ class TinyGPT:
 def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
-    from gradnan.training.megatron.model import destroy_model_parallel
 
-    try:
+    with one_job():
         model = TinyGPT(job, rank, install=(lambda: gradnan.install(**{"strict": True, **job.gradnan}))
                         if job.gradnan is not None else None)
         for _ in range(job.steps):
             model.step()
         return model.result
-    finally:
-        gradnan.uninstall()
-        destroy_model_parallel()
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
