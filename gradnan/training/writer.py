@@ -1,13 +1,18 @@
 """The only code on the training side that writes files: maps, records and bundles, in the formats of
 ``gradnan.formats``, atomically where a reader could otherwise see half a file, within the configured
 bounds (``max_records_bytes``, ``max_params_per_record``, ``max_bundles``, ``max_bundle_bytes``), each
-bound logged once when it is reached."""
+bound logged once when it is reached.
+
+A file that cannot be written (an out_dir that is a file, a full disk, no permission) is the machine's
+fault, not gradnan's: it is logged once per kind of file, with the path and the reason, and training
+goes on, ``strict`` or not."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -43,12 +48,19 @@ class Writer:
             self._bounds_logged.add(bound)
             logger.log(level, message, *args)
 
+    def _unwritable(self, what: str, path: Path, error: OSError) -> None:
+        self._log_bound_once(f"unwritable {what}", logging.ERROR, "cannot write the %s %s: %s (training goes on"
+                             " unchanged; later %ss may be missing)", what, path, error.strerror or error, what)
+
     def write_map(self, optimizer_index: int, optimizer_class: str, slots: Sequence[ParamSlot]) -> Dict[str, Any]:
         """The parameter map of one optimizer; returns its document with ``_path``."""
         coords = self.coords()
         path = map_path(self.config.out_dir, coords, optimizer_index)
         document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class, slots)
-        write_json_atomic(path, document)
+        try:
+            write_json_atomic(path, document)
+        except OSError as error:
+            self._unwritable("map", path, error)
         logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
         return {**document, "_path": str(path)}
 
@@ -59,12 +71,15 @@ class Writer:
         record = records.to_json(kind, step, self._facts.iteration(), coords, self.run,
                                  found[:self.config.max_params_per_record], len(found), extra)
         path = records_path(self.config.out_dir, coords)
-        if path.exists() and path.stat().st_size >= self.config.max_records_bytes:
-            self._log_bound_once("max_records_bytes", logging.ERROR,
-                                 "%s reached max_records_bytes (%d): later records are not written", path,
-                                 self.config.max_records_bytes)
-        else:
-            append_json_line(path, record)
+        try:
+            if path.exists() and path.stat().st_size >= self.config.max_records_bytes:
+                self._log_bound_once("max_records_bytes", logging.ERROR,
+                                     "%s reached max_records_bytes (%d): later records are not written", path,
+                                     self.config.max_records_bytes)
+            else:
+                append_json_line(path, record)
+        except OSError as error:
+            self._unwritable("record", path, error)
         return {**record, "_path": str(path)}
 
     def bundle(self, step: int, module_name: str, manifest: Dict[str, Any],
@@ -79,6 +94,11 @@ class Writer:
         coords = self.coords()
         manifest = {**manifest, "rank": coords, "run": self.run, "versions": self._facts.versions(), "step": step,
                     "iteration": self._facts.iteration()}
-        path = bundle.write(bundle_dir(self.config.out_dir, coords, step, module_name), manifest, tensors)
+        path = bundle_dir(self.config.out_dir, coords, step, module_name)
+        try:
+            bundle.write(path, manifest, tensors)
+        except OSError as error:
+            self._unwritable("bundle", path, error)
+            return None
         self._bundles_written += 1
         return {**manifest, "_path": str(path)}
