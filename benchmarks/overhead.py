@@ -29,7 +29,7 @@ import torch
 
 import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
-from gradnan.training.runtime import Runtime
+from gradnan.training.guard import ErrorGuard
 from gradnan.training.scan import find_nonfinite, finite_flag
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
@@ -56,31 +56,36 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 class KitClock:
-    """Time spent inside the kit during a step: every hook runs its work through ``Runtime.guarded``.
-    Not the traced forward of an armed capture, which runs inside the module: for that mode the step
-    ratio is the figure."""
+    """Time spent inside the kit during a step: every hook runs its work through the runtime's guard
+    (``ErrorGuard``); only the outermost of nested guarded calls is timed. Not the traced forward of an
+    armed capture, which runs inside the module: for that mode the step ratio is the figure."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.seconds = device, 0.0
-        self._original = Runtime.guarded
+        self._original = ErrorGuard.__call__
+        self._depth = 0
 
     def __enter__(self) -> "KitClock":
         original, clock = self._original, self
 
-        def timed_guarded(runtime, what, fn, *args):
+        def timed_guarded(guard, what, fn, *args):
+            if clock._depth:
+                return original(guard, what, fn, *args)
             _sync(clock.device)
             start = time.perf_counter()
+            clock._depth += 1
             try:
-                return original(runtime, what, fn, *args)
+                return original(guard, what, fn, *args)
             finally:
+                clock._depth -= 1
                 _sync(clock.device)
                 clock.seconds += time.perf_counter() - start
 
-        Runtime.guarded = timed_guarded
+        ErrorGuard.__call__ = timed_guarded
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        Runtime.guarded = self._original
+        ErrorGuard.__call__ = self._original
 
 
 def _quartiles(values: List[float]) -> List[float]:
