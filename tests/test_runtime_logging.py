@@ -156,3 +156,19 @@ def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path
     kinds = [json.loads(line) for line in next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()]
     assert [r["kind"] for r in kinds] == ["pre_reduction", "nonfinite_grad_norm"]
     assert kinds[1]["pre_reduction"] == "nonfinite"
+
+
+def test_an_optimizer_index_is_never_reused_after_an_optimizer_is_collected(make_runtime):
+    """Each optimizer's map file is named by its index: a new optimizer built after an old one was garbage
+    collected must not take the old one's index (and overwrite its map)."""
+    import gc
+
+    runtime = make_runtime()
+    first, second = FakeOptimizer(), FakeOptimizer()
+    for optimizer in (first, second):
+        runtime.optimizer_built(optimizer, lambda: [_slot()])
+    del first
+    gc.collect()
+    third = FakeOptimizer()
+    runtime.optimizer_built(third, lambda: [_slot()])
+    assert runtime.detections.optimizer(third)[0].index == 2

@@ -18,12 +18,11 @@ from typing import Any, Dict, List, Optional
 from ..errors import InputError
 from ..formats.layout import AXES, rank_label, shown_axes
 from ..formats.records import FORWARD_SHARE
-from ..formats.schema import nonfinite_counts
+from ..formats.schema import Schema, nonfinite_counts
 from .frames_view import frames_summary, probes_summary, summary_lines
 from .read import RunFiles
 
-REPORT_SCHEMA = "gradnan.report"
-REPORT_VERSION = 1
+SCHEMA = Schema("gradnan.report", 1)  # what --json prints
 NORM_KINDS = ("nonfinite_grad_norm", "loss_scale_overflow")
 PRE_REDUCTION = "pre_reduction"
 SERIOUS_SKIPS = 3
@@ -275,7 +274,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
     incidents = [r for r in runs.get(chosen, []) if r.get("kind") in NORM_KINDS + (PRE_REDUCTION,)]
     overflow_steps = sorted({r["step"] for r in incidents if r["kind"] == "loss_scale_overflow"})
     report: Dict[str, Any] = {
-        "schema": REPORT_SCHEMA, "version": REPORT_VERSION, "run_dir": str(files.run_dir),
+        **SCHEMA.header(), "run_dir": str(files.run_dir),
         "ranks_seen": sorted(ranks), "problems": list(files.problems), "first_step": None,
         "incident": None, "later_steps": [], "loss_scale_overflow_steps": overflow_steps,
         "selftests": [], "bundles": [], "rerun_capture": None,

@@ -42,6 +42,7 @@ class Detections:
         self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
         self._lock = threading.Lock()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerState]" = weakref.WeakKeyDictionary()
+        self._optimizers_seen = 0  # never reused: a collected optimizer's index (its map file) stays its own
         self._synced: set = set()
         self._deferred: List[Tuple[Any, torch.Tensor, DescribeBuckets]] = []
         self._pre_reduction_checked = False
@@ -55,7 +56,8 @@ class Detections:
             state = self._optimizers.get(optimizer)
             if state is not None:
                 return state, False
-            state = self._optimizers[optimizer] = OptimizerState(len(self._optimizers))
+            state = self._optimizers[optimizer] = OptimizerState(self._optimizers_seen)
+            self._optimizers_seen += 1
             return state, True
 
     def step_ended(self, optimizer: Any, skipped: Optional[bool]) -> None:
