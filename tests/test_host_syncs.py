@@ -11,6 +11,7 @@ import pytest
 from gradnan.testing.toy import TinyGPTJob, launch_many
 
 JOB = TinyGPTJob(dtype="bf16", steps=4, overlap_grad_reduce=True, bucket_size=6000, count_host_syncs=True)
+TENSOR_NORM = JOB.with_(norm_as_tensor=True)  # the grad norm as a tensor, as core 0.18+ with TE returns it
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,8 @@ def counts(tmp_path_factory):
     jobs = [JOB, JOB.with_(gradnan={"out_dir": str(root / "defaults")}),
             JOB.with_(gradnan={"out_dir": str(root / "sync"), "pre_reduction": "sync"}),
             JOB.with_(gradnan={"out_dir": str(root / "frames"), "frames": "detect"}),
-            JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"})]
+            JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"}),
+            TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")})]
     outcomes = launch_many(jobs)
     return [{rank: [s.host_syncs for s in result.steps] for rank, result in outcome.items()}
             for outcome in outcomes], outcomes[0][0].bucket_groups
@@ -31,6 +33,12 @@ def test_defaults_add_no_host_sync_on_healthy_steps(counts):
     assert all(count > 0 for count in without[0])  # the counter does see Megatron's own syncs
 
 
+def test_a_grad_norm_given_as_a_tensor_is_checked_without_a_host_sync(counts):
+    (*_, tensor_without, tensor_defaults), _ = counts
+    assert tensor_defaults == tensor_without
+    assert all(count > 0 for count in tensor_without[0])
+
+
 def test_sync_mode_adds_one_read_per_bucket_group_not_per_parameter(counts):
     (without, _, sync, *_), bucket_groups = counts
     assert bucket_groups > 1  # several buckets, each its own group, so "per group" is really tested
@@ -39,7 +47,7 @@ def test_sync_mode_adds_one_read_per_bucket_group_not_per_parameter(counts):
 
 
 def test_frame_tracing_reads_once_per_step_not_per_tensor(counts):
-    (without, _, _, detect, trace), _ = counts
+    (without, _, _, detect, trace, *_), _ = counts
     for rank in without:  # dozens of module calls and over a hundred tensors measured per step
         assert [d - w for d, w in zip(detect[rank], without[rank])] == [1] * JOB.steps
         assert [t - w for t, w in zip(trace[rank], without[rank])] == [1] * JOB.steps

@@ -23,6 +23,9 @@ def _megatron_attributes():
     for cls in optimizer_classes():
         for method in PATCHED_METHODS:
             found[(cls.__qualname__, method)] = vars(cls).get(method)
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    found[("DistributedDataParallel", "zero_grad_buffer")] = vars(DistributedDataParallel).get("zero_grad_buffer")
     return found
 
 
@@ -45,7 +48,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     before = _megatron_attributes()
     installation = gradnan.install(out_dir=str(tmp_path))
     assert installation.missing == {}
-    assert len(installation.patched) == 4
+    assert len(installation.patched) == 5
     during = _megatron_attributes()
     changed = {key for key in before if during[key] is not before[key]}
     assert ("ChainedOptimizer", "step") in changed
@@ -53,6 +56,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     assert ("MegatronOptimizer", "clip_grad_norm") in changed
     assert ("MixedPrecisionOptimizer", "_unscale_main_grads_and_check_for_nan") in changed
     assert ("megatron.core.optimizer", "_get_param_groups") in changed
+    assert ("DistributedDataParallel", "zero_grad_buffer") in changed
     assert all(getattr(during[key], WRAPPED_ATTR) is before[key] for key in changed)
     gradnan.uninstall()
     after = _megatron_attributes()
@@ -73,7 +77,7 @@ def test_install_uninstall_install_again(tmp_path):
     gradnan.install(out_dir=str(tmp_path))
     gradnan.uninstall()
     again = gradnan.install(out_dir=str(tmp_path))
-    assert len(again.patched) == 4
+    assert len(again.patched) == 5
     assert _megatron_attributes() != before
     gradnan.uninstall()
     assert _megatron_attributes() == before
@@ -87,7 +91,7 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
     [missing] = installation.missing
     assert "param-group builder" in missing
     assert "_get_param_groups" in installation.missing[missing]
-    assert len(installation.patched) == 3
+    assert len(installation.patched) == 4
     assert "MISSING" in caplog.text
 
 

@@ -7,6 +7,7 @@ from typing import List
 
 from .patcher import Instrumentor, SurfaceMissing
 from .grad_sync import GradSyncInstrumentor
+from .grad_zeroing import GradZeroingInstrumentor
 from .loss_scale import LossScaleInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
@@ -16,4 +17,4 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
-            GradSyncInstrumentor()]
+            GradSyncInstrumentor(), GradZeroingInstrumentor()]

@@ -4,13 +4,16 @@ Since core 0.12 ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose 
 ``get_grad_norm()`` and ``clip_grad_by_total_norm_fp32``; ``clip_grad_norm`` is called by the older
 single-optimizer ``step()``. Both are wrapped on ``MegatronOptimizer`` and on every subclass that overrides
 them, behind one re-entrancy guard, so nested calls (a chained optimizer delegating to its only member)
-give one check. A finite norm costs one float comparison; only a non-finite one triggers the scan.
+give one check. A finite norm costs one float comparison; only a non-finite one triggers the scan. A norm returned as a
+device tensor (core 0.18+ with Transformer Engine) is read when it reaches the host, never by waiting for
+the device on a healthy step (``gradnan.training.norms``).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from functools import partial
 from typing import Any, Iterator, List
 
 import torch
@@ -83,14 +86,16 @@ class OptimizerInstrumentor(Instrumentor):
 
             return wrapper
 
-        def on_nonfinite_norm(optimizer, norm):
-            target = runtime.stepping_optimizer() or optimizer
+        def on_nonfinite_norm(target, norm):
             slots, grads = param_slots(target, runtime.known_chunks())
             runtime.nonfinite_grad_norm(target, norm, slots, grads)
 
         def check_norm(optimizer, norm):
-            if not is_finite_number(norm):
-                on_nonfinite_norm(optimizer, norm)
+            target = runtime.stepping_optimizer() or optimizer
+            if isinstance(norm, torch.Tensor):
+                runtime.grad_norm_tensor(norm, partial(on_nonfinite_norm, target))
+            elif not is_finite_number(norm):
+                on_nonfinite_norm(target, norm)
 
         def make_norm_wrapper(original):
             def wrapper(self, *args, **kwargs):
@@ -121,9 +126,6 @@ def _skipped(step_result: Any) -> Any:
 
 
 def is_finite_number(value: Any) -> bool:
-    """True for a finite Python/NumPy number or one-element tensor; None counts as finite (no norm)."""
-    if value is None:
-        return True
-    if isinstance(value, torch.Tensor):
-        return bool(torch.isfinite(value).all())
-    return math.isfinite(float(value))
+    """True for a finite Python/NumPy number; None counts as finite (no norm). A tensor norm is read
+    without a host sync instead (``runtime.grad_norm_tensor``)."""
+    return value is None or math.isfinite(float(value))
