@@ -41,3 +41,18 @@ def make_runtime(tmp_path):
         return Runtime(GradnanConfig(**{"out_dir": str(tmp_path), **options}), facts)
 
     return make
+
+
+@pytest.fixture
+def megatron_lm_args(monkeypatch):
+    """Megatron-LM's global args as its ``train()`` holds them (``curr_iteration`` set by the loop, after the
+    optimizer is built). Megatron-LM's training package is not installable here (only megatron-core is):
+    its ``global_vars`` module is stood in for by a module object."""
+    import sys
+    import types
+
+    args = types.SimpleNamespace()
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = args
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    return args

@@ -121,19 +121,13 @@ def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, cap
     assert blocker.read_text() == "x"
 
 
-def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monkeypatch, make_runtime):
-    """Megatron-LM's training loop cannot run here (only megatron-core installs): its global args module
-    is stood in for by a module object holding ``curr_iteration``, as Megatron-LM's ``train()`` sets it."""
+def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, megatron_lm_args, make_runtime):
     import json
-    import sys
-    import types
 
     from gradnan.training.megatron.model import megatron_lm_iteration
 
     assert megatron_lm_iteration() is None
-    global_vars = types.ModuleType("megatron.training.global_vars")
-    global_vars._GLOBAL_ARGS = types.SimpleNamespace(curr_iteration=41)
-    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    megatron_lm_args.curr_iteration = 41
     runtime = make_runtime(facts={"iteration": megatron_lm_iteration})
     optimizer = FakeOptimizer()
     runtime.begin_step(optimizer, lambda: [_slot()])
@@ -142,6 +136,29 @@ def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, monke
     assert json.loads(line)["iteration"] == 42 and json.loads(line)["step"] == 1
 
 
+def test_an_explicit_capture_of_the_first_iteration_after_a_resume_is_taken(tmp_path, megatron_lm_args,
+                                                                             make_runtime):
+    """Resumed at iteration 1: the optimizer is built before Megatron-LM sets ``curr_iteration``, so the step
+    the filters see is known only at the module's first call. The bundle is named by that iteration."""
+    from gradnan.training.megatron.model import megatron_lm_iteration
+
+    def run(capture_steps):
+        module = torch.nn.Linear(4, 4)
+        runtime = make_runtime([("lin", module)], capture_modules="lin", capture_steps=capture_steps,
+                               out_dir=str(tmp_path / capture_steps), facts={"iteration": megatron_lm_iteration})
+        optimizer = FakeOptimizer()
+        vars(megatron_lm_args).pop("curr_iteration", None)
+        runtime.optimizer_built(optimizer, lambda: [_slot()])
+        megatron_lm_args.curr_iteration = 1  # the loop starts: its log line says iteration 2
+        module(torch.ones(2, 4)).sum().backward()
+        runtime.begin_step(optimizer, lambda: [_slot()])
+        runtime.end_step(optimizer, skipped=False)
+        return module, sorted(path.name for path in (tmp_path / capture_steps).glob("bundles/*/*"))
+
+    module, bundles = run("2")
+    assert bundles == ["iter0000002_lin"]
+    module, bundles = run("1")
+    assert bundles == [] and "forward" not in vars(module)  # not this step: disarmed, the module untouched
 def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path, make_runtime):
     import json
 

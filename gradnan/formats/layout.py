@@ -58,10 +58,13 @@ def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
 
 
-def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: str) -> Path:
-    """A new, unused directory name for this rank, step and module (a suffix keeps earlier bundles)."""
+def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: str,
+               iteration: Optional[int] = None) -> Path:
+    """A new, unused directory name for this rank, step and module (a suffix keeps earlier bundles). Named
+    by Megatron-LM's ``iteration`` where its loop runs, as its log and the step filters count."""
     parent = Path(out_dir) / BUNDLES_DIR / rank_tag(coords)
-    stem = f"step{step:07d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', module_path) or 'model'}"
+    when = f"iter{iteration:07d}" if iteration is not None else f"step{step:07d}"
+    stem = f"{when}_{re.sub(r'[^A-Za-z0-9_.-]', '_', module_path) or 'model'}"
     candidate, suffix = parent / stem, 1
     while candidate.exists():
         suffix += 1

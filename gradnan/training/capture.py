@@ -84,10 +84,14 @@ class ModuleCapture:
     memory while cloning, say) goes through ``guard``: that call is not captured, the error is logged
     once per kind and training goes on, unless ``strict``."""
 
-    def __init__(self, name: str, module: torch.nn.Module, mode: str, guard: ErrorGuard) -> None:
+    def __init__(self, name: str, module: torch.nn.Module, mode: str, guard: ErrorGuard,
+                 confirm: Optional[Callable[[], bool]] = None) -> None:
+        """``confirm``: asked at the module's first call whether this step is to be captured at all (the
+        step is not known yet when the capture is armed); if not, the module runs untouched this step."""
         if mode not in MODES:
             raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
         self.name, self.module, self.mode, self._guard = name, module, mode, guard
+        self._confirm, self._passing = confirm, False
         self.calls: List[ModuleCall] = []
         self.steps_watched = 0
         self.context: Dict[str, Any] = {}
@@ -129,6 +133,11 @@ class ModuleCapture:
         return _rng_states()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._confirm is not None:
+            confirm, self._confirm = self._confirm, None
+            self._passing = not self._guard("capture", confirm)
+        if self._passing:
+            return self._original_forward(*args, **kwargs)
         recorder = OpRecorder()
         rng = self._guard("capture", self._prepare, recorder, args, kwargs)
         if rng is None:
@@ -290,13 +299,13 @@ class CaptureManager:
         ranks = self.config.ranges("capture_ranks")
         return not ranks or int(self._writer.coords()["global_rank"]) in ranks
 
-    def arm(self, name: str, mode: str) -> bool:
+    def arm(self, name: str, mode: str, confirm: Optional[Callable[[], bool]] = None) -> bool:
         if name in self.captures:
             return False
         module = dict(self._watchable()).get(name)
         if module is None:
             return False
-        self.captures[name] = ModuleCapture(name, module, mode, self._guard).attach()
+        self.captures[name] = ModuleCapture(name, module, mode, self._guard, confirm).attach()
         return True
 
     def disarm(self, name: str) -> None:
@@ -308,19 +317,25 @@ class CaptureManager:
         if self.finder is None:
             self.finder = ForwardOriginFinder(self._watchable(), self._clock.current, self.config.max_frames).attach()
 
-    def start(self, next_step: int) -> None:
+    def start(self) -> None:
         """Optimizer built: retention begins; an explicit capture of the first step is armed."""
         if self.config.capture_modules and not self._selected():
             logger.warning("capture_modules %r matches no module of this model", self.config.capture_modules)
         if self._rank_selected() and self.config.capture_retain:
             for name, _ in self._selected():
                 self.arm(name, "retain")
-        self._arm_explicit(next_step)
+        self._arm_explicit(None)
 
-    def _arm_explicit(self, step: int) -> None:
-        if self._rank_selected() and step in self.config.ranges("capture_steps"):
-            for name, _ in self._selected():
-                self.arm(name, "always")
+    def _arm_explicit(self, step: Optional[int]) -> None:
+        """Arm the explicit captures of ``step``. ``None``: the first step, whose number the step filters
+        cannot know yet when the optimizer is built (Megatron-LM sets its iteration later, and a resumed
+        run does not start at 1): armed now, confirmed at the module's first call."""
+        steps = self.config.ranges("capture_steps")
+        if not (steps and self._rank_selected()) or (step is not None and step not in steps):
+            return
+        confirm = (lambda: self._clock.filter_step() in steps) if step is None else None
+        for name, _ in self._selected():
+            self.arm(name, "always", confirm)
 
     def end_step(self, step: int, next_step: int) -> None:
         """``step``: the step that ended, as records name it; ``next_step``: the next one as the step

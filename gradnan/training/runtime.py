@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from .detections import Detections
 from .events import DescribeBuckets, Grads, ModelFacts, NamedModules
 from .forward import ForwardWatch
 from .guard import ErrorGuard
+from .norms import DeviceScalar, PendingNorms
 from .stops import abort_if_asked
 from .window import RecordingWindow
 from .writer import Writer
@@ -39,6 +41,7 @@ class Runtime:
                                        self.named_modules)
         self.detections = Detections(config, self.clock, self.writer, self.captures)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules)
+        self.norms = PendingNorms()
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
         self._ids_by_name: Dict[str, int] = {}
@@ -85,22 +88,36 @@ class Runtime:
             state.map_file = document["_path"]
             if state.index == 0:
                 self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
-        self.captures.start(self.clock.filter_step())
+        self.captures.start()
         self.forward.start()
 
     def begin_step(self, optimizer: Any, slots: Callable[[], Sequence[ParamSlot]]) -> None:
+        self.norms.settle(wait=True)  # the last step's norm, if nothing zeroed the gradients in between
         self.optimizer_built(optimizer, slots)
         self.clock.begin(optimizer)
         self.guarded("frames", self.forward.flush)  # every forward of this step is done
 
     def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None:
-        """``skipped``: the step applied no update (fp16 overflow)."""
+        """``skipped``: the step applied no update (fp16 overflow). The step's bookkeeping waits for its grad
+        norm when that is still on its way from the device (``norms``)."""
         finished, step = self.clock.filter_step(), self.clock.current(optimizer)
         self.clock.end(optimizer)
+        self.norms.then(partial(self._finish_step, optimizer, skipped, step, finished))
+
+    def _finish_step(self, optimizer: Any, skipped: Optional[bool], step: int, finished: int) -> None:
         self.detections.step_ended(optimizer, skipped)
         self.captures.end_step(step, finished + 1)
         if not self.clock.counts_loop:
             abort_if_asked(self.config, finished)
+
+    def grad_norm_tensor(self, norm: torch.Tensor, on_nonfinite: Callable[[float], None]) -> None:
+        """A grad norm given as a tensor: read once it is on the host, without waiting for the device."""
+        self.norms.settle(wait=True)
+        self.norms.add(DeviceScalar(norm), on_nonfinite)
+
+    def gradients_zeroing(self) -> None:
+        """The gradients are about to be zeroed for the next step: the last norm must be read now."""
+        self.norms.settle(wait=True)
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
         if self.window.recording():
@@ -148,6 +165,7 @@ class Runtime:
     def flush_at_end(self) -> None:
         """The step's frames and probes when the run ends (uninstall, interpreter exit): nothing to stop."""
         try:
+            self.guarded("end of run", self.norms.settle, True)
             self.guarded("end of run", self.forward.flush)
         except INTENDED_STOPS:
             pass

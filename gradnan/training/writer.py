@@ -92,9 +92,10 @@ class Writer:
                                  module_name, step, bound)
             return None
         coords = self.coords()
+        iteration = self._facts.iteration()
         manifest = {**manifest, "rank": coords, "run": self.run, "versions": self._facts.versions(), "step": step,
-                    "iteration": self._facts.iteration()}
-        path = bundle_dir(self.config.out_dir, coords, step, module_name)
+                    "iteration": iteration}
+        path = bundle_dir(self.config.out_dir, coords, step, module_name, iteration)
         try:
             bundle.write(path, manifest, tensors)
         except OSError as error:
