@@ -376,23 +376,36 @@ def test_base_apply_is_abstract():
         Instrumentor().instrument(runtime=None)
 
 
+def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatch):
+    """A source checkout on PYTHONPATH shadows the wheel: its ``package_info`` names the code imported."""
+    from megatron.core import package_info
+
+    from gradnan.training.megatron.model import versions
+    from gradnan.training.megatron.patcher import installed_version, megatron_version
+
+    assert megatron_version() == installed_version("megatron-core")
+    monkeypatch.setattr(package_info, "__version__", "0.99.0rc1")
+    assert str(megatron_version()) == "0.99.0rc1" and versions()["megatron_core"] == "0.99.0rc1"
+    assert "megatron-core 0.99.0rc1 is outside the tested range" in Instrumentor().version_note()
+
+
 @pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.16.99"])
 def test_version_note_none_within_supported_range(mocker, version):
-    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version(version))
+    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
     assert Instrumentor().version_note() is None
 
 
 @pytest.mark.parametrize("version", ["0.11.9", "0.17.0", "1.0.0"])
 def test_version_note_outside_range_names_version_and_range(mocker, version):
-    installed = mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version(version))
+    installed = mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
     note = Instrumentor().version_note()
-    installed.assert_called_once_with("megatron-core")
+    installed.assert_called_once_with()
     assert note is not None
     assert version in note and Instrumentor.supported in note
 
 
 def test_version_note_none_when_megatron_version_unknown(mocker):
-    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=None)
+    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=None)
     assert Instrumentor().version_note() is None
 
 
@@ -400,7 +413,7 @@ def test_version_note_uses_subclass_range(mocker):
     class Narrow(Instrumentor):
         supported = ">=0.15"
 
-    mocker.patch("gradnan.training.megatron.patcher.installed_version", return_value=Version("0.14.0"))
+    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version("0.14.0"))
     assert ">=0.15" in Narrow().version_note()
     assert Instrumentor().version_note() is None
 

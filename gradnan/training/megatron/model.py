@@ -15,7 +15,7 @@ import torch
 
 from ..events import ModelFacts
 from .names import global_name
-from .patcher import installed_version
+from .patcher import megatron_version
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
 _WRAPPER_CLASS_NAMES = frozenset(
@@ -39,13 +39,31 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _layer_prefix_renames(model: torch.nn.Module) -> Dict[str, str]:
-    """Local ``...layers.<i>`` prefix -> global one, from ``TransformerLayer.layer_number`` (1-based, global)."""
+    """Local ``...layers.<i>`` prefix -> global one, from ``TransformerLayer.layer_number`` (1-based, global),
+    and local ``...local_experts.<i>`` prefix -> the global expert number (``_expert_prefix_renames``)."""
     renames = {}
     for name, module in model.named_modules():
         layer_number = getattr(module, "layer_number", None)
         if isinstance(layer_number, int) and _LAYER_PREFIX.search(name) and ".mtp." not in f".{name}.":
             head, _, _ = name.rpartition(".")
             renames[name + "."] = f"{head}.{layer_number - 1}."
+    return {**renames, **_expert_prefix_renames(model, renames)}
+
+
+def _expert_prefix_renames(model: torch.nn.Module, layer_renames: Dict[str, str]) -> Dict[str, str]:
+    """Megatron numbers an MoE layer's experts locally on every expert-parallel rank (``local_experts.0`` is
+    global expert ``ep_rank * num_local_experts`` there, as its checkpoints count): the global number,
+    under the layer's global name. Grouped-GEMM experts hold all local experts in one weight: unchanged."""
+    renames = {}
+    for name, module in model.named_modules():
+        experts = getattr(module, "local_experts", None)
+        group = getattr(module, "ep_group", None)
+        if not isinstance(experts, torch.nn.ModuleList) or group is None:
+            continue
+        offset = group.rank() * len(experts)
+        head = global_name(f"{name}.", layer_renames)
+        for index in range(len(experts)):
+            renames[f"{name}.local_experts.{index}."] = f"{head}local_experts.{offset + index}."
     return renames
 
 
@@ -145,7 +163,7 @@ def megatron_lm_iteration() -> Optional[int]:
 
 
 def versions() -> Dict[str, Optional[str]]:
-    megatron = installed_version("megatron-core")
+    megatron = megatron_version()
     return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}
 
 

@@ -69,6 +69,17 @@ def installed_version(distribution: str) -> Optional[Version]:
         return None
 
 
+def megatron_version() -> Optional[Version]:
+    """The megatron-core that is imported: ``megatron.core.package_info``, which a source checkout on
+    ``PYTHONPATH`` brings with it, where the installed wheel's metadata would name another release."""
+    try:
+        from megatron.core import package_info
+
+        return Version(package_info.__version__)
+    except (ImportError, AttributeError, InvalidVersion):
+        return installed_version("megatron-core")
+
+
 class Instrumentor:
     """One Megatron surface: ``instrument()`` patches it, ``uninstrument()`` restores it exactly.
 
@@ -87,7 +98,7 @@ class Instrumentor:
         return len(self._patcher) > 0
 
     def version_note(self) -> Optional[str]:
-        version = installed_version("megatron-core")
+        version = megatron_version()
         if version is None or version in SpecifierSet(self.supported):
             return None
         return f"megatron-core {version} is outside the tested range {self.supported}"
