@@ -39,6 +39,12 @@ PAIR = {
                          Injection(1, STEP, "embedding.word_embeddings.weight", "inf")),
     "dp2_fp16_distopt": (TinyGPTJob(dtype="fp16", distributed_optimizer=True),
                          Injection(0, STEP, "decoder.final_layernorm.weight", "nan")),
+    "dp2_bf16_norm_as_tensor": (TinyGPTJob(dtype="bf16", norm_as_tensor=True),  # core 0.18+ with TE
+                                Injection(1, STEP, "decoder.layers.1.mlp.linear_fc1.bias", "nan", index=3)),
+    # MoE: 4 experts over EP=2 (allgather dispatcher); the NaN is in global expert 2, rank 1's first local one
+    "ep2_moe_bf16": (TinyGPTJob(dtype="bf16", experts=4, ep=2),
+                     Injection(1, STEP, "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", "nan",
+                               index=5)),
     "pp2_fp32": (TinyGPTJob(pp=2, dtype="fp32", micro_batches=2),
                  Injection(1, STEP, "decoder.layers.1.mlp.linear_fc1.weight", "nan", index=100)),
     "pp2_bf16_distopt": (TinyGPTJob(pp=2, dtype="bf16", micro_batches=2, distributed_optimizer=True),
@@ -115,6 +121,18 @@ def test_pipeline_names_are_global(pair_runs):
     assert any(name.startswith("decoder.layers.1.") for name in last)
     assert not any(name.startswith("decoder.layers.0.") for name in last)
     assert not any(name.startswith("module.") for name in first | last)
+
+
+def test_expert_names_carry_the_global_expert_number_on_every_expert_parallel_rank(pair_runs):
+    run_dir, _ = pair_runs["ep2_moe_bf16"]
+    from .helpers import map_names
+
+    experts = {}
+    for path in sorted((run_dir / "maps").glob("*.json")):
+        names = map_names(str(path)).values()
+        experts[path.name] = {int(name.split(".local_experts.")[1].split(".")[0]) for name in names
+                              if ".local_experts." in name}
+    assert experts == {"rank00000_tp0_pp0_dp0_ep0.json": {0, 1}, "rank00001_tp0_pp0_dp1_ep1.json": {2, 3}}
 
 
 def test_only_the_rank_that_holds_the_nan_scans_it_when_norms_are_not_shared(pair_runs):

@@ -8,6 +8,7 @@ functions Megatron calls with CPU equivalents. Everything it changes is undone b
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -58,6 +59,26 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _CpuStream:
+    """The one stream of a CPU: work is done in order, so every wait and record is already satisfied."""
+
+    def wait_stream(self, *args: Any) -> None:
+        return None
+
+    def wait_event(self, *args: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_stream_context(stream: Any = None) -> contextlib.nullcontext:
+    return contextlib.nullcontext(stream)
+
+
 class CpuShim:
     """Activate once per process before building Megatron models; ``deactivate()`` undoes it."""
 
@@ -77,6 +98,8 @@ class CpuShim:
         for name, replacement in (
             ("current_device", lambda: 0),
             ("synchronize", _no_op),
+            ("current_stream", lambda device=None: _CPU_STREAM),  # core 0.19+ start_grad_sync
+            ("stream", _cpu_stream_context),
             ("get_rng_state", _cpu_rng_state),
             ("set_rng_state", _set_cpu_rng_state),
             ("manual_seed", _cpu_manual_seed),
@@ -86,6 +109,8 @@ class CpuShim:
         self._patcher.set(megatron_random, "_get_cuda_rng_state", _cpu_rng_state)
         self._patcher.set(megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state)
         self._skip_empty_fp8_quantization()
+        self._router_without_transformer_engine()
+        self._in_custom_backward()
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
         return self
@@ -105,6 +130,30 @@ class CpuShim:
             return None
 
         self._patcher.set(distrib_optimizer, "quantize_param_shard", quantize_param_shard)
+
+    def _in_custom_backward(self) -> None:
+        """Torch-function modes are off while autograd runs a custom ``Function.backward`` (Megatron's
+        collectives allocate there with ``device=torch.cuda.current_device()``): enter the mode again."""
+        from torch.autograd import function
+
+        def make(original):
+            def apply(ctx: Any, *args: Any) -> Any:
+                with _CudaToCpuMode():
+                    return original(ctx, *args)
+
+            return apply
+
+        self._patcher.wrap(function.BackwardCFunction, "apply", make)
+
+    def _router_without_transformer_engine(self) -> None:
+        """The MoE router's gating (core 0.16) tests ``te_general_gemm is not None``, a name only bound when
+        Transformer Engine imports; without it the test raises NameError. None selects the torch path."""
+        try:
+            from megatron.core.transformer.moe import moe_utils
+        except ImportError:
+            return
+        if not hasattr(moe_utils, "te_general_gemm"):
+            self._patcher.set(moe_utils, "te_general_gemm", None)
 
     def deactivate(self) -> None:
         if self._mode is not None:

@@ -11,9 +11,10 @@ import dataclasses
 import json
 import math
 import tempfile
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -74,6 +75,9 @@ class TinyGPTJob:
     gradnan: Optional[Dict[str, Any]] = None  # install() options; strict=True unless given: an internal error fails the job
     quiet: bool = False
     count_host_syncs: bool = False
+    experts: int = 0  # MoE: experts per MLP (0: dense), spread over ``ep`` expert-parallel ranks
+    ep: int = 1
+    norm_as_tensor: bool = False  # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -126,10 +130,12 @@ def _build_model(job: TinyGPTJob, pp_rank: int):
         attention_dropout=0.0,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if job.recompute else {}),
+        **({"num_moe_experts": job.experts, "expert_model_parallel_size": job.ep, "moe_router_topk": 2,
+            "moe_token_dispatcher_type": "allgather"} if job.experts else {}),
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
         vocab_size=job.vocab_size,
         max_sequence_length=job.seq_length,
         pre_process=pp_rank == 0,
@@ -284,7 +290,8 @@ class TinyGPT:
 
         self.job, self.rank = job, rank
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp
+            tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp,
+            expert_model_parallel_size=job.ep,
         )
         torch.manual_seed(job.seed)
         model_parallel_cuda_manual_seed(job.seed)
@@ -344,16 +351,41 @@ class TinyGPT:
         _apply_main_grad_injections(job, rank, step, [chunk], optimizer, self.result)
         update_successful, grad_norm, _ = optimizer.step()
         loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
+        grad_norm = float(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
         outcome = StepResult(step, loss, grad_norm, bool(update_successful))
         self.result.steps.append(outcome)
         return outcome
+
+
+@contextmanager
+def _grad_norm_as_tensor() -> Iterator[None]:
+    """Megatron's optimizers get their grad norm back as a one-element tensor, as ``get_grad_norm_fp32``
+    returns it from core 0.18 with Transformer Engine (0.16's returns a float)."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    from gradnan.training.megatron.patcher import Patcher
+
+    def make(original):
+        def as_tensor(*args, **kwargs):
+            return torch.tensor([original(*args, **kwargs)], dtype=torch.float32)
+
+        return as_tensor
+
+    patcher = Patcher()
+    patcher.wrap(megatron_optimizer, "get_grad_norm_fp32", make)
+    try:
+        yield
+    finally:
+        patcher.undo()
 
 
 def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
 
-    with one_job():
+    with one_job(), ExitStack() as stack:
+        if job.norm_as_tensor:
+            stack.enter_context(_grad_norm_as_tensor())
         model = TinyGPT(job, rank, install=(lambda: gradnan.install(**{"strict": True, **job.gradnan}))
                         if job.gradnan is not None else None)
         for _ in range(job.steps):
