@@ -17,12 +17,13 @@ import argparse
 import os
 import runpy
 import sys
+import traceback
 from dataclasses import fields
 from typing import List, Optional
 
 from .commandline import OneLineParser, bad_input, boolean
 from .config import GradnanConfig
-from .errors import GradnanError, UsageError
+from .errors import INTENDED_STOPS, GradnanError, UsageError
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
@@ -50,10 +51,27 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UsageError("give the training script (or -m MODULE) to run")
         if not args.module and not os.path.isfile(args.target[0]):
             raise UsageError(f"no such script: {args.target[0]}")
-        gradnan.install(config_file=args.config_file,
-                        **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
+        installation = gradnan.install(config_file=args.config_file,
+                                       **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
     except GradnanError as exc:
         return bad_input("gradnan.run", exc)
+    target = f"-m {args.module}" if args.module else args.target[0]
+    try:
+        _run_target(args)
+    except INTENDED_STOPS as exc:
+        _print_script_traceback(exc)
+        print(f"gradnan.run: gradnan stopped {target} as configured: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        _print_script_traceback(exc)
+        print(f"gradnan.run: the training script {target} failed ({type(exc).__name__}: {exc}); the error is"
+              f" the script's own, gradnan only ran it. gradnan's files: {installation.out_dir}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_target(args: argparse.Namespace) -> None:
     if args.module:
         sys.argv = [args.module, *args.target]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)
@@ -62,7 +80,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.argv = [script, *rest]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
-    return 0
+
+
+def _print_script_traceback(exc: BaseException) -> None:
+    """The traceback as the script alone would show it (its causes too): the launcher's and runpy's frames
+    left out."""
+    own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    report = traceback.TracebackException.from_exception(exc)
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename not in own and os.path.abspath(frame.filename) not in own])
+    print("".join(report.format()), end="", file=sys.stderr)
 
 
 if __name__ == "__main__":
