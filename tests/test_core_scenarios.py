@@ -47,6 +47,12 @@ PAIR = {
                                index=5)),
     "pp2_fp32": (TinyGPTJob(pp=2, dtype="fp32", micro_batches=2),
                  Injection(1, STEP, "decoder.layers.1.mlp.linear_fc1.weight", "nan", index=100)),
+    # interleaved pipeline: 2 chunks per rank, rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+    "pp2_vpp2_fp32": (TinyGPTJob(pp=2, vpp=2, num_layers=4, micro_batches=2),
+                      Injection(0, STEP, "decoder.layers.2.mlp.linear_fc1.weight", "nan", index=7)),
+    "dp2_bf16_overlap_param_gather": (TinyGPTJob(dtype="bf16", distributed_optimizer=True, overlap_grad_reduce=True,
+                                                 overlap_param_gather=True, bucket_size=6000),
+                                      Injection(1, STEP, "decoder.layers.0.mlp.linear_fc2.weight", "inf")),
     "pp2_bf16_distopt": (TinyGPTJob(pp=2, dtype="bf16", micro_batches=2, distributed_optimizer=True),
                          Injection(0, STEP, "embedding.position_embeddings.weight", "inf", index=31)),
 }
@@ -121,6 +127,16 @@ def test_pipeline_names_are_global(pair_runs):
     assert any(name.startswith("decoder.layers.1.") for name in last)
     assert not any(name.startswith("decoder.layers.0.") for name in last)
     assert not any(name.startswith("module.") for name in first | last)
+
+
+def test_virtual_pipeline_chunks_carry_their_global_layer_numbers(pair_runs):
+    run_dir, _ = pair_runs["pp2_vpp2_fp32"]
+    from .helpers import map_names
+
+    layers = {path.name: {int(name.split(".")[2]) for name in map_names(str(path)).values()
+                          if name.startswith("decoder.layers.")}
+              for path in sorted((run_dir / "maps").glob("*.json"))}
+    assert layers == {"rank00000_tp0_pp0_dp0.json": {0, 2}, "rank00001_tp0_pp1_dp0.json": {1, 3}}
 
 
 def test_expert_names_carry_the_global_expert_number_on_every_expert_parallel_rank(pair_runs):

@@ -54,9 +54,11 @@ class TinyGPTJob:
     world_size: int = 2
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (interleaved schedule when > 1)
     dtype: str = "fp32"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     bucket_size: Optional[int] = None
     check_for_nan_in_grad: bool = False
     steps: int = 3
@@ -108,7 +110,9 @@ class JobFailed(RuntimeError):
         self.errors = errors
 
 
-def _build_model(job: TinyGPTJob, pp_rank: int):
+def _build_chunks(job: TinyGPTJob):
+    """The model config and this pipeline rank's model chunks (``job.vpp`` of them)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -132,20 +136,25 @@ def _build_model(job: TinyGPTJob, pp_rank: int):
            if job.recompute else {}),
         **({"num_moe_experts": job.experts, "expert_model_parallel_size": job.ep, "moe_router_topk": 2,
             "moe_token_dispatcher_type": "allgather"} if job.experts else {}),
+        **({"virtual_pipeline_model_parallel_size": job.vpp} if job.vpp > 1 else {}),
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
-        vocab_size=job.vocab_size,
-        max_sequence_length=job.seq_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == job.pp - 1,
-        position_embedding_type=job.position_embedding,
-    )
-    return config, model
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+    def chunk(vp_stage: int):
+        if job.vpp == 1:
+            return {"pre_process": pp_rank == 0, "post_process": pp_rank == job.pp - 1}
+        return {"vp_stage": vp_stage,
+                "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)}
+
+    chunks = [GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
+                       vocab_size=job.vocab_size, max_sequence_length=job.seq_length,
+                       position_embedding_type=job.position_embedding, **chunk(vp_stage))
+              for vp_stage in range(job.vpp)]
+    return config, chunks
 
 
-def _wrap_model(job: TinyGPTJob, config, model):
+def _wrap_model(job: TinyGPTJob, config, model, bucketing: bool = True):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -154,11 +163,13 @@ def _wrap_model(job: TinyGPTJob, config, model):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=job.dtype != "fp32",
         overlap_grad_reduce=job.overlap_grad_reduce,
+        overlap_param_gather=job.overlap_param_gather,
         use_distributed_optimizer=job.distributed_optimizer,
         check_for_nan_in_grad=job.check_for_nan_in_grad,
         bucket_size=job.bucket_size,
     )
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                   disable_bucketing=not bucketing)
 
 
 def _batches(job: TinyGPTJob, dp_rank: int):
@@ -292,13 +303,16 @@ class TinyGPT:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=job.tp, pipeline_model_parallel_size=job.pp,
             expert_model_parallel_size=job.ep,
+            **({"virtual_pipeline_model_parallel_size": job.vpp} if job.vpp > 1 else {}),
         )
         torch.manual_seed(job.seed)
         model_parallel_cuda_manual_seed(job.seed)
-        config, model = _build_model(job, parallel_state.get_pipeline_model_parallel_rank())
-        self.chunk = _wrap_model(job, config, model)
+        config, models = _build_chunks(job)
+        # as Megatron-LM does: only the first chunk's gradients are bucketed
+        self.chunks = [_wrap_model(job, config, model, bucketing=index == 0) for index, model in enumerate(models)]
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.chunk.no_sync
+        no_sync = [chunk.no_sync for chunk in self.chunks]
+        config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         if install is not None:
             install()
         self.optimizer = get_megatron_optimizer(
@@ -312,13 +326,19 @@ class TinyGPT:
                 use_distributed_optimizer=job.distributed_optimizer,
                 initial_loss_scale=2.0**12,
             ),
-            [self.chunk],
+            self.chunks,
         )
         config.grad_scale_func = self.optimizer.scale_loss
-        self.batches = _batches(job, parallel_state.get_data_parallel_rank())
+        # one iterator per chunk (the interleaved schedule takes a list), each drawing the same micro-batches
+        self.batches = [_batches(job, parallel_state.get_data_parallel_rank()) for _ in self.chunks]
         self.forward_backward = get_forward_backward_func()
-        self.result = WorkerResult(rank=rank, bucket_groups=len(self.chunk.bucket_groups)
-                                   + len(self.chunk.expert_parallel_bucket_groups))
+        self.result = WorkerResult(rank=rank, bucket_groups=sum(
+            len(chunk.bucket_groups) + len(chunk.expert_parallel_bucket_groups) for chunk in self.chunks))
+
+    @property
+    def chunk(self):
+        """The first model chunk (the only one without virtual pipeline stages)."""
+        return self.chunks[0]
 
     def step(self) -> StepResult:
         if not self.job.count_host_syncs:
@@ -331,16 +351,17 @@ class TinyGPT:
         return outcome
 
     def _step(self) -> StepResult:
-        job, rank, chunk, optimizer = self.job, self.rank, self.chunk, self.optimizer
+        job, rank, chunks, optimizer = self.job, self.rank, self.chunks, self.optimizer
         step = len(self.result.steps) + 1
-        chunk.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        _apply_scale_injections(job, rank, step, [chunk], self.result)
-        hooks = _arm_hook_injections(job, rank, step, [chunk], optimizer, self.result)
+        _apply_scale_injections(job, rank, step, chunks, self.result)
+        hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
         losses = self.forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=self.batches,
-            model=[chunk],
+            data_iterator=self.batches if len(chunks) > 1 else self.batches[0],
+            model=chunks,
             num_microbatches=job.micro_batches,
             seq_length=job.seq_length,
             micro_batch_size=job.micro_batch_size,
@@ -348,7 +369,7 @@ class TinyGPT:
         )
         for hook in hooks:
             hook.remove()
-        _apply_main_grad_injections(job, rank, step, [chunk], optimizer, self.result)
+        _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
         update_successful, grad_norm, _ = optimizer.step()
         loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
         grad_norm = float(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
