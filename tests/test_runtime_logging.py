@@ -189,3 +189,24 @@ def test_an_optimizer_index_is_never_reused_after_an_optimizer_is_collected(make
     third = FakeOptimizer()
     runtime.optimizer_built(third, lambda: [_slot()])
     assert runtime.detections.optimizer(third)[0].index == 2
+
+
+def test_a_rank_producing_a_nonfinite_gradient_is_one_error_whichever_way_it_was_read(make_runtime, caplog):
+    """Read at once (``pre_reduction="sync"``, or Megatron's ``check_for_nan_in_grad`` on) or at the norm:
+    the same finding, the same level."""
+    grad = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+    levels = {}
+    for mode in ("sync", "deferred"):
+        runtime, optimizer, group = make_runtime(), FakeOptimizer(), FakeOptimizer()
+        runtime.begin_step(optimizer, lambda: [_slot()])
+        assert runtime.first_sync_of_step(group)
+        describe = lambda g, bad: ([_slot()], [grad], [{"bucket": 0}])  # noqa: E731
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="gradnan"):
+            if mode == "sync":
+                runtime.pre_reduction_flags(group, torch.tensor([False]), describe, mode="sync")
+            else:
+                runtime.defer_pre_reduction_flags(group, torch.tensor([False]), describe)
+                runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
+        [levels[mode]] = [r.levelname for r in caplog.records if "BEFORE the data-parallel" in r.getMessage()]
+    assert levels == {"sync": "ERROR", "deferred": "ERROR"}

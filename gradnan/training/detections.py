@@ -90,8 +90,10 @@ class Detections:
             self._deferred.append((group, flags, describe))
 
     def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str,
-                            level: int = logging.WARNING) -> bool:
-        """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad."""
+                            level: int = logging.ERROR) -> bool:
+        """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad. Logged at
+        ERROR whether it is read at once (``pre_reduction="sync"``, or Megatron's own check is on) or at the
+        non-finite norm, DEBUG only under a routine fp16 overflow."""
         bad = [index for index, finite in enumerate(flags.tolist()) if not finite]
         if not bad:
             return False
