@@ -64,7 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except Exception as exc:
         _print_script_traceback(exc)
-        print(f"gradnan.run: the training script {target} failed ({type(exc).__name__}: {exc}); the error is"
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        print(f"gradnan.run: the training script {target} failed ({error}); the error is"
               f" the script's own, gradnan only ran it. gradnan's files: {installation.out_dir}",
               file=sys.stderr)
         return 1

@@ -121,7 +121,9 @@ def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, cap
     assert blocker.read_text() == "x"
 
 
-def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, megatron_lm_args, make_runtime):
+def test_records_and_log_lines_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, megatron_lm_args,
+                                                                              make_runtime, caplog):
+    """A resumed run: gradnan's own step count starts at 1, the log says the iteration Megatron-LM prints."""
     import json
 
     from gradnan.training.megatron.model import megatron_lm_iteration
@@ -131,9 +133,11 @@ def test_records_carry_megatron_lms_iteration_when_its_loop_runs(tmp_path, megat
     runtime = make_runtime(facts={"iteration": megatron_lm_iteration})
     optimizer = FakeOptimizer()
     runtime.begin_step(optimizer, lambda: [_slot()])
-    runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [torch.tensor([float("nan")] * 4)])
+    with caplog.at_level(logging.ERROR, logger="gradnan"):
+        runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [torch.tensor([float("nan")] * 4)])
     [line] = next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()
     assert json.loads(line)["iteration"] == 42 and json.loads(line)["step"] == 1
+    assert caplog.records[0].getMessage().startswith("iteration 42: grad norm is nan;")
 
 
 def test_an_explicit_capture_of_the_first_iteration_after_a_resume_is_taken(tmp_path, megatron_lm_args,

@@ -381,19 +381,29 @@ class TinyGPT:
 @contextmanager
 def _grad_norm_as_tensor() -> Iterator[None]:
     """Megatron's optimizers get their grad norm back as a one-element tensor, as ``get_grad_norm_fp32``
-    returns it from core 0.18 with Transformer Engine (0.16's returns a float)."""
+    returns it from core 0.18 with Transformer Engine (0.16's returns a float). Without Transformer Engine
+    the clip cannot scale by a tensor (0.17+ asserts so): it is given the number, as a TE build's clip
+    reads it on the device."""
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
     from gradnan.training.megatron.patcher import Patcher
 
-    def make(original):
+    def norm_as_tensor(original):
         def as_tensor(*args, **kwargs):
             return torch.tensor([original(*args, **kwargs)], dtype=torch.float32)
 
         return as_tensor
 
+    def clip_by_number(original):
+        def clip(parameters, max_norm, total_norm, *args, **kwargs):
+            number = float(total_norm) if isinstance(total_norm, torch.Tensor) else total_norm
+            return original(parameters, max_norm, number, *args, **kwargs)
+
+        return clip
+
     patcher = Patcher()
-    patcher.wrap(megatron_optimizer, "get_grad_norm_fp32", make)
+    patcher.wrap(megatron_optimizer, "get_grad_norm_fp32", norm_as_tensor)
+    patcher.wrap(megatron_optimizer, "clip_grad_by_total_norm_fp32", clip_by_number)
     try:
         yield
     finally:

@@ -31,7 +31,7 @@ from .clock import StepClock
 from .events import ModelFacts, NamedModules
 from .frames import FrameTracer, forward_origin, in_backward
 from .guard import ErrorGuard
-from .messages import where
+from .messages import when, where
 from .recorder import OpRecorder
 from .window import RecordingWindow
 from .writer import Writer
@@ -282,7 +282,7 @@ class CaptureManager:
         written = self._writer.bundle(step, capture.name, manifest, tensors)
         if written is None:
             return False
-        logger.warning("step %d: captured %s on %s (%s); replay it: gradnan replay %s", step, capture.name,
+        logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written), capture.name,
                        where(written), capture.mode, written["_path"])
         return True
 

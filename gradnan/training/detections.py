@@ -20,7 +20,7 @@ from .capture import CaptureManager
 from .clock import StepClock
 from .detect import offending_params
 from .events import DescribeBuckets, Grads
-from .messages import describe_params, is_power_of_two, where
+from .messages import describe_params, is_power_of_two, when, where
 from .stops import stop_if_asked
 from .writer import Writer
 
@@ -110,8 +110,8 @@ class Detections:
             self._pre_reduction_found = True
             first, self._pre_reduction_logged = not self._pre_reduction_logged, True
         logger.log(level if first else logging.DEBUG,
-                   "step %d: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
-                   " this rank produced it; record: %s", record["step"], where(record),
+                   "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
+                   " this rank produced it; record: %s", when(record), where(record),
                    describe_params(record), record["_path"])
         return True
 
@@ -145,17 +145,17 @@ class Detections:
         count = state.consecutive_nonfinite
         if count > 1:
             logger.log(logging.WARNING if is_power_of_two(count) else logging.DEBUG,
-                       "step %d: grad norm non-finite for %d consecutive steps on %s; %s",
-                       record["step"], count, where(record), describe_params(record))
+                       "%s: grad norm non-finite for %d consecutive steps on %s; %s",
+                       when(record), count, where(record), describe_params(record))
         elif record["params"]:
-            logger.error("step %d: grad norm is %s; %s on %s; record: %s. Without a loss scaler"
+            logger.error("%s: grad norm is %s; %s on %s; record: %s. Without a loss scaler"
                          " Megatron applies this update: the weights become non-finite.",
-                         record["step"], record["grad_norm"], describe_params(record), where(record),
+                         when(record), record["grad_norm"], describe_params(record), where(record),
                          record["_path"])
         else:
-            logger.warning("step %d: grad norm is %s; the gradients on %s are finite (the bad value"
+            logger.warning("%s: grad norm is %s; the gradients on %s are finite (the bad value"
                            " came from another rank through the norm's all-reduce); record: %s",
-                           record["step"], record["grad_norm"], where(record), record["_path"])
+                           when(record), record["grad_norm"], where(record), record["_path"])
         self._capture_after(record, len(slots))
         stop_if_asked(self.config, record)
 
@@ -175,15 +175,15 @@ class Detections:
             self._capture_after(record, len(slots))
         if collapsed and not state.scale_collapse_reported:
             state.scale_collapse_reported = True
-            logger.error("step %d: loss scale collapsed to %s (its minimum) after %d skipped steps;"
-                         " %s; record: %s", record["step"], scale, skips, describe_params(record), record["_path"])
+            logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
+                         " %s; record: %s", when(record), scale, skips, describe_params(record), record["_path"])
             stop_if_asked(self.config, record)
         elif skips >= first and is_power_of_two(skips // first) and skips % first == 0:
-            logger.warning("step %d: %d consecutive fp16 steps skipped for gradient overflow"
-                           " (loss scale %s); %s; record: %s", record["step"], skips, scale,
+            logger.warning("%s: %d consecutive fp16 steps skipped for gradient overflow"
+                           " (loss scale %s); %s; record: %s", when(record), skips, scale,
                            describe_params(record), record["_path"])
         else:
-            logger.debug("step %d: loss-scale overflow (scale %s), step skipped", record["step"], scale)
+            logger.debug("%s: loss-scale overflow (scale %s), step skipped", when(record), scale)
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
         """Capture: write what retention kept of this step; arm the implicated module where this rank may

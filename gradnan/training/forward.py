@@ -12,7 +12,7 @@ from ..log import logger
 from .clock import StepClock
 from .events import NamedModules
 from .frames import FrameBuffer, FrameTracer, first_nonfinite
-from .messages import where
+from .messages import when, where
 from .probe import Probes, enclosing_module
 from .stops import stop_if_asked
 from .window import RecordingWindow
@@ -79,8 +79,8 @@ class ForwardWatch:
         record = self._writer.record("frames", step, [], {
             "mode": "detect", "frames": [f.to_json() for f in window], "frames_total": len(window),
             "first_nonfinite": len(window) - 1, "local_nonfinite": True})
-        logger.error("step %d: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
-                     " %s; frame detection now stops", step, last.module or "<model>", last.cls, where(record),
+        logger.error("%s: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
+                     " %s; frame detection now stops", when(record), last.module or "<model>", last.cls, where(record),
                      len(window) - 1, record["_path"])
         self.frames.detach()
         stop_if_asked(self.config, record)
@@ -97,6 +97,6 @@ class ForwardWatch:
     def _write_probes(self, step: int, bad: List[Dict[str, Any]]) -> None:
         record = self._writer.record("probe", step, [], {"probes": bad, "local_nonfinite": True})
         first = bad[0]
-        logger.error("step %d: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", step,
+        logger.error("%s: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", when(record),
                      first["label"], first["nan"], first["inf"], first["module"] or "code outside any module",
                      where(record), record["_path"])

@@ -13,6 +13,12 @@ def where(document: Dict[str, Any]) -> str:
     return rank_label(document["rank"], "inside")
 
 
+def when(document: Dict[str, Any]) -> str:
+    """The step as the user's own log counts it: Megatron-LM's iteration where its loop runs."""
+    iteration = document.get("iteration")
+    return f"iteration {iteration}" if iteration is not None else f"step {document['step']}"
+
+
 def describe_params(record: Dict[str, Any]) -> str:
     params = record["params"]
     if not params:

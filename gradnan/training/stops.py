@@ -7,13 +7,13 @@ from typing import Any, Dict
 
 from ..config import GradnanConfig, OnNonfinite
 from ..errors import AbortRequested, NonFiniteGradientError
-from .messages import where
+from .messages import when, where
 
 
 def stop_if_asked(config: GradnanConfig, record: Dict[str, Any]) -> None:
     if config.on_nonfinite is OnNonfinite.RAISE:
         raise NonFiniteGradientError(
-            f"gradnan: {record['kind']} at step {record['step']} on {where(record)}; stopping as"
+            f"gradnan: {record['kind']} at {when(record)} on {where(record)}; stopping as"
             f" configured (on_nonfinite=raise); record: {record['_path']}")
 
 
