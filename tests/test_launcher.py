@@ -62,11 +62,18 @@ def test_launcher_usage_errors_are_one_line_before_anything_is_installed(args, m
     assert "gradnan installed" not in result.stderr
 
 
-def test_a_failing_script_is_reported_as_the_scripts_error_without_the_launchers_frames(tmp_path):
+def _launch_script(tmp_path, source):
+    """``python -m gradnan.run`` on a script holding ``source``; the script's path and the result."""
     script = tmp_path / "train.py"
-    script.write_text("def load_batch():\n    raise ValueError('shard 7 is truncated')\n\nload_batch()\n")
+    script.write_text(source)
     result = subprocess.run([sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"), str(script)],
                             capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    return script, result
+
+
+def test_a_failing_script_is_reported_as_the_scripts_error_without_the_launchers_frames(tmp_path):
+    script, result = _launch_script(tmp_path, "def load_batch():\n    raise ValueError('shard 7 is truncated')\n\n"
+                                              "load_batch()\n")
     assert result.returncode == 1
     *trace, last = result.stderr.strip().splitlines()
     assert last == (f"gradnan.run: the training script {script} failed (ValueError: shard 7 is truncated); the"
@@ -76,10 +83,7 @@ def test_a_failing_script_is_reported_as_the_scripts_error_without_the_launchers
 
 
 def test_a_stop_the_kit_was_asked_for_is_named_as_such(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text("import gradnan\nraise gradnan.AbortRequested('abort_after_step=3 reached')\n")
-    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"), str(script)],
-                            capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    script, result = _launch_script(tmp_path, "import gradnan\nraise gradnan.AbortRequested('abort_after_step=3 reached')\n")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"gradnan.run: gradnan stopped {script} as configured: abort_after_step=3 reached")

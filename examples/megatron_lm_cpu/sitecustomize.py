@@ -1,0 +1,126 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` on a CPU-only torch (gloo), to try gradnan without a GPU.
+
+Not needed, and not to be used, on GPUs. Put this directory on ``PYTHONPATH`` with
+``MEGATRON_LM_ON_CPU=1`` (docs/recipes.md has the whole command). It acts only inside torchrun's
+workers (``LOCAL_RANK`` set) and changes nothing in Megatron-LM's files: it tells Megatron-LM that one
+CUDA device is there, gives it the streams and device properties it asks for, points the legacy fused-
+kernel loader at a stand-in ``nvcc`` that only prints a version, and activates gradnan's CPU shim
+(``gradnan.testing.cpu_shim``), which sends every CUDA tensor to the CPU.
+
+To see gradnan at work it can also plant a fault, at one iteration on one rank, from outside the script:
+- ``PLANT_NAN=RANK:ITERATION:PARAMETER``: a NaN in that parameter's gradient during backward;
+- ``PLANT_OVERFLOW=RANK:ITERATION:MODULE``: an Inf in that module's forward output.
+ITERATION is the one Megatron-LM's log prints; names are global (``decoder.layers.1.mlp.linear_fc1``).
+"""
+
+import os
+
+if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
+    import contextlib
+    import stat
+    import sys
+    import tempfile
+    import types
+
+    import torch
+
+    class _Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args):
+            pass
+
+        def wait_event(self, *args):
+            pass
+
+        def record_event(self, *args):
+            return None
+
+        def synchronize(self):
+            pass
+
+    def _fake_nvcc_home() -> str:
+        home = tempfile.mkdtemp(prefix="fake-cuda-home-")
+        os.makedirs(os.path.join(home, "bin"))
+        nvcc = os.path.join(home, "bin", "nvcc")
+        with open(nvcc, "w") as out:
+            out.write("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.0'\n")
+        os.chmod(nvcc, stat.S_IRWXU)
+        return home
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(
+        major=9, minor=0, name="cpu (stand-in)", total_memory=16 << 30, multi_processor_count=1)
+    import torch.utils.cpp_extension
+
+    torch.utils.cpp_extension.CUDA_HOME = _fake_nvcc_home()
+
+    from gradnan.testing.cpu_shim import SHIM
+
+    SHIM.activate()
+
+    def _planted(variable):
+        spec = os.environ.get(variable)
+        if not spec:
+            return None
+        rank, iteration, name = spec.split(":", 2)
+        return int(rank), int(iteration), name
+
+    def _iteration():
+        from megatron.training.global_vars import get_args
+
+        return get_args().curr_iteration + 1
+
+    def _plant_faults() -> None:
+        """Wrap Megatron DDP's constructor: the model is built, its global names are known."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        from gradnan.training.megatron.model import global_named_modules, global_named_parameters
+
+        nan, overflow = _planted("PLANT_NAN"), _planted("PLANT_OVERFLOW")
+        original = DistributedDataParallel.__init__
+        rank = int(os.environ.get("RANK", "0"))
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if nan is not None and nan[0] == rank:
+                for name, param in global_named_parameters([self]):
+                    if name == nan[2]:
+                        param.register_hook(_poisoning(nan[1], float("nan")))
+            if overflow is not None and overflow[0] == rank:
+                for name, module in global_named_modules([self]):
+                    if name == overflow[2]:
+                        module.register_forward_hook(_overflowing(overflow[1]))
+
+        DistributedDataParallel.__init__ = init
+
+    def _poisoning(iteration, value):
+        """A tensor's first element set to ``value`` at ``iteration`` (a copy: autograd's tensors untouched)."""
+        def poison(tensor):
+            if _iteration() != iteration:
+                return tensor
+            tensor = tensor.clone()
+            tensor.view(-1)[0] = value
+            return tensor
+
+        return poison
+
+    def _overflowing(iteration):
+        poison = _poisoning(iteration, float("inf"))
+
+        def hook(module, inputs, output):
+            if isinstance(output, tuple):
+                return (poison(output[0]), *output[1:])
+            return poison(output)
+
+        return hook
+
+    if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
+        _plant_faults()
+    print(f"[sitecustomize rank {os.environ.get('RANK')}] Megatron-LM on CPU (stand-in CUDA)", file=sys.stderr)
