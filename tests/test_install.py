@@ -30,12 +30,12 @@ def _megatron_attributes():
 
 
 def _builder_modules():
-    """The modules that bind the param-group builder (``optimizer.muon`` exists from core 0.15 on)."""
+    """The modules that bind the param-group builder (``optimizer.muon`` from core 0.15 to 0.18)."""
     import importlib.util
 
     names = ("megatron.core.optimizer", "megatron.core.optimizer.muon")
-    return [importlib.import_module(name) for name in names
-            if importlib.util.find_spec(name) is not None]
+    modules = [importlib.import_module(name) for name in names if importlib.util.find_spec(name) is not None]
+    return [module for module in modules if hasattr(module, "_get_param_groups")]
 
 
 @pytest.fixture(autouse=True)
