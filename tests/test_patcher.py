@@ -389,13 +389,13 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
     assert "megatron-core 0.99.0rc1 is outside the tested range" in Instrumentor().version_note()
 
 
-@pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.16.99"])
+@pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.17.1", "0.19.1", "0.20.0", "0.20.99"])
 def test_version_note_none_within_supported_range(mocker, version):
     mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
     assert Instrumentor().version_note() is None
 
 
-@pytest.mark.parametrize("version", ["0.11.9", "0.17.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.11.9", "0.21.0", "1.0.0"])
 def test_version_note_outside_range_names_version_and_range(mocker, version):
     installed = mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
     note = Instrumentor().version_note()

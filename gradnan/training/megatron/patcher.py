@@ -88,7 +88,7 @@ class Instrumentor:
     """
 
     name = "?"
-    supported = ">=0.12,<0.17"
+    supported = ">=0.12,<0.21"
 
     def __init__(self) -> None:
         self._patcher = Patcher()
