@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..errors import InputError
 
@@ -130,16 +130,16 @@ def nonfinite_counts(entry: Mapping[str, Any]) -> str:
                      if entry.get(key))
 
 
-def write_json_atomic(path: Path, document: Mapping[str, Any]) -> None:
+def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
-    sees the whole document or none of it."""
+    sees the whole document or none of it. ``indent=None``: compact, for large documents."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(temporary, 0o644)  # mkstemp makes it 0600; documents are read by other users' tools
         with os.fdopen(handle, "w") as stream:
-            json.dump(document, stream, indent=1, allow_nan=False)
-            stream.write("\n")
+            stream.write(json.dumps(document, indent=indent, allow_nan=False,
+                                    separators=None if indent else (",", ":")) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)

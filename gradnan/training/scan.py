@@ -6,7 +6,7 @@ Two levels, in the manner of ``torch.nn.utils.clip_grad``:
   Fused fast path: tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into
   the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each.
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
-  finite values), computed only on the rows whose sum is non-finite.
+  finite values), computed only on the rows whose min or max is non-finite.
 Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), never the
 size of the input; results stay on the device until one host read per level.
 """
@@ -150,8 +150,9 @@ def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
 def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Optional[NonFinite]:
     """Exact NaN/Inf statistics of ``tensor``, or None when every element is finite.
 
-    Per row: a sum (finite or not), a min and a max (the finite rows' abs max); the exact counts only
-    for the rows whose sum is not finite. Two host reads (one for a tensor of at most one row)."""
+    Per row: a min and a max (NaN propagates into both, an Inf shows in one; the finite rows' abs max),
+    two reads of the tensor in all; the exact counts only for the rows where either is not finite. Two host
+    reads (one for a tensor of at most one row)."""
     flat = _flat(tensor)
     if flat.numel() == 0:
         return None
@@ -162,9 +163,9 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
             return None
         return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
     views = _rows(flat, chunk)
-    finite = torch.cat([torch.isfinite(_sum(view, dim=1)) for view in views])
     lows = torch.cat([view.amin(dim=1) for view in views])
     highs = torch.cat([view.amax(dim=1) for view in views])
+    finite = torch.isfinite(lows) & torch.isfinite(highs)
     good_abs_max = torch.where(finite, torch.maximum(-lows, highs), 0).amax().to(torch.float64)
     bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
     if not bad_rows:

@@ -1,0 +1,167 @@
+"""gradnan at real scale: the report over thousands of ranks, maps of 50,000 tensors, the failing-path scan.
+
+    python benchmarks/scale.py                        # 64, 512, 4096 ranks (about 3 minutes on 2 cores)
+    python benchmarks/scale.py --ranks 64,512,4096,16384 --records-mb 200
+
+1. ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own writers
+   (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one origin):
+   CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text; then one rank
+   whose records file holds ``--records-mb`` MB. Each run directory is deleted after it is measured.
+2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch model and optimizer) and
+   ``maps.to_json`` + ``maps.write``, as the training side does at the first step.
+3. The failing-path scan over 50,000 separate tensors (``find_nonfinite``, one NaN) against the floor:
+   one pass (a sum) over the same bytes as one flat tensor; and ``locate`` over one large tensor against
+   the same floor, in fp32 and bf16. Medians of ``--reps`` and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+from gradnan.formats import maps
+from gradnan.testing.synthetic import write_long_records, write_run_dir
+from gradnan.training.megatron.optimizer_params import param_slots
+from gradnan.training.scan import find_nonfinite, locate
+
+
+def measure_report(run_dir: Path) -> Dict[str, float]:
+    """``gradnan report RUN_DIR`` in its own process: CPU seconds, peak RSS (MB), lines of text."""
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen([sys.executable, "-m", "gradnan", "report", str(run_dir)], stdout=output,
+                                   stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        text = output.read().decode()
+    if process.returncode != 0:
+        raise SystemExit(f"gradnan report {run_dir} failed ({process.returncode}): {text[-500:]}")
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
+            "lines": len(text.splitlines())}
+
+
+def report_at(root: Path, world_size: int) -> Dict[str, float]:
+    run_dir = root / f"ranks{world_size}"
+    started = time.perf_counter()
+    write_run_dir(run_dir, world_size)
+    written = time.perf_counter() - started
+    try:
+        return {"ranks": world_size, "write_s": written, **measure_report(run_dir)}
+    finally:
+        shutil.rmtree(run_dir)
+
+
+def report_long_records(root: Path, megabytes: int) -> Dict[str, float]:
+    run_dir = root / "long_records"
+    count = write_long_records(run_dir, megabytes << 20)
+    try:
+        return {"records": count, "megabytes": megabytes, **measure_report(run_dir)}
+    finally:
+        shutil.rmtree(run_dir)
+
+
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class TorchOptimizer:
+    """Megatron's ``FP32Optimizer`` as ``param_slots`` sees it: a torch optimizer and the model chunks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.model_chunks = [model]
+
+
+def many_tensor_model(count: int, numel: int) -> torch.nn.Module:
+    model = torch.nn.Module()
+    for layer in range(count // 10):
+        block = torch.nn.Module()
+        for index in range(10):
+            block.register_parameter(f"w{index}", torch.nn.Parameter(torch.zeros(numel)))
+        model.add_module(f"layer{layer}", block)
+    return model
+
+
+def map_figures(count: int, reps: int, out_dir: Path) -> Dict[str, float]:
+    optimizer = TorchOptimizer(many_tensor_model(count, 4))
+    coords = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}
+    build = median_seconds(lambda: param_slots(optimizer), reps)
+    slots, _ = param_slots(optimizer)
+    path = out_dir / "map.json"
+    write = median_seconds(lambda: maps.write(path, maps.to_json(coords, {}, {}, 0, "FP32Optimizer", slots)), reps)
+    return {"tensors": count, "build_s": build, "write_s": write, "total_s": build + write,
+            "file_mb": path.stat().st_size / 1e6}
+
+
+def scan_figures(count: int, numel: int, reps: int) -> Dict[str, float]:
+    tensors = [torch.randn(numel) for _ in range(count)]
+    tensors[count // 2][numel // 3] = float("nan")
+    flat = torch.randn(count * numel)
+    found = find_nonfinite(tensors)
+    assert [index for index, _ in found] == [count // 2], found
+    scan = median_seconds(lambda: find_nonfinite(tensors), reps)
+    floor = median_seconds(lambda: bool(torch.isfinite(flat.sum())), reps)
+    return {"tensors": count, "elements": count * numel, "scan_s": scan, "floor_s": floor, "ratio": scan / floor}
+
+
+def locate_figures(numel: int, dtype: torch.dtype, reps: int) -> Dict[str, float]:
+    tensor = torch.randn(numel).to(dtype)
+    tensor[numel // 2] = float("nan")
+    assert locate(tensor).nan == 1
+    found = median_seconds(lambda: locate(tensor), reps)
+    floor = median_seconds(lambda: bool(torch.isfinite(tensor.sum())), reps)
+    return {"dtype": str(dtype), "elements": numel, "locate_s": found, "floor_s": floor, "ratio": found / floor}
+
+
+def table(rows: List[Dict[str, float]]) -> str:
+    keys = list(rows[0])
+    cells = [[f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key]) for key in keys] for row in rows]
+    return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + ["| " + " | ".join(c) + " |"
+                                                                                  for c in cells])
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="64,512,4096", help="world sizes, comma-separated")
+    parser.add_argument("--records-mb", type=int, default=200, help="size of the one long records file (0: skip)")
+    parser.add_argument("--tensors", type=int, default=50_000)
+    parser.add_argument("--scan-numel", type=int, default=1_000, help="elements of each separate tensor")
+    parser.add_argument("--locate-numel", type=int, default=100_000_000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="gradnan_scale_"))
+    try:
+        print("## gradnan report over synthetic run directories\n")
+        print(table([report_at(root, int(size)) for size in args.ranks.split(",")]), flush=True)
+        if args.records_mb:
+            print("\n## one rank's long records file\n")
+            print(table([report_long_records(root, args.records_mb)]), flush=True)
+        print(f"\n## a map of {args.tensors} tensors (medians of {args.reps})\n")
+        print(table([map_figures(args.tensors, args.reps, root)]), flush=True)
+        print(f"\n## failing-path scan over {args.tensors} separate tensors vs one pass over the same bytes\n")
+        print(table([scan_figures(args.tensors, args.scan_numel, args.reps)]), flush=True)
+        print("\n## locate over one large tensor vs one pass over it\n")
+        print(table([locate_figures(args.locate_numel, dtype, args.reps)
+                     for dtype in (torch.float32, torch.bfloat16)]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
