@@ -343,7 +343,7 @@ _BASIS_TEXT = {
 
 
 MAX_TABLE_RANKS = 16
-MAX_ORIGIN_LINES = 6
+MAX_ORIGIN_LINES = 6  # and receivers or silent ranks listed one a line; more are summarised
 MAX_LISTED = 3  # bundles, self-tests, problems: the first ones, then a count
 WIDTH = 110
 _POSITION = ("tp", "pp", "cp", "ep")
@@ -424,6 +424,16 @@ def _grouped_lines(views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) ->
     return lines
 
 
+def _ranks_section(title: str, views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) -> List[str]:
+    """A line per rank in a small job; in a large one, a line per role (``_grouped_lines``)."""
+    if not views:
+        return []
+    if len(views) <= MAX_ORIGIN_LINES:
+        return [f"{title}:"] + [f"  {_rank_label(view)}" + ("" if view.get("holds_nonfinite", True)
+                                                             else "  (own gradients finite)") for view in views]
+    return [f"{title}: {len(views)} rank(s)"] + _grouped_lines(views, origin)
+
+
 def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
     """One line per offending module, in backward order, with a column per rank (``focus_ranks``): O origin,
     r received (holds a non-finite gradient there), . clean; and the origin's counts per parameter."""
@@ -435,14 +445,14 @@ def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
     ranks = focus_ranks(incident, MAX_TABLE_RANKS)
     modules = incident["parameters"]
     width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
-    cell = max((len(str(rank)) + 2 for rank in ranks), default=3)
+    cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
     lines = ["Offending modules in backward order (O origin, r received, . clean):",
-             f"  {'module':<{width}}  " + "".join(f"{'r' + str(rank):<{cell}}" for rank in ranks) + "on the origin"]
+             f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks) + "  on the origin"]
     for module in modules[:max_modules]:
-        cells = "".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
+        cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
         counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {nonfinite_counts(p)}"
                            + (" [near dtype limit]" if p["near_limit"] else "") for p in module["params"])
-        lines.append(f"  {module['module']:<{width}}  {cells}{counts}")
+        lines.append(f"  {module['module']:<{width}}  {cells}  {counts}")
     if len(modules) > max_modules:
         lines.append(f"  ... and {len(modules) - max_modules} more module(s) (see --json)")
     total = len(incident["origin"]) + len(incident["receivers"]) + len(incident["silent"])
@@ -497,13 +507,9 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
                          f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")
         if not origin:
             lines.append("  none found")
-        if incident["receivers"]:
-            lines.append(f"Received it (through a collective or the norm's all-reduce): {len(incident['receivers'])}"
-                         " rank(s)")
-            lines += _grouped_lines(incident["receivers"], origin)
-        if incident["silent"]:
-            lines.append(f"No record at this step (finite norm, or died first): {len(incident['silent'])} rank(s)")
-            lines += _grouped_lines(incident["silent"], origin)
+        lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident["receivers"],
+                                origin)
+        lines += _ranks_section("No record at this step (finite norm, or died first)", incident["silent"], origin)
         lines += _module_table(incident, max_modules)
         if report["later_steps"]:
             steps = report["later_steps"]
