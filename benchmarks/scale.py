@@ -7,8 +7,9 @@
    (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one origin):
    CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text; then one rank
    whose records file holds ``--records-mb`` MB. Each run directory is deleted after it is measured.
-2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch model and optimizer) and
-   ``maps.to_json`` + ``maps.write``, as the training side does at the first step.
+2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch optimizer and a model named
+   as an MoE model is, 100 layers) and ``maps.to_json`` + ``maps.write``, as the training side does at the
+   first step; and ``param_slots`` again for the same optimizer, as at a later failing step.
 3. The failing-path scan over 50,000 separate tensors (``find_nonfinite``, one NaN) against the floor:
    one pass (a sum) over the same bytes as one flat tensor; and ``locate`` over one large tensor against
    the same floor, in fp32 and bf16. Medians of ``--reps`` and their ratios.
@@ -87,25 +88,42 @@ class TorchOptimizer:
         self.model_chunks = [model]
 
 
-def many_tensor_model(count: int, numel: int) -> torch.nn.Module:
-    model = torch.nn.Module()
-    for layer in range(count // 10):
+def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Module:
+    """``count`` parameters as an MoE model names them: ``decoder.layers.<i>.mlp.experts.<e>.w<k>``, each
+    layer with its global ``layer_number`` (as Megatron's ``TransformerLayer``, so names are rewritten)."""
+    model, per_layer = torch.nn.Module(), count // layers
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList()
+    for layer in range(layers):
         block = torch.nn.Module()
-        for index in range(10):
-            block.register_parameter(f"w{index}", torch.nn.Parameter(torch.zeros(numel)))
-        model.add_module(f"layer{layer}", block)
+        block.layer_number = layer + 1
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = torch.nn.ModuleList()
+        for _ in range(per_layer // 2):
+            expert = torch.nn.Module()
+            expert.w1, expert.w2 = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
+            block.mlp.experts.append(expert)
+        model.decoder.layers.append(block)
     return model
 
 
 def map_figures(count: int, reps: int, out_dir: Path) -> Dict[str, float]:
-    optimizer = TorchOptimizer(many_tensor_model(count, 4))
+    """The first step's work (slots built for a new optimizer, the map written), and a later failing
+    step's (the slots of the same optimizer again, with its current gradients)."""
+    model = many_tensor_model(count, 4)
+    builds = []
+    for _ in range(reps):
+        optimizer = TorchOptimizer(model)
+        started = time.perf_counter()
+        slots, _ = param_slots(optimizer)
+        builds.append(time.perf_counter() - started)
+    again = median_seconds(lambda: param_slots(optimizer), reps)
     coords = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}
-    build = median_seconds(lambda: param_slots(optimizer), reps)
-    slots, _ = param_slots(optimizer)
     path = out_dir / "map.json"
     write = median_seconds(lambda: maps.write(path, maps.to_json(coords, {}, {}, 0, "FP32Optimizer", slots)), reps)
-    return {"tensors": count, "build_s": build, "write_s": write, "total_s": build + write,
-            "file_mb": path.stat().st_size / 1e6}
+    build = statistics.median(builds)
+    return {"tensors": count, "build_s": build, "write_s": write, "first_step_s": build + write,
+            "later_steps_s": again, "file_mb": path.stat().st_size / 1e6}
 
 
 def scan_figures(count: int, numel: int, reps: int) -> Dict[str, float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
-from .schema import Schema, check_rank, is_int, is_text, read_document, write_json_atomic
+from .schema import Schema, check_rank, is_int, is_text, parse_json, read_text, write_json_atomic
 
 SCHEMA = Schema("gradnan.map", 2)
 
@@ -63,6 +63,7 @@ def to_json(coords: Mapping[str, Any], versions: Mapping[str, Any], run: Mapping
         "run": dict(run),
         "optimizer_index": optimizer_index,
         "optimizer_class": optimizer_class,
+        "params_count": len(slots),
         "param_columns": list(COLUMNS),
         "params": [slot.to_row() for slot in slots],
     }
@@ -84,19 +85,18 @@ def _checked_columns(document: Dict[str, Any], where: str) -> List[str]:
 
 def from_json(document: Any, where: str, params: bool = True) -> Dict[str, Any]:
     """A map document, checked: InputError (one line) for anything a reader could not use. Its ``params``
-    are one object per parameter whatever the version; ``params=False`` leaves them out (a reader that
-    needs only the rank and ``params_count``, the number of parameters)."""
+    are one object per parameter whatever the version, and ``params_count`` their number; ``params=False``
+    leaves them out, and a version 2 table is then counted, not checked row by row."""
     document = SCHEMA.check(document, where)
     entries, rank = document.get("params"), document.get("rank")
     if not isinstance(entries, list) or not isinstance(rank, dict):
         raise InputError(f"{where}: a map needs a 'params' list and a 'rank' object")
     check_rank(rank, where)
     document["params_count"] = len(entries)
-    if document["version"] >= 2:
+    if document["version"] >= 2 and params:
         columns = _checked_columns(document, where)
-        if params:
-            document["params"] = [dict(zip(columns, row)) for row in entries]
-    else:
+        document["params"] = [dict(zip(columns, row)) for row in entries]
+    elif document["version"] < 2:
         for position, entry in enumerate(entries):
             if not (isinstance(entry, dict) and is_int(entry.get("id")) and is_text(entry.get("name"))):
                 raise InputError(f"{where}: params[{position}] needs an integer 'id' and a string 'name'")
@@ -105,8 +105,30 @@ def from_json(document: Any, where: str, params: bool = True) -> Dict[str, Any]:
     return document
 
 
+_TABLE_START = ',"param_columns":'  # a JSON string cannot hold ," unescaped: the first one is the key
+
+
+def _header(text: str, where: str) -> Optional[Dict[str, Any]]:
+    """The keys a version 2 map writes before its table (rank, params_count, ...), parsed without the
+    table; None where the text is not laid out so (version 1, or written by other means)."""
+    cut = text.find(_TABLE_START)
+    if cut < 0:
+        return None
+    header = SCHEMA.check(parse_json(text[:cut] + "}", where), where)
+    if header["version"] < 2 or not is_int(header.get("params_count")) or not isinstance(header.get("rank"), dict):
+        return None
+    check_rank(header["rank"], where)
+    return header
+
+
 def load(path: Path, params: bool = True) -> Dict[str, Any]:
-    return from_json(read_document(path, SCHEMA), str(path), params)
+    """``params=False``: the map without its parameters, for a reader of thousands of maps that needs
+    each rank's coordinates and ``params_count`` (a version 2 map's table is not even parsed)."""
+    text = read_text(path)
+    header = None if params else _header(text, str(path))
+    if header is not None:
+        return header
+    return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path), params)
 
 
 def write(path: Path, document: Mapping[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def is_text(value: Any) -> bool:
-    return isinstance(value, str) and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    """A string that can be written back as UTF-8 (no lone surrogate); one regex scan, not a loop per character."""
+    return isinstance(value, str) and (value.isascii() or _SURROGATE.search(value) is None)
 
 
 def is_stat(value: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..events import ModelFacts
-from .names import global_name
+from .names import prefix_renamer
 from .patcher import installed_version
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
@@ -56,11 +56,11 @@ def global_named_parameters(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str
     seen = set()
     for chunk in chunks:
         model = unwrap_model(chunk)
-        renames = _layer_prefix_renames(model)
+        rename = prefix_renamer(_layer_prefix_renames(model))
         for name, param in model.named_parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                named.append((global_name(name, renames), param))
+                named.append((rename(name), param))
     return named
 
 
@@ -69,8 +69,8 @@ def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, t
     named = []
     for chunk in chunks:
         model = unwrap_model(chunk)
-        renames = _layer_prefix_renames(model)
-        named += [(global_name(name + ".", renames)[:-1], module) for name, module in model.named_modules()]
+        rename = prefix_renamer(_layer_prefix_renames(model))
+        named += [(rename(name + ".")[:-1], module) for name, module in model.named_modules()]
     return named
 
 
