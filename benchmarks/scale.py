@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 import torch
 
 from gradnan.formats import maps
-from gradnan.testing.synthetic import write_long_records, write_run_dir
+from gradnan.testing.synthetic import TorchOptimizer, many_tensor_model, write_long_records, write_run_dir
 from gradnan.training.megatron.optimizer_params import param_slots
 from gradnan.training.scan import find_nonfinite, locate
 
@@ -78,33 +78,6 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-class TorchOptimizer:
-    """Megatron's ``FP32Optimizer`` as ``param_slots`` sees it: a torch optimizer and the model chunks."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        self.model_chunks = [model]
-
-
-def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Module:
-    """``count`` parameters as an MoE model names them: ``decoder.layers.<i>.mlp.experts.<e>.w<k>``, each
-    layer with its global ``layer_number`` (as Megatron's ``TransformerLayer``, so names are rewritten)."""
-    model, per_layer = torch.nn.Module(), count // layers
-    model.decoder = torch.nn.Module()
-    model.decoder.layers = torch.nn.ModuleList()
-    for layer in range(layers):
-        block = torch.nn.Module()
-        block.layer_number = layer + 1
-        block.mlp = torch.nn.Module()
-        block.mlp.experts = torch.nn.ModuleList()
-        for _ in range(per_layer // 2):
-            expert = torch.nn.Module()
-            expert.w1, expert.w2 = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
-            block.mlp.experts.append(expert)
-        model.decoder.layers.append(block)
-    return model
 
 
 def map_figures(count: int, reps: int, out_dir: Path) -> Dict[str, float]:

@@ -67,3 +67,17 @@ def test_rank_ranges_are_cut_with_a_count():
     text = rank_ranges(list(range(0, 300, 7)) + list(range(1000, 1100, 3)) + [5000, 5002, 7001, 9999, 12345, 13000],
                        max_chars=30)
     assert len(text) <= 50 and text.endswith("in all)")
+
+
+def test_the_report_reads_maps_and_records_without_their_lists(large_job):
+    """Lean reading keeps each rank's coordinates and counts; a record's offenders are read back on demand."""
+    run_dir, origin, report = large_job
+    lean, full = read_run(run_dir, params=False), read_run(run_dir)
+    assert all("params" not in document for document in lean.maps.values())
+    assert [document["params_count"] for document in lean.maps.values()] == [
+        len(document["params"]) for document in full.maps.values()]
+    assert {document["params_count"] for document in lean.maps.values()} == {290, 288}  # the first stage embeds
+    lean_records, full_records = lean.all_records(), full.all_records()
+    assert all("params" not in record for record in lean_records)
+    assert [lean.full(record) for record in lean_records] == full_records
+    assert build_report(full) == report

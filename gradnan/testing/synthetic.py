@@ -4,13 +4,16 @@ A job of ``world_size`` ranks laid out TP=8, PP=8 (16 from 2,048 ranks), the res
 map of ``LAYERS_PER_STAGE`` transformer layers (12 parameters each, 2 more on the first stage). At
 ``STEP`` one rank (``origin``) finds a NaN in its own gradients before the data-parallel collective; its
 DP peers (same TP/PP position) hold the NaN after it; every other rank only sees the non-finite norm.
-For the scale benchmark (``benchmarks/scale.py``) and the report's one-screen test.
+For the scale benchmark (``benchmarks/scale.py``) and the report's one-screen test; ``many_tensor_model``
+and ``TorchOptimizer`` give the training side's slot building 50,000 parameters without a distributed job.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List
+
+import torch
 
 from ..formats import maps, records
 from ..formats.layout import map_path, records_path
@@ -108,3 +111,30 @@ def write_long_records(out_dir: Path, target_bytes: int, params_per_record: int 
                                                  {"optimizer_index": 0, "map": None, "pre_reduction": "nonfinite",
                                                   "grad_norm": "nan"}))
     return step
+
+
+class TorchOptimizer:
+    """Megatron's ``FP32Optimizer`` as ``param_slots`` sees it: a torch optimizer and the model chunks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.model_chunks = [model]
+
+
+def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Module:
+    """``count`` parameters as an MoE model names them: ``decoder.layers.<i>.mlp.experts.<e>.w<k>``, each
+    layer with its global ``layer_number`` (as Megatron's ``TransformerLayer``, so names are rewritten)."""
+    model, per_layer = torch.nn.Module(), count // layers
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList()
+    for layer in range(layers):
+        block = torch.nn.Module()
+        block.layer_number = layer + 1
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = torch.nn.ModuleList()
+        for _ in range(per_layer // 2):
+            expert = torch.nn.Module()
+            expert.w1, expert.w2 = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
+            block.mlp.experts.append(expert)
+        model.decoder.layers.append(block)
+    return model
