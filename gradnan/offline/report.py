@@ -381,8 +381,8 @@ def focus_ranks(incident: Dict[str, Any], limit: int) -> List[int]:
 
 
 def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
-    """ "0-482, 484-4095" or "3, 11, 19 ... 251 (every 8)": runs of a constant step written once, cut to
-    ``max_chars`` with the count of what is left out."""
+    """ "0-482, 484-4095" or "3-251 every 8, 300": runs of three or more at a constant step written as one
+    range (a job's data-parallel peers are one range), cut to ``max_chars`` with the count of all."""
     ranks = sorted(set(ranks))
     parts, start = [], 0
     while start < len(ranks):
