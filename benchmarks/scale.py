@@ -5,7 +5,8 @@
 
 1. ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own writers
    (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one origin):
-   CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text; then one rank
+   CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether the
+   origin is the first rank it names, and the text of the largest; then one rank
    whose records file holds ``--records-mb`` MB. Each run directory is deleted after it is measured.
 2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch optimizer and a model named
    as an MoE model is, 100 layers) and ``maps.to_json`` + ``maps.write``, as the training side does at the
@@ -48,16 +49,25 @@ def measure_report(run_dir: Path) -> Dict[str, float]:
     if process.returncode != 0:
         raise SystemExit(f"gradnan report {run_dir} failed ({process.returncode}): {text[-500:]}")
     return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
-            "lines": len(text.splitlines())}
+            "lines": len(text.splitlines()), "text": text}
+
+
+def names_the_origin(text: str, origin: int) -> bool:
+    """The line after ``Origin (...):`` is the origin rank's."""
+    lines = text.splitlines()
+    return any(line.startswith("Origin (") and lines[number + 1].startswith(f"  rank {origin} (")
+               for number, line in enumerate(lines[:-1]))
 
 
 def report_at(root: Path, world_size: int) -> Dict[str, float]:
     run_dir = root / f"ranks{world_size}"
     started = time.perf_counter()
-    write_run_dir(run_dir, world_size)
+    origin = write_run_dir(run_dir, world_size)
     written = time.perf_counter() - started
     try:
-        return {"ranks": world_size, "write_s": written, **measure_report(run_dir)}
+        figures = measure_report(run_dir)
+        return {"ranks": world_size, "write_s": written, **figures,
+                "origin_named": names_the_origin(figures["text"], origin)}
     finally:
         shutil.rmtree(run_dir)
 
@@ -120,7 +130,7 @@ def locate_figures(numel: int, dtype: torch.dtype, reps: int) -> Dict[str, float
 
 
 def table(rows: List[Dict[str, float]]) -> str:
-    keys = list(rows[0])
+    keys = [key for key in rows[0] if key != "text"]
     cells = [[f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key]) for key in keys] for row in rows]
     return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + ["| " + " | ".join(c) + " |"
                                                                                   for c in cells])
@@ -139,7 +149,9 @@ def main(argv: List[str] = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="gradnan_scale_"))
     try:
         print("## gradnan report over synthetic run directories\n")
-        print(table([report_at(root, int(size)) for size in args.ranks.split(",")]), flush=True)
+        reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
+        print(table(reports), flush=True)
+        print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)
         if args.records_mb:
             print("\n## one rank's long records file\n")
             print(table([report_long_records(root, args.records_mb)]), flush=True)
