@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gradnan.cli import main
-from gradnan.offline.plot import incident_grid
+from gradnan.offline.plot import MAX_RANKS, incident_grid
 from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report, rank_ranges
+from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
 WORLD = 512
@@ -50,6 +50,8 @@ def test_the_table_and_the_plot_are_centred_on_the_origin(large_job):
     _, ranks, grid = incident_grid(report["incident"])
     holders = {view["global_rank"] for view in report["incident"]["receivers"] if view["holds_nonfinite"]}
     assert origin in ranks and holders <= set(ranks)
+    peers = {rank for rank in range(WORLD) if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
+    assert len(peers & set(ranks)) == MAX_RANKS - 1 - len(holders), "the other columns: its model-parallel peers"
     assert any(2 in row for row in grid) and any(1 in row for row in grid), "origin and received cells drawn"
 
 
@@ -81,3 +83,13 @@ def test_the_report_reads_maps_and_records_without_their_lists(large_job):
     assert all("params" not in record for record in lean_records)
     assert [lean.full(record) for record in lean_records] == full_records
     assert build_report(full) == report
+
+
+def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):
+    _, origin, report = large_job
+    ranks = focus_ranks(report["incident"], 16)
+    position = (coords_of(origin, WORLD)["tp"], coords_of(origin, WORLD)["pp"])
+    holders = [rank for rank in ranks if (coords_of(rank, WORLD)["tp"], coords_of(rank, WORLD)["pp"]) == position
+               and rank != origin]
+    peers = [rank for rank in ranks if coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"] and rank != origin]
+    assert origin in ranks and len(holders) == 7 and len(peers) == 8, (holders, peers)

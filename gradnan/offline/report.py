@@ -364,19 +364,25 @@ def rank_role(view: Dict[str, Any], origin: List[Dict[str, Any]]) -> str:
 
 
 def focus_ranks(incident: Dict[str, Any], limit: int) -> List[int]:
-    """The ranks worth a column, at most ``limit``, by number: the origin, the ranks holding the NaN, the
-    origin's model-parallel peers, then the ranks nearest the origin."""
+    """The ranks worth a column, at most ``limit``, by number: the origin; then, nearest the origin first,
+    the ranks holding the NaN and the origin's model-parallel peers, half the columns left each (one
+    kind's unused share goes to the other); then the ranks nearest the origin."""
     origin = incident["origin"]
     anchor = min((entry["global_rank"] for entry in origin), default=0)
-    views = incident["receivers"] + incident["silent"]
-    roles = {view["global_rank"]: rank_role(view, origin) for view in views}
-    holding = {view["global_rank"] for view in incident["receivers"] if view["holds_nonfinite"]}
-
-    def priority(rank: int):
-        return (rank not in holding, roles[rank] != "mp_peer", abs(rank - anchor), rank)
-
     chosen = list(dict.fromkeys(entry["global_rank"] for entry in origin))[:limit]
-    chosen += sorted((rank for rank in roles if rank not in chosen), key=priority)[:limit - len(chosen)]
+    views = [view for view in incident["receivers"] + incident["silent"] if view["global_rank"] not in chosen]
+
+    def nearest(ranks):
+        return sorted(ranks, key=lambda rank: (abs(rank - anchor), rank))
+
+    holding = nearest(view["global_rank"] for view in views if view.get("holds_nonfinite"))
+    peers = nearest(view["global_rank"] for view in views
+                    if not view.get("holds_nonfinite") and rank_role(view, origin) == "mp_peer")
+    left = limit - len(chosen)
+    chosen += holding[:max(left // 2, left - len(peers))]
+    chosen += peers[:limit - len(chosen)]
+    taken = set(chosen)
+    chosen += [rank for rank in nearest(view["global_rank"] for view in views) if rank not in taken][:limit - len(chosen)]
     return sorted(chosen)
 
 
