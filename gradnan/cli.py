@@ -114,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(run_demo(Path(args.out)))
         elif args.command == "report":
-            report = build_report(read_run(args.run_dir), serious_skips=args.fp16_skips, run=args.run)
+            report = build_report(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips, run=args.run)
             if args.plot and report["incident"] is not None:
                 from .offline.plot import plot_incident
 

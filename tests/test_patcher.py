@@ -1,4 +1,4 @@
-"""The undo log (Patcher), the Instrumentor base class, the re-entrancy guard and global_name.
+"""The undo log (Patcher), the Instrumentor base class, the re-entrancy guard and prefix_renamer.
 
 Everything is patched on small classes and modules made here, never on Megatron itself.
 """
@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from gradnan.errors import InternalError
 
-from gradnan.training.megatron.names import global_name
+from gradnan.training.megatron.names import prefix_renamer
 from gradnan.training.megatron.guard import Outermost
 from gradnan.training.megatron.patcher import (
     WRAPPED_ATTR,
@@ -418,36 +418,36 @@ def test_version_note_uses_subclass_range(mocker):
     assert Instrumentor().version_note() is None
 
 
-# --- names.global_name ------------------------------------------------------------------------
+# --- names.prefix_renamer ---------------------------------------------------------------------
 
 
 def test_global_name_rewrites_matching_prefix():
     renames = {"decoder.layers.0.": "decoder.layers.2.", "decoder.layers.1.": "decoder.layers.3."}
-    assert global_name("decoder.layers.1.mlp.weight", renames) == "decoder.layers.3.mlp.weight"
+    assert prefix_renamer(renames)("decoder.layers.1.mlp.weight") == "decoder.layers.3.mlp.weight"
 
 
 def test_global_name_longest_prefix_wins_regardless_of_order():
     """``decoder.layers.1`` is a textual prefix of ``decoder.layers.10.``; the longer match must win."""
     renames = {"decoder.layers.1": "decoder.layers.5", "decoder.layers.10.": "decoder.layers.14."}
-    assert global_name("decoder.layers.10.mlp.bias", renames) == "decoder.layers.14.mlp.bias"
+    assert prefix_renamer(renames)("decoder.layers.10.mlp.bias") == "decoder.layers.14.mlp.bias"
     reversed_renames = dict(reversed(list(renames.items())))
-    assert global_name("decoder.layers.10.mlp.bias", reversed_renames) == "decoder.layers.14.mlp.bias"
-    assert global_name("decoder.layers.1.mlp.bias", renames) == "decoder.layers.5.mlp.bias"
+    assert prefix_renamer(reversed_renames)("decoder.layers.10.mlp.bias") == "decoder.layers.14.mlp.bias"
+    assert prefix_renamer(renames)("decoder.layers.1.mlp.bias") == "decoder.layers.5.mlp.bias"
 
 
 def test_global_name_without_match_is_unchanged():
     renames = {"decoder.layers.0.": "decoder.layers.4."}
-    assert global_name("embedding.word_embeddings.weight", renames) == "embedding.word_embeddings.weight"
-    assert global_name("x", {}) == "x"
+    assert prefix_renamer(renames)("embedding.word_embeddings.weight") == "embedding.word_embeddings.weight"
+    assert prefix_renamer({})("x") == "x"
 
 
 def test_global_name_whole_name_as_prefix():
-    assert global_name("output_layer.weight", {"output_layer.weight": "head.weight"}) == "head.weight"
+    assert prefix_renamer({"output_layer.weight": "head.weight"})("output_layer.weight") == "head.weight"
 
 
 def test_global_name_only_rewrites_the_prefix_once():
     renames = {"a.": "a.a."}
-    assert global_name("a.a.w", renames) == "a.a.a.w"
+    assert prefix_renamer(renames)("a.a.w") == "a.a.a.w"
 
 
 # --- _guard.Outermost -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
@@ -15,9 +16,10 @@ import torch
 from gradnan.errors import InputError
 from gradnan.formats import maps, records
 from gradnan.formats.layout import MAPS_DIR, RECORDS_DIR, map_path, rank_tag, records_path
-from gradnan.formats.maps import ParamSlot
+from gradnan.formats.maps import COLUMNS, ParamSlot
 from gradnan.formats.maps import load as load_map
 from gradnan.formats.maps import to_json as map_document
+from gradnan.formats.maps import write as write_map
 from gradnan.formats.records import load as load_records
 from gradnan.formats.schema import append_json_line as append_record
 from gradnan.formats.schema import json_float, write_json_atomic
@@ -235,12 +237,41 @@ def test_append_record_rejects_nan_without_writing(tmp_path):
 def test_load_map_round_trips_a_written_map(tmp_path):
     document = a_map_document(coords(3, tp=1, tp_size=2))
     path = map_path(str(tmp_path), document["rank"], 0)
-    write_json_atomic(path, document)
+    write_map(path, document)
     loaded = load_map(path)
-    assert loaded == document
-    assert loaded["params"][1]["shape"] == [8, 8]
-    assert loaded["params"][1]["shard"] == [0, 32]
-    assert loaded["params"][0]["shard"] is None
+    assert {key: value for key, value in loaded.items() if key != "params"} == {
+        key: value for key, value in document.items() if key != "params"}
+    assert loaded["params"] == [{**asdict(slot(0, "embedding.word_embeddings.weight", (16, 8))), "shape": [16, 8]},
+                                {**asdict(slot(1, "decoder.layers.0.mlp.linear_fc1.weight", (8, 8), shard=(0, 32))),
+                                 "shape": [8, 8], "shard": [0, 32]}]
+    assert loaded["params_count"] == 2 and "\n " not in path.read_text(), "compact: one line, no indentation"
+    assert load_map(path, params=False) == {key: value for key, value in document.items()
+                                            if key not in ("param_columns", "params")}, "the header, parsed alone"
+
+
+def test_load_map_reads_a_version_1_map(tmp_path):
+    """Maps written by kits before version 2: one object per parameter, indented."""
+    document = a_map_document()
+    version_1 = {**document, "version": 1, "params": [dict(zip(COLUMNS, row)) for row in document["params"]]}
+    del version_1["param_columns"]
+    path = tmp_path / "maps" / "old.json"
+    write_json_atomic(path, version_1)
+    loaded = load_map(path)
+    assert loaded["params"] == version_1["params"] and loaded["params_count"] == 2
+    assert load_map(path, params=False)["params_count"] == 2
+    del version_1["params_count"]  # version 1 had no count: readers count the entries
+    write_json_atomic(path, version_1)
+    assert load_map(path, params=False)["params_count"] == load_map(path)["params_count"] == 2
+
+
+def test_load_map_version_2_rows_must_match_the_columns(tmp_path):
+    document = a_map_document()
+    document["params"][1] = document["params"][1][:-1]
+    path = tmp_path / "maps" / "short.json"
+    write_map(path, document)
+    with pytest.raises(InputError) as info:
+        load_map(path)
+    assert "params[1] needs one value per column" in assert_one_line_naming(info.value, path)
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -289,7 +320,7 @@ def test_load_map_wrong_schema(tmp_path):
 
 
 def test_load_map_future_version(tmp_path):
-    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=records.SCHEMA.version + 1)))
+    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=maps.SCHEMA.version + 1)))
     with pytest.raises(InputError) as info:
         load_map(path)
     message = assert_one_line_naming(info.value, path)
@@ -515,7 +546,7 @@ def test_read_run_with_a_corrupt_map_returns_the_rest(tmp_path):
 
 def test_read_run_collects_problems_from_maps_and_record_lines(tmp_path):
     written = write_run(tmp_path)
-    written["map0"].write_text(json.dumps(dict(a_map_document(), version=records.SCHEMA.version + 1)))
+    written["map0"].write_text(json.dumps(dict(a_map_document(), version=maps.SCHEMA.version + 1)))
     with open(written["records1"], "a") as stream:
         stream.write('{"schema":"gradnan.rec')
     files = read_run(tmp_path)

@@ -7,8 +7,9 @@ Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``fr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,7 +24,6 @@ from .schema import (
     is_text,
     optional,
     parse_json,
-    read_text,
 )
 
 SCHEMA = Schema("gradnan.record", 1)
@@ -112,21 +112,68 @@ def _check_probes(record: Dict[str, Any], where: str) -> None:
         raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', integer 'nan'/'inf'")
 
 
-def load(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """The records of one rank's file, and a problem per line that could not be used.
+@dataclass(frozen=True)
+class Line:
+    """One non-empty line of a records file: where it starts (bytes), and its record or what is wrong."""
 
-    A last line without its newline is a record cut short (the process died while writing it)."""
-    text = read_text(path)
+    number: int
+    offset: int
+    record: Optional[Dict[str, Any]]
+    problem: Optional[str]
+
+
+def _open(path: Path) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+
+
+def _parse_line(text: str, path: Path, number: int) -> Dict[str, Any]:
+    where = f"{path}:{number}"
+    return from_json(parse_json(text, where), where)
+
+
+def stream(path: Path) -> Iterator[Line]:
+    """The lines of one rank's file, read one at a time (a file of any size in the memory of one line).
+
+    A last line without its newline is a record cut short (the process died while writing it). Bytes
+    that are not UTF-8 raise InputError for the whole file."""
+    with _open(path) as handle:
+        offset = 0
+        for number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            text = _decode(raw, path)
+            try:
+                yield Line(number, start, _parse_line(text, path, number), None)
+            except InputError as exc:
+                cut_short = not raw.endswith(b"\n")
+                yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
+                                                " writing it)" if cut_short else str(exc))
+
+
+def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:
+    """The record on line ``number`` that starts at byte ``offset`` (as ``stream`` found it)."""
+    with _open(path) as handle:
+        handle.seek(offset)
+        return _parse_line(_decode(handle.readline(), path), path, number)
+
+
+def load(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The records of one rank's file, and a problem per line that could not be used."""
     records, problems = [], []
-    lines = text.split("\n")
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            records.append(from_json(parse_json(line, where), where))
-        except InputError as exc:
-            cut_short = number == len(lines) and not text.endswith("\n")
-            problems.append(f"{where}: truncated last line (the rank died while writing it)"
-                            if cut_short else str(exc))
+    for line in stream(path):
+        if line.record is not None:
+            records.append(line.record)
+        else:
+            problems.append(line.problem)
     return records, problems

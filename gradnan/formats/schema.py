@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..errors import InputError
 
@@ -53,8 +54,12 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def is_text(value: Any) -> bool:
-    return isinstance(value, str) and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    """A string that can be written back as UTF-8 (no lone surrogate); one regex scan, not a loop per character."""
+    return isinstance(value, str) and (value.isascii() or _SURROGATE.search(value) is None)
 
 
 def is_stat(value: Any) -> bool:
@@ -130,16 +135,16 @@ def nonfinite_counts(entry: Mapping[str, Any]) -> str:
                      if entry.get(key))
 
 
-def write_json_atomic(path: Path, document: Mapping[str, Any]) -> None:
+def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
-    sees the whole document or none of it."""
+    sees the whole document or none of it. ``indent=None``: compact, for large documents."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(temporary, 0o644)  # mkstemp makes it 0600; documents are read by other users' tools
         with os.fdopen(handle, "w") as stream:
-            json.dump(document, stream, indent=1, allow_nan=False)
-            stream.write("\n")
+            stream.write(json.dumps(document, indent=indent, allow_nan=False,
+                                    separators=None if indent else (",", ":")) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)

@@ -1,6 +1,7 @@
 """``gradnan report RUN_DIR --plot incident.png``: the first failing step as a picture (needs matplotlib).
 
-Left: rank x module map of the offending modules (origin, received, clean), modules in backward order.
+Left: rank x module map of the offending modules (origin, received, clean), modules in backward order, the
+columns centred on the origin (``report.focus_ranks``: the origin, the ranks holding the NaN, its peers).
 Right: the largest finite gradient value of each offending parameter on the origin (log scale), with
 the fp16 limit, where an fp16 overflow shows as bars reaching the line.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import InputError, UsageError
-from .report import module_of
+from .report import focus_ranks, module_of
 
 MAX_MODULES = 20
 MAX_RANKS = 32
@@ -28,10 +29,8 @@ def incident_grid(incident: Dict[str, Any]) -> Tuple[List[str], List[int], List[
         cells[entry["global_rank"]] = {module_of(p["name"]): ORIGIN for p in entry["params"]}
     for view in incident["receivers"]:
         cells[view["global_rank"]] = {module: RECEIVED for module in view["modules"]}
-    for view in incident["silent"]:
-        cells.setdefault(view["global_rank"], {})
-    ranks = sorted(cells)[:MAX_RANKS]
-    return modules, ranks, [[cells[rank].get(module, CLEAN) for rank in ranks] for module in modules]
+    ranks = focus_ranks(incident, MAX_RANKS)
+    return modules, ranks, [[cells.get(rank, {}).get(module, CLEAN) for rank in ranks] for module in modules]
 
 
 def plot_incident(report: Dict[str, Any], path: Path) -> Dict[str, Any]:

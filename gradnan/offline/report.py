@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import textwrap
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.layout import AXES, rank_label, shown_axes
@@ -51,7 +51,7 @@ def _params_per_rank(files: RunFiles) -> Dict[int, int]:
     counts: Dict[int, int] = {}
     for document in files.maps.values():
         rank = document["rank"]["global_rank"]
-        counts[rank] = counts.get(rank, 0) + len(document["params"])
+        counts[rank] = counts.get(rank, 0) + document["params_count"]
     return counts
 
 
@@ -296,7 +296,7 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
     first_step = _failing_step(incidents, serious_skips)
     if first_step is None:
         return report
-    at_step = sorted((r for r in incidents if r["step"] == first_step),
+    at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
                      key=lambda r: (r["rank"].get("global_rank", -1), r["kind"] != PRE_REDUCTION))
     decision = _decide_origin(at_step)
     origin = [_rank_entry(r) for r in decision["records"]]
@@ -343,32 +343,145 @@ _BASIS_TEXT = {
 
 
 MAX_TABLE_RANKS = 16
+MAX_ORIGIN_LINES = 6  # and receivers or silent ranks listed one a line; more are summarised
+MAX_LISTED = 3  # bundles, self-tests, problems: the first ones, then a count
 WIDTH = 110
+_POSITION = ("tp", "pp", "cp", "ep")
+
+
+def _same(view: Dict[str, Any], other: Dict[str, Any], axes: Sequence[str]) -> bool:
+    return all(view.get(axis) == other.get(axis) for axis in axes)
+
+
+def rank_role(view: Dict[str, Any], origin: List[Dict[str, Any]]) -> str:
+    """How a rank stands to the origin: ``dp_peer`` (same model-parallel position, another data-parallel
+    replica: where the collective carries the NaN), ``mp_peer`` (same replica, another position), ``other``."""
+    if any(_same(view, entry, _POSITION) for entry in origin):
+        return "dp_peer"
+    if any(_same(view, entry, ("dp",)) for entry in origin):
+        return "mp_peer"
+    return "other"
+
+
+def focus_ranks(incident: Dict[str, Any], limit: int) -> List[int]:
+    """The ranks worth a column, at most ``limit``, by number: the origin; then, nearest the origin first,
+    the ranks holding the NaN and the origin's model-parallel peers, half the columns left each (one
+    kind's unused share goes to the other); then the ranks nearest the origin."""
+    origin = incident["origin"]
+    anchor = min((entry["global_rank"] for entry in origin), default=0)
+    chosen = list(dict.fromkeys(entry["global_rank"] for entry in origin))[:limit]
+    views = [view for view in incident["receivers"] + incident["silent"] if view["global_rank"] not in chosen]
+
+    def nearest(ranks):
+        return sorted(ranks, key=lambda rank: (abs(rank - anchor), rank))
+
+    holding = nearest(view["global_rank"] for view in views if view.get("holds_nonfinite"))
+    peers = nearest(view["global_rank"] for view in views
+                    if not view.get("holds_nonfinite") and rank_role(view, origin) == "mp_peer")
+    left = limit - len(chosen)
+    chosen += holding[:max(left // 2, left - len(peers))]
+    chosen += peers[:limit - len(chosen)]
+    taken = set(chosen)
+    chosen += [rank for rank in nearest(view["global_rank"] for view in views) if rank not in taken][:limit - len(chosen)]
+    return sorted(chosen)
+
+
+def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
+    """ "0-482, 484-4095" or "3-251 every 8, 300": runs of three or more at a constant step written as one
+    range (a job's data-parallel peers are one range), cut to ``max_chars`` with the count of all."""
+    ranks = sorted(set(ranks))
+    parts, start = [], 0
+    while start < len(ranks):
+        end, step = start, ranks[start + 1] - ranks[start] if start + 1 < len(ranks) else 1
+        while end + 1 < len(ranks) and ranks[end + 1] - ranks[end] == step:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ranks[start]}-{ranks[end]}" + (f" every {step}" if step > 1 else ""))
+        else:
+            end = start
+            parts.append(str(ranks[start]))
+        start = end + 1
+    text = ""
+    for position, part in enumerate(parts):
+        if len(text) + len(part) > max_chars:
+            return f"{text}... ({len(ranks)} in all)"
+        text += part + (", " if position + 1 < len(parts) else "")
+    return text
+
+
+_ROLE_TEXT = {"dp_peer": "data-parallel peer(s) of the origin (same tp/pp)",
+              "mp_peer": "model-parallel peer(s) of the origin (same dp replica)",
+              "other": "other rank(s)"}
+
+
+def _grouped_lines(views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) -> List[str]:
+    """One line per role (and whether the rank's own gradients hold the NaN): how many, which ranks."""
+    groups: Dict[Tuple[str, bool], List[int]] = {}
+    for view in views:
+        key = (rank_role(view, origin), bool(view.get("holds_nonfinite")))
+        groups.setdefault(key, []).append(view["global_rank"])
+    lines = []
+    for role in _ROLE_TEXT:
+        for holds in (True, False):
+            ranks = groups.get((role, holds))
+            if ranks:
+                state = ", holding the NaN/Inf" if holds else ""
+                lines.append(f"  {len(ranks)} {_ROLE_TEXT[role]}{state}: {rank_ranges(ranks)}")
+    return lines
+
+
+def _ranks_section(title: str, views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) -> List[str]:
+    """A line per rank in a small job; in a large one, a line per role (``_grouped_lines``)."""
+    if not views:
+        return []
+    if len(views) <= MAX_ORIGIN_LINES:
+        return [f"{title}:"] + [f"  {_rank_label(view)}" + ("" if view.get("holds_nonfinite", True)
+                                                             else "  (own gradients finite)") for view in views]
+    return [f"{title}: {len(views)} rank(s)"] + _grouped_lines(views, origin)
 
 
 def _module_table(incident: Dict[str, Any], max_modules: int) -> List[str]:
-    """One line per offending module, in backward order, with a column per rank: O origin, r received
-    (holds a non-finite gradient there), . clean; and the origin's counts per parameter."""
+    """One line per offending module, in backward order, with a column per rank (``focus_ranks``): O origin,
+    r received (holds a non-finite gradient there), . clean; and the origin's counts per parameter."""
     marks: Dict[int, Dict[str, str]] = {}
     for entry in incident["origin"]:
         marks[entry["global_rank"]] = {module_of(p["name"]): "O" for p in entry["params"]}
     for view in incident["receivers"]:
         marks[view["global_rank"]] = {module: "r" for module in view["modules"]}
-    ranks = sorted(marks)[:MAX_TABLE_RANKS]
+    ranks = focus_ranks(incident, MAX_TABLE_RANKS)
     modules = incident["parameters"]
     width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
+    cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
     lines = ["Offending modules in backward order (O origin, r received, . clean):",
-             f"  {'module':<{width}}  " + " ".join(f"r{rank:<2}" for rank in ranks) + "  on the origin"]
+             f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks) + "  on the origin"]
     for module in modules[:max_modules]:
-        cells = " ".join(f"{marks[rank].get(module['module'], '.'):<3}" for rank in ranks)
+        cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
         counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {nonfinite_counts(p)}"
                            + (" [near dtype limit]" if p["near_limit"] else "") for p in module["params"])
         lines.append(f"  {module['module']:<{width}}  {cells}  {counts}")
     if len(modules) > max_modules:
         lines.append(f"  ... and {len(modules) - max_modules} more module(s) (see --json)")
-    if len(marks) > len(ranks):
-        lines.append(f"  ({len(marks) - len(ranks)} more rank(s) not shown; see --json)")
+    total = len(incident["origin"]) + len(incident["receivers"]) + len(incident["silent"])
+    if total > len(ranks):
+        lines.append(f"  ({total - len(ranks)} more rank(s) not shown: the columns are the origin, the ranks"
+                     " holding the NaN and the origin's peers; see --json)")
     return lines
+
+
+def _listed(items: List[Any], describe, what: str) -> List[str]:
+    """The first ``MAX_LISTED`` items' lines, then how many more."""
+    lines = [line for item in items[:MAX_LISTED] for line in describe(item)]
+    if len(items) > MAX_LISTED:
+        lines.append(f"  ... and {len(items) - MAX_LISTED} more {what} (see --json)")
+    return lines
+
+
+def _selftest_lines(result: Dict[str, Any]) -> List[str]:
+    failing = result["failing_ranks"]
+    state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
+        f"rank {e['rank']} ({e['host']} {e['device']})" for e in failing[:MAX_LISTED]) + (
+        f" ... ({len(failing)} ranks failed)" if len(failing) > MAX_LISTED else "")
+    return [f"Self-test {result['time']}: {state}"]
 
 
 def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
@@ -392,17 +505,17 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
                                subsequent_indent="    ")
         for item in verdict["evidence"]:
             lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+        origin = incident["origin"]
         lines.append(f"Origin ({_BASIS_TEXT[incident['origin_basis']]}):")
-        lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)" for entry in incident["origin"]]
-        if not incident["origin"]:
+        lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)" for entry in origin[:MAX_ORIGIN_LINES]]
+        if len(origin) > MAX_ORIGIN_LINES:
+            lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
+                         f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")
+        if not origin:
             lines.append("  none found")
-        if incident["receivers"]:
-            lines.append("Received it (through a collective or the norm's all-reduce):")
-            lines += [f"  {_rank_label(view)}" + ("" if view["holds_nonfinite"] else "  (own gradients finite)")
-                      for view in incident["receivers"]]
-        if incident["silent"]:
-            lines.append("No record at this step (finite norm, or died first):")
-            lines += [f"  {_rank_label(view)}" for view in incident["silent"]]
+        lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident["receivers"],
+                                origin)
+        lines += _ranks_section("No record at this step (finite norm, or died first)", incident["silent"], origin)
         lines += _module_table(incident, max_modules)
         if report["later_steps"]:
             steps = report["later_steps"]
@@ -411,19 +524,14 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
     lines += summary_lines(report["run_dir"], report.get("frames", []), report.get("probes", []))
     if report.get("bundles"):
         lines.append("Captured for replay:")
-        for bundle in report["bundles"][:4]:
-            lines.append(f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:")
-            lines.append(f"    gradnan replay {bundle['path']}")
-        if len(report["bundles"]) > 4:
-            lines.append(f"  ... and {len(report['bundles']) - 4} more (see --json)")
+        lines += _listed(report["bundles"], lambda bundle: [
+            f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
+            f"    gradnan replay {bundle['path']}"], "bundle(s)")
     if report.get("rerun_capture"):
         lines.append("To capture this step on a rerun from a checkpoint, set:")
         lines.append("  " + " ".join(f"{key}={value}" for key, value in report["rerun_capture"].items()))
-    for result in report.get("selftests", []):
-        state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
-            f"rank {e['rank']} ({e['host']} {e['device']})" for e in result["failing_ranks"])
-        lines.append(f"Self-test {result['time']}: {state}")
+    lines += _listed(report.get("selftests", []), _selftest_lines, "self-test result(s)")
     if report["problems"]:
-        lines.append("Files that could not be read:")
-        lines += [f"  {problem}" for problem in report["problems"]]
+        lines.append(f"Files that could not be read: {len(report['problems'])}")
+        lines += _listed(report["problems"], lambda problem: [f"  {problem}"], "problem(s)")
     return "\n".join(lines)

@@ -11,17 +11,27 @@ from ..formats.records import DTYPE_MAX
 from ..formats.schema import json_float
 from .scan import find_nonfinite, unravel
 
+
+def backward_position(slot: ParamSlot) -> tuple:
+    """Sort key: the parameter whose gradient backward computes first comes first (highest registration
+    ``order``; a parameter not found in the model, order -1, last; ties in optimizer order)."""
+    return (slot.order < 0, -slot.order, slot.id)
+
+
 def offending_params(
     slots: Sequence[ParamSlot], grads: Sequence[Optional[torch.Tensor]]
 ) -> List[Dict[str, Any]]:
-    """One entry per parameter whose gradient holds a NaN or Inf, in optimizer order.
+    """One entry per parameter whose gradient holds a NaN or Inf, in backward order (``backward_position``),
+    so a record capped at ``max_params_per_record`` keeps the first to go bad in backward, not the first
+    in the optimizer's order.
 
     Element indices are in the model parameter (a distributed-optimizer shard's offset is added).
     ``near_limit`` says the largest finite gradient value is within 2x of the model dtype's maximum:
     a hint that the non-finite values come from overflow.
     """
     offending = []
-    for position, found in find_nonfinite(grads):
+    found_at = sorted(find_nonfinite(grads), key=lambda item: backward_position(slots[item[0]]))
+    for position, found in found_at:
         slot = slots[position]
         flat_index = found.first_bad + (slot.shard[0] if slot.shard else 0)
         dtype_max = DTYPE_MAX.get(slot.dtype)

@@ -84,10 +84,10 @@ class Runtime:
         self.clock.add(optimizer)
         self.writer.remember_coords()
         if self.config.maps:
-            document = self.writer.write_map(state.index, type(optimizer).__name__, slots())
-            state.map_file = document["_path"]
+            built = slots()
+            state.map_file = self.writer.write_map(state.index, type(optimizer).__name__, built)
             if state.index == 0:
-                self._ids_by_name = {entry["name"]: entry["id"] for entry in document["params"]}
+                self._ids_by_name = {slot.name: slot.id for slot in built}
         self.captures.start()
         self.forward.start()
 

@@ -4,9 +4,11 @@ Two levels, in the manner of ``torch.nn.utils.clip_grad``:
 - ``finite_flag`` / ``nonfinite_indices``: sums. Any NaN or Inf makes a sum non-finite, so there are no
   false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
   Fused fast path: tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into
-  the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each.
+  the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each; other
+  tensors (fp16/bf16 main copies, distributed-optimizer shards) by dtype and device, one
+  ``torch._foreach_norm`` call per group.
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
-  finite values), computed only on the rows whose sum is non-finite.
+  finite values), computed only on the rows whose min or max is non-finite.
 Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), never the
 size of the input; results stay on the device until one host read per level.
 """
@@ -50,47 +52,63 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]]:
-    """Group contiguous views of one storage into one flat span: ``(span, [(index, start, end)])`` with
-    offsets inside the span. Every other tensor is a span of its own."""
+def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]],
+                                                               List[int]]:
+    """Contiguous views of one storage grouped into one flat span: ``(span, [(index, start, end)])`` with
+    offsets inside the span; and the positions of every other (non-empty) tensor, checked one by one."""
     groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
-    spans = []
+    separate = []
     for index, tensor in enumerate(tensors):
-        if tensor is None:
-            continue
-        numel = tensor.numel()
-        if numel == 0:
+        if tensor is None or tensor.numel() == 0:
             continue
         if tensor.is_contiguous():
-            key = (tensor.untyped_storage().data_ptr(), tensor.dtype, tensor.device)
             offset = tensor.storage_offset()
-            groups.setdefault(key, []).append((index, offset, offset + numel))
+            key = (tensor.data_ptr() - offset * tensor.element_size(), tensor.dtype, tensor.device)
+            groups.setdefault(key, []).append((index, offset, offset + tensor.numel()))
         else:
-            spans.append((_flat(tensor), [(index, 0, numel)]))
+            separate.append(index)
+    spans = []
     for members in groups.values():
-        first = tensors[members[0][0]]
         if len(members) == 1:
-            spans.append((_flat(first), [(members[0][0], 0, members[0][2] - members[0][1])]))
+            separate.append(members[0][0])
             continue
+        first = tensors[members[0][0]]
         low = min(start for _, start, _ in members)
         high = max(end for _, _, end in members)
         span = first.new_empty(0).set_(first.untyped_storage(), low, (high - low,), (1,)).detach()
         spans.append((span, [(index, start - low, end - low) for index, start, end in members]))
-    return spans
+    return spans, sorted(separate)
+
+
+def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One finite flag per tensor, grouped by dtype and device: an L1 norm each (fp16/bf16 accumulated in fp32), by
+    ``torch._foreach_norm`` (one fused pass over a group on CUDA; one call, not a Python loop, on CPU)."""
+    groups: Dict[tuple, List[int]] = {}
+    for position, tensor in enumerate(tensors):
+        groups.setdefault((tensor.dtype, tensor.device), []).append(position)
+    flags = torch.empty(len(tensors), dtype=torch.bool, device=device)
+    for (dtype, _), positions in groups.items():
+        wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch._foreach_norm([tensors[p] for p in positions], 1, dtype=wider)
+        flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(norms)).to(device)
+    return flags
 
 
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read in all."""
-    spans = _spans(tensors)
-    if not spans:
+    shared, separate = _spans(tensors)
+    if not shared and not separate:
         return []
-    chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in spans))
-    row_sums = [_row_sums(span, chunk) for span, _ in spans]
-    device = row_sums[0].device
-    finite = torch.isfinite(torch.cat([sums.to(device, torch.float32) for sums in row_sums])).tolist()
-    suspects = set()
+    chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
+    row_sums = [_row_sums(span, chunk) for span, _ in shared]
+    device = shared[0][0].device if shared else tensors[separate[0]].device
+    parts = [sums.to(device, torch.float32) for sums in row_sums]
+    finite_rows = torch.isfinite(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.bool, device=device)
+    flags = _separate_flags([tensors[i] for i in separate], device) if separate else finite_rows[:0]
+    finite = torch.cat([finite_rows, flags]).tolist()
+    suspects = {index for index, ok in zip(separate, finite[len(finite_rows):]) if not ok}
     position = 0
-    for (span, members), sums in zip(spans, row_sums):
+    for (span, members), sums in zip(shared, row_sums):
         bad_rows = [row for row in range(len(sums)) if not finite[position + row]]
         position += len(sums)
         for row in bad_rows:
@@ -150,8 +168,9 @@ def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
 def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Optional[NonFinite]:
     """Exact NaN/Inf statistics of ``tensor``, or None when every element is finite.
 
-    Per row: a sum (finite or not), a min and a max (the finite rows' abs max); the exact counts only
-    for the rows whose sum is not finite. Two host reads (one for a tensor of at most one row)."""
+    Per row: a min and a max (NaN propagates into both, an Inf shows in one; the finite rows' abs max),
+    two reads of the tensor in all; the exact counts only for the rows where either is not finite. Two host
+    reads (one for a tensor of at most one row)."""
     flat = _flat(tensor)
     if flat.numel() == 0:
         return None
@@ -162,9 +181,9 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
             return None
         return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
     views = _rows(flat, chunk)
-    finite = torch.cat([torch.isfinite(_sum(view, dim=1)) for view in views])
     lows = torch.cat([view.amin(dim=1) for view in views])
     highs = torch.cat([view.amax(dim=1) for view in views])
+    finite = torch.isfinite(lows) & torch.isfinite(highs)
     good_abs_max = torch.where(finite, torch.maximum(-lows, highs), 0).amax().to(torch.float64)
     bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
     if not bad_rows:

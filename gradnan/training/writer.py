@@ -21,7 +21,7 @@ from ..config import GradnanConfig
 from ..formats import bundle, maps, records
 from ..formats.layout import bundle_dir, map_path, records_path, run_identity
 from ..formats.maps import ParamSlot
-from ..formats.schema import append_json_line, write_json_atomic
+from ..formats.schema import append_json_line
 from ..log import logger
 from .events import ModelFacts
 
@@ -52,17 +52,17 @@ class Writer:
         self._log_bound_once(f"unwritable {what}", logging.ERROR, "cannot write the %s %s: %s (training goes on"
                              " unchanged; later %ss may be missing)", what, path, error.strerror or error, what)
 
-    def write_map(self, optimizer_index: int, optimizer_class: str, slots: Sequence[ParamSlot]) -> Dict[str, Any]:
-        """The parameter map of one optimizer; returns its document with ``_path``."""
+    def write_map(self, optimizer_index: int, optimizer_class: str, slots: Sequence[ParamSlot]) -> str:
+        """The parameter map of one optimizer; returns its path."""
         coords = self.coords()
         path = map_path(self.config.out_dir, coords, optimizer_index)
         document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class, slots)
         try:
-            write_json_atomic(path, document)
+            maps.write(path, document)
         except OSError as error:
             self._unwritable("map", path, error)
-        logger.debug("wrote parameter map %s (%d parameters)", path, len(document["params"]))
-        return {**document, "_path": str(path)}
+        logger.debug("wrote parameter map %s (%d parameters)", path, len(slots))
+        return str(path)
 
     def record(self, kind: str, step: int, found: List[Dict[str, Any]], extra: Mapping[str, Any]) -> Dict[str, Any]:
         """Append one record (``found`` capped at ``max_params_per_record``, all counted); returns it with

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..events import ModelFacts
-from .names import global_name
+from .names import prefix_renamer
 from .patcher import megatron_version
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
@@ -61,7 +61,7 @@ def _expert_prefix_renames(model: torch.nn.Module, layer_renames: Dict[str, str]
         if not isinstance(experts, torch.nn.ModuleList) or group is None:
             continue
         offset = group.rank() * len(experts)
-        head = global_name(f"{name}.", layer_renames)
+        head = prefix_renamer(layer_renames)(f"{name}.")
         for index in range(len(experts)):
             renames[f"{name}.local_experts.{index}."] = f"{head}local_experts.{offset + index}."
     return renames
@@ -74,11 +74,11 @@ def global_named_parameters(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str
     seen = set()
     for chunk in chunks:
         model = unwrap_model(chunk)
-        renames = _layer_prefix_renames(model)
+        rename = prefix_renamer(_layer_prefix_renames(model))
         for name, param in model.named_parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                named.append((global_name(name, renames), param))
+                named.append((rename(name), param))
     return named
 
 
@@ -87,8 +87,8 @@ def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, t
     named = []
     for chunk in chunks:
         model = unwrap_model(chunk)
-        renames = _layer_prefix_renames(model)
-        named += [(global_name(name + ".", renames)[:-1], module) for name, module in model.named_modules()]
+        rename = prefix_renamer(_layer_prefix_renames(model))
+        named += [(rename(name + ".")[:-1], module) for name, module in model.named_modules()]
     return named
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -64,46 +65,55 @@ def _grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     return getattr(param, "decoupled_grad", None)
 
 
+def _stepped(optimizer: Any) -> List[Tuple[int, int, Dict[str, Any], torch.Tensor, _Pairing]]:
+    """``(leaf index, group index across the chain, group, optimizer-side parameter, leaf pairing)`` in
+    ``get_parameters()`` order."""
+    stepped = []
+    group_offset = 0
+    for leaf_index, leaf in enumerate(leaf_optimizers(optimizer)):
+        groups = getattr(getattr(leaf, "optimizer", None), "param_groups", None) or []
+        pairing = _pairing(leaf)
+        for group_index, group in enumerate(groups):
+            stepped += [(leaf_index, group_offset + group_index, group, opt_param, pairing)
+                        for opt_param in group["params"]]
+        group_offset += len(groups)
+    return stepped
+
+
+def _build_slots(stepped, chunks: Sequence[torch.nn.Module]) -> List[ParamSlot]:
+    names = {id(param): (name, order) for order, (name, param) in enumerate(global_named_parameters(chunks))}
+    dtype_names: Dict[torch.dtype, str] = {}
+    slots: List[ParamSlot] = []
+    for slot_id, (leaf_index, group_index, group, opt_param, pairing) in enumerate(stepped):
+        model_param, shard = pairing.get(id(opt_param), (opt_param, None))
+        name, order = names.get(id(model_param), (f"<unnamed #{slot_id}>", -1))
+        slots.append(ParamSlot(
+            id=slot_id, name=name, shape=tuple(model_param.shape),
+            dtype=dtype_names.setdefault(model_param.dtype, str(model_param.dtype)), numel=model_param.numel(),
+            group=group_index, wd_mult=group.get("wd_mult"), lr_mult=group.get("lr_mult"),
+            is_expert=bool(group.get("is_expert_parallel", not getattr(model_param, "allreduce", True))),
+            optimizer=leaf_index, shard=shard,
+            main_dtype=dtype_names.setdefault(opt_param.dtype, str(opt_param.dtype)), order=order))
+    return slots
+
+
+_BUILT: "weakref.WeakKeyDictionary[Any, Tuple[tuple, List[ParamSlot]]]" = weakref.WeakKeyDictionary()
+
+
 def param_slots(
     optimizer: Any, fallback_chunks: Sequence[torch.nn.Module] = ()
 ) -> Tuple[List[ParamSlot], List[Optional[torch.Tensor]]]:
-    """The optimizer's parameters in ``get_parameters()`` order, as slots, with their current gradients."""
-    named = global_named_parameters(_model_chunks(optimizer, fallback_chunks))
-    names = {id(param): (name, order) for order, (name, param) in enumerate(named)}
-    slots: List[ParamSlot] = []
-    grads: List[Optional[torch.Tensor]] = []
-    group_offset = 0
-    for leaf_index, leaf in enumerate(leaf_optimizers(optimizer)):
-        inner = getattr(leaf, "optimizer", None)
-        groups = getattr(inner, "param_groups", None) or []
-        pairing = _pairing(leaf)
-        for group_index, group in enumerate(groups):
-            for opt_param in group["params"]:
-                model_param, shard = pairing.get(id(opt_param), (opt_param, None))
-                slot_id = len(slots)
-                name, order = names.get(id(model_param), (f"<unnamed #{slot_id}>", -1))
-                slots.append(
-                    ParamSlot(
-                        id=slot_id,
-                        name=name,
-                        shape=tuple(model_param.shape),
-                        dtype=str(model_param.dtype),
-                        numel=model_param.numel(),
-                        group=group_offset + group_index,
-                        wd_mult=group.get("wd_mult"),
-                        lr_mult=group.get("lr_mult"),
-                        is_expert=bool(
-                            group.get("is_expert_parallel", not getattr(model_param, "allreduce", True))
-                        ),
-                        optimizer=leaf_index,
-                        shard=shard,
-                        main_dtype=str(opt_param.dtype),
-                        order=order,
-                    )
-                )
-                grads.append(_grad(opt_param))
-        group_offset += len(groups)
-    return slots, grads
+    """The optimizer's parameters in ``get_parameters()`` order, as slots, with their current gradients.
+
+    The slots are built once per optimizer (50,000 parameters take a second) and again only if its
+    parameters or model chunks change; the gradients are read at every call."""
+    stepped = _stepped(optimizer)
+    chunks = _model_chunks(optimizer, fallback_chunks)
+    key = (tuple(id(entry[3]) for entry in stepped), tuple(id(chunk) for chunk in chunks))
+    built = _BUILT.get(optimizer)
+    if built is None or built[0] != key:
+        built = _BUILT[optimizer] = (key, _build_slots(stepped, chunks))
+    return built[1], [_grad(entry[3]) for entry in stepped]
 
 
 def owned_start(optimizer: Any, param: torch.nn.Parameter) -> int:

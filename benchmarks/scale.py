@@ -1,0 +1,170 @@
+"""gradnan at real scale: the report over thousands of ranks, maps of 50,000 tensors, the failing-path scan.
+
+    python benchmarks/scale.py                        # 64, 512, 4096 ranks (about 3 minutes on 2 cores)
+    python benchmarks/scale.py --ranks 64,512,4096,16384 --records-mb 200
+
+1. ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own writers
+   (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one origin):
+   CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether the
+   origin is the first rank it names, and the text of the largest; then one rank
+   whose records file holds ``--records-mb`` MB. Each run directory is deleted after it is measured.
+2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch optimizer and a model named
+   as an MoE model is, 100 layers) and ``maps.to_json`` + ``maps.write``, as the training side does at the
+   first step; and ``param_slots`` again for the same optimizer, as at a later failing step.
+3. The failing-path scan over 50,000 separate tensors (``find_nonfinite``, one NaN) against the floor:
+   one pass (a sum) over the same bytes as one flat tensor; and ``locate`` over one large tensor against
+   the same floor, in fp32 and bf16. Medians of ``--reps`` and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+from gradnan.formats import maps
+from gradnan.testing.synthetic import TorchOptimizer, many_tensor_model, write_long_records, write_run_dir
+from gradnan.training.megatron.optimizer_params import param_slots
+from gradnan.training.scan import find_nonfinite, locate
+
+
+def measure_report(run_dir: Path) -> Dict[str, float]:
+    """``gradnan report RUN_DIR`` in its own process: CPU seconds, peak RSS (MB), lines of text."""
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen([sys.executable, "-m", "gradnan", "report", str(run_dir)], stdout=output,
+                                   stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        text = output.read().decode()
+    if process.returncode != 0:
+        raise SystemExit(f"gradnan report {run_dir} failed ({process.returncode}): {text[-500:]}")
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
+            "lines": len(text.splitlines()), "text": text}
+
+
+def names_the_origin(text: str, origin: int) -> bool:
+    """The line after ``Origin (...):`` is the origin rank's."""
+    lines = text.splitlines()
+    return any(line.startswith("Origin (") and lines[number + 1].startswith(f"  rank {origin} (")
+               for number, line in enumerate(lines[:-1]))
+
+
+def report_at(root: Path, world_size: int) -> Dict[str, float]:
+    run_dir = root / f"ranks{world_size}"
+    started = time.perf_counter()
+    origin = write_run_dir(run_dir, world_size)
+    written = time.perf_counter() - started
+    try:
+        figures = measure_report(run_dir)
+        return {"ranks": world_size, "write_s": written, **figures,
+                "origin_named": names_the_origin(figures["text"], origin)}
+    finally:
+        shutil.rmtree(run_dir)
+
+
+def report_long_records(root: Path, megabytes: int) -> Dict[str, float]:
+    run_dir = root / "long_records"
+    count = write_long_records(run_dir, megabytes << 20)
+    try:
+        return {"records": count, "megabytes": megabytes, **measure_report(run_dir)}
+    finally:
+        shutil.rmtree(run_dir)
+
+
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def map_figures(count: int, reps: int, out_dir: Path) -> Dict[str, float]:
+    """The first step's work (slots built for a new optimizer, the map written), and a later failing
+    step's (the slots of the same optimizer again, with its current gradients)."""
+    model = many_tensor_model(count, 4)
+    builds = []
+    for _ in range(reps):
+        optimizer = TorchOptimizer(model)
+        started = time.perf_counter()
+        slots, _ = param_slots(optimizer)
+        builds.append(time.perf_counter() - started)
+    again = median_seconds(lambda: param_slots(optimizer), reps)
+    coords = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}
+    path = out_dir / "map.json"
+    write = median_seconds(lambda: maps.write(path, maps.to_json(coords, {}, {}, 0, "FP32Optimizer", slots)), reps)
+    build = statistics.median(builds)
+    return {"tensors": count, "build_s": build, "write_s": write, "first_step_s": build + write,
+            "later_steps_s": again, "file_mb": path.stat().st_size / 1e6}
+
+
+def scan_figures(count: int, numel: int, reps: int) -> Dict[str, float]:
+    tensors = [torch.randn(numel) for _ in range(count)]
+    tensors[count // 2][numel // 3] = float("nan")
+    flat = torch.randn(count * numel)
+    found = find_nonfinite(tensors)
+    assert [index for index, _ in found] == [count // 2], found
+    scan = median_seconds(lambda: find_nonfinite(tensors), reps)
+    floor = median_seconds(lambda: bool(torch.isfinite(flat.sum())), reps)
+    return {"tensors": count, "elements": count * numel, "scan_s": scan, "floor_s": floor, "ratio": scan / floor}
+
+
+def locate_figures(numel: int, dtype: torch.dtype, reps: int) -> Dict[str, float]:
+    tensor = torch.randn(numel).to(dtype)
+    tensor[numel // 2] = float("nan")
+    assert locate(tensor).nan == 1
+    found = median_seconds(lambda: locate(tensor), reps)
+    floor = median_seconds(lambda: bool(torch.isfinite(tensor.sum())), reps)
+    return {"dtype": str(dtype), "elements": numel, "locate_s": found, "floor_s": floor, "ratio": found / floor}
+
+
+def table(rows: List[Dict[str, float]]) -> str:
+    keys = [key for key in rows[0] if key != "text"]
+    cells = [[f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key]) for key in keys] for row in rows]
+    return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + ["| " + " | ".join(c) + " |"
+                                                                                  for c in cells])
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="64,512,4096", help="world sizes, comma-separated")
+    parser.add_argument("--records-mb", type=int, default=200, help="size of the one long records file (0: skip)")
+    parser.add_argument("--tensors", type=int, default=50_000)
+    parser.add_argument("--scan-numel", type=int, default=1_000, help="elements of each separate tensor")
+    parser.add_argument("--locate-numel", type=int, default=100_000_000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="gradnan_scale_"))
+    try:
+        print("## gradnan report over synthetic run directories\n")
+        reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
+        print(table(reports), flush=True)
+        print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)
+        if args.records_mb:
+            print("\n## one rank's long records file\n")
+            print(table([report_long_records(root, args.records_mb)]), flush=True)
+        print(f"\n## a map of {args.tensors} tensors (medians of {args.reps})\n")
+        print(table([map_figures(args.tensors, args.reps, root)]), flush=True)
+        print(f"\n## failing-path scan over {args.tensors} separate tensors vs one pass over the same bytes\n")
+        print(table([scan_figures(args.tensors, args.scan_numel, args.reps)]), flush=True)
+        print("\n## locate over one large tensor vs one pass over it\n")
+        print(table([locate_figures(args.locate_numel, dtype, args.reps)
+                     for dtype in (torch.float32, torch.bfloat16)]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

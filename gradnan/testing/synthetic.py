@@ -1,0 +1,140 @@
+"""Synthetic run directories at real scale, written with the kit's own writers (``gradnan.formats``).
+
+A job of ``world_size`` ranks laid out TP=8, PP=8 (16 from 2,048 ranks), the rest DP; every rank has a
+map of ``LAYERS_PER_STAGE`` transformer layers (12 parameters each, 2 more on the first stage). At
+``STEP`` one rank (``origin``) finds a NaN in its own gradients before the data-parallel collective; its
+DP peers (same TP/PP position) hold the NaN after it; every other rank only sees the non-finite norm.
+For the scale benchmark (``benchmarks/scale.py``) and the report's one-screen test; ``many_tensor_model``
+and ``TorchOptimizer`` give the training side's slot building 50,000 parameters without a distributed job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from ..formats import maps, records
+from ..formats.layout import map_path, records_path
+from ..formats.maps import ParamSlot
+from ..formats.schema import append_json_line
+
+TP = 8
+STEP = 7
+LAYERS_PER_STAGE = 24
+LAYER_PARAMS = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
+                "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
+                "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+RUN = {"id": "synthetic", "attempt": "0", "started": 1.7e9}
+VERSIONS = {"gradnan": "synthetic", "torch": "synthetic", "megatron_core": "synthetic"}
+
+
+def pipeline_size(world_size: int) -> int:
+    return 16 if world_size >= 2048 else 8
+
+
+def coords_of(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron's default order: tp fastest, then dp, then pp."""
+    pp_size = pipeline_size(world_size)
+    dp_size = max(1, world_size // (TP * pp_size))
+    return {"global_rank": rank, "tp": rank % TP, "dp": rank // TP % dp_size, "pp": rank // (TP * dp_size),
+            "tp_size": TP, "pp_size": pp_size, "dp_size": dp_size, "cp": 0, "cp_size": 1, "ep": 0, "ep_size": 1,
+            "world_size": world_size, "host": f"node{rank // 8:05d}", "device": f"cuda:{rank % 8}",
+            "local_rank": rank % 8, "pid": 1000 + rank}
+
+
+def stage_slots(pp: int) -> List[ParamSlot]:
+    """The parameters one pipeline stage steps, in registration order (optimizer order the same)."""
+    names = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"] if pp == 0 else []
+    first = pp * LAYERS_PER_STAGE
+    names += [f"decoder.layers.{first + layer}.{param}" for layer in range(LAYERS_PER_STAGE)
+              for param in LAYER_PARAMS]
+    return [ParamSlot(id=index, name=name, shape=(512, 64), dtype="torch.bfloat16", numel=512 * 64, group=0,
+                      wd_mult=1.0, lr_mult=1.0, is_expert=False, optimizer=0, shard=None,
+                      main_dtype="torch.float32", order=index) for index, name in enumerate(names)]
+
+
+def _offender(slot: ParamSlot, nan: int) -> Dict[str, Any]:
+    return {"id": slot.id, "name": slot.name, "kind": "nan", "nan": nan, "inf": 0, "pos_inf": 0, "neg_inf": 0,
+            "first_bad_flat": 5, "first_bad_index": [0, 5], "abs_max_finite": 0.5, "near_limit": False,
+            "numel": slot.numel, "shard": None, "is_expert": False, "order": slot.order}
+
+
+def origin_rank(world_size: int) -> int:
+    """A rank in the middle of the job: tp3, a middle DP replica, the last pipeline stage."""
+    coords = coords_of(0, world_size)
+    return (coords["pp_size"] - 1) * TP * coords["dp_size"] + coords["dp_size"] // 2 * TP + 3
+
+
+def write_rank(out_dir: Path, rank: int, world_size: int, origin: int) -> None:
+    """One rank's map and its records at ``STEP``, as the training side writes them."""
+    coords = coords_of(rank, world_size)
+    slots = stage_slots(coords["pp"])
+    path = map_path(str(out_dir), coords, 0)
+    maps.write(path, maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
+    origin_coords = coords_of(origin, world_size)
+    bad = [_offender(slot, 1) for slot in reversed(slots[-3:])]
+    same_position = (coords["tp"], coords["pp"]) == (origin_coords["tp"], origin_coords["pp"])
+    target = records_path(str(out_dir), coords)
+    if rank == origin:
+        append_json_line(target, records.to_json("pre_reduction", STEP, STEP, coords, RUN, bad, len(bad), {
+            "mode": "deferred", "bucket_group": 0, "buckets": [{"bucket": 0, "numel": 1 << 20}],
+            "order": "backward", "micro_batch": None}))
+    held = [dict(entry, nan=entry["nan"] * coords["dp_size"]) for entry in bad] if same_position else []
+    append_json_line(target, records.to_json("nonfinite_grad_norm", STEP, STEP, coords, RUN, held, len(held), {
+        "optimizer_index": 0, "map": str(path), "pre_reduction": "nonfinite" if rank == origin else "clean",
+        "grad_norm": "nan"}))
+
+
+def write_run_dir(out_dir: Path, world_size: int) -> int:
+    """Every rank's files; returns the origin's global rank."""
+    origin = origin_rank(world_size)
+    for rank in range(world_size):
+        write_rank(Path(out_dir), rank, world_size, origin)
+    return origin
+
+
+def write_long_records(out_dir: Path, target_bytes: int, params_per_record: int = 64) -> int:
+    """One rank whose records file grew to ``target_bytes``: a non-finite norm at every step from 1 on,
+    each with ``params_per_record`` offenders. Returns the number of records."""
+    coords = coords_of(0, 64)
+    slots = stage_slots(0)
+    maps.write(map_path(str(out_dir), coords, 0), maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
+    target = records_path(str(out_dir), coords)
+    bad = [_offender(slot, 3) for slot in reversed(slots[-params_per_record:])]
+    step = 0
+    while not target.exists() or target.stat().st_size < target_bytes:
+        step += 1
+        append_json_line(target, records.to_json("nonfinite_grad_norm", step, step, coords, RUN, bad, len(slots),
+                                                 {"optimizer_index": 0, "map": None, "pre_reduction": "nonfinite",
+                                                  "grad_norm": "nan"}))
+    return step
+
+
+class TorchOptimizer:
+    """Megatron's ``FP32Optimizer`` as ``param_slots`` sees it: a torch optimizer and the model chunks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.model_chunks = [model]
+
+
+def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Module:
+    """``count`` parameters as an MoE model names them: ``decoder.layers.<i>.mlp.experts.<e>.w<k>``, each
+    layer with its global ``layer_number`` (as Megatron's ``TransformerLayer``, so names are rewritten)."""
+    model, per_layer = torch.nn.Module(), count // layers
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList()
+    for layer in range(layers):
+        block = torch.nn.Module()
+        block.layer_number = layer + 1
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = torch.nn.ModuleList()
+        for _ in range(per_layer // 2):
+            expert = torch.nn.Module()
+            expert.w1, expert.w2 = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
+            block.mlp.experts.append(expert)
+        model.decoder.layers.append(block)
+    return model

@@ -1,0 +1,95 @@
+"""The report of a large job fits one screen: a synthetic run directory of 512 ranks (TP=8, PP=8, DP=8),
+written with the kit's own writers. benchmarks/scale.py shows 4,096 and 16,384 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradnan.cli import main
+from gradnan.offline.plot import MAX_RANKS, incident_grid
+from gradnan.offline.read import read_run
+from gradnan.offline.report import build_report, focus_ranks, rank_ranges
+from gradnan.testing.synthetic import TP, coords_of, write_run_dir
+
+WORLD = 512
+
+
+@pytest.fixture(scope="module")
+def large_job(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("large")
+    origin = write_run_dir(run_dir, WORLD)
+    return run_dir, origin, build_report(read_run(run_dir, params=False))
+
+
+def test_the_text_fits_one_screen_and_starts_with_the_origin(large_job, capsys):
+    run_dir, origin, _ = large_job
+    assert main(["report", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 60, "\n".join(lines)
+    origin_line = next(number for number, line in enumerate(lines) if line.startswith("Origin"))
+    assert lines[origin_line + 1].startswith(f"  rank {origin} (tp3 pp7 dp4)")
+    dp_size, model_parallel = coords_of(0, WORLD)["dp_size"], WORLD // coords_of(0, WORLD)["dp_size"]
+    text = "\n".join(lines)
+    assert f"\n  {dp_size - 1} data-parallel peer(s) of the origin (same tp/pp), holding the NaN/Inf: " in text
+    assert f"\n  {model_parallel - 1} model-parallel peer(s) of the origin (same dp replica): " in text
+    assert f"\n  {WORLD - dp_size - model_parallel + 1} other rank(s): " in text
+
+
+def test_json_keeps_every_rank(large_job):
+    _, origin, report = large_job
+    incident = report["incident"]
+    assert [entry["global_rank"] for entry in incident["origin"]] == [origin]
+    assert len(incident["receivers"]) == WORLD - 1
+    holders = sorted(view["global_rank"] for view in incident["receivers"] if view["holds_nonfinite"])
+    assert holders == [rank for rank in range(WORLD) if rank != origin and (rank % TP, coords_of(rank, WORLD)["pp"])
+                       == (origin % TP, coords_of(origin, WORLD)["pp"])]
+
+
+def test_the_table_and_the_plot_are_centred_on_the_origin(large_job):
+    _, origin, report = large_job
+    _, ranks, grid = incident_grid(report["incident"])
+    holders = {view["global_rank"] for view in report["incident"]["receivers"] if view["holds_nonfinite"]}
+    assert origin in ranks and holders <= set(ranks)
+    peers = {rank for rank in range(WORLD) if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
+    assert len(peers & set(ranks)) == MAX_RANKS - 1 - len(holders), "the other columns: its model-parallel peers"
+    assert any(2 in row for row in grid) and any(1 in row for row in grid), "origin and received cells drawn"
+
+
+@pytest.mark.parametrize("ranks, text", [
+    ([0, 1, 2, 3, 5], "0-3, 5"),
+    ([3, 11, 19, 27, 40], "3-27 every 8, 40"),
+    ([7], "7"),
+    (list(range(0, 4000, 2)), "0-3998 every 2"),
+])
+def test_rank_ranges(ranks, text):
+    assert rank_ranges(ranks) == text
+
+
+def test_rank_ranges_are_cut_with_a_count():
+    text = rank_ranges(list(range(0, 300, 7)) + list(range(1000, 1100, 3)) + [5000, 5002, 7001, 9999, 12345, 13000],
+                       max_chars=30)
+    assert len(text) <= 50 and text.endswith("in all)")
+
+
+def test_the_report_reads_maps_and_records_without_their_lists(large_job):
+    """Lean reading keeps each rank's coordinates and counts; a record's offenders are read back on demand."""
+    run_dir, origin, report = large_job
+    lean, full = read_run(run_dir, params=False), read_run(run_dir)
+    assert all("params" not in document for document in lean.maps.values())
+    assert [document["params_count"] for document in lean.maps.values()] == [
+        len(document["params"]) for document in full.maps.values()]
+    assert {document["params_count"] for document in lean.maps.values()} == {290, 288}  # the first stage embeds
+    lean_records, full_records = lean.all_records(), full.all_records()
+    assert all("params" not in record for record in lean_records)
+    assert [lean.full(record) for record in lean_records] == full_records
+    assert build_report(full) == report
+
+
+def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):
+    _, origin, report = large_job
+    ranks = focus_ranks(report["incident"], 16)
+    position = (coords_of(origin, WORLD)["tp"], coords_of(origin, WORLD)["pp"])
+    holders = [rank for rank in ranks if (coords_of(rank, WORLD)["tp"], coords_of(rank, WORLD)["pp"]) == position
+               and rank != origin]
+    peers = [rank for rank in ranks if coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"] and rank != origin]
+    assert origin in ranks and len(holders) == 7 and len(peers) == 8, (holders, peers)
