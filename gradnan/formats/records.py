@@ -66,8 +66,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     for position, entry in enumerate(params):
         if not isinstance(entry, dict) or not is_text(entry.get("name")) or not all(
                 optional(entry.get(key), is_int) for key in _PARAM_INTS) or not all(
-                is_int(entry.get(key)) for key in ("nan", "inf")):
-            raise InputError(f"{where}: params[{position}] needs a text 'name' and integer counts")
+                is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
+            raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
+                             " 'abs_max_finite'")
     for key in ("params_total", "consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
         if not optional(record.get(key), is_int):
             raise InputError(f"{where}: '{key}' must be an integer")

@@ -218,6 +218,16 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], replace: bool = T
         raise
 
 
+def _write_all(descriptor: int, data: bytes) -> None:
+    """``data`` written whole: after a short write the next one raises the reason (ENOSPC, EFBIG)."""
+    remaining = memoryview(data)
+    while remaining:
+        written = os.write(descriptor, remaining)
+        if written == 0:
+            raise OSError(errno.ENOSPC, "no byte could be written")
+        remaining = remaining[written:]
+
+
 def append_json_line(path: Path, document: Mapping[str, Any]) -> None:
     """One JSON line, flushed and fsynced before returning: the process may die right after.
 
@@ -233,9 +243,7 @@ def append_json_line(path: Path, document: Mapping[str, Any]) -> None:
         size = os.fstat(descriptor).st_size
         if size and os.pread(descriptor, 1, size - 1) != b"\n":
             line = b"\n" + line
-        written = os.write(descriptor, line)
-        if written != len(line):
-            raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes")
+        _write_all(descriptor, line)
         os.fsync(descriptor)
     except OSError as error:
         raise with_path(error, path) from None
