@@ -69,9 +69,11 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
                 is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
             raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
                              " 'abs_max_finite'")
-    for key in ("params_total", "consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
+    for key in ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
         if not optional(record.get(key), is_int):
             raise InputError(f"{where}: '{key}' must be an integer")
+    if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
+        raise InputError(f"{where}: 'params_total' must be an integer")
     if not optional(record.get("time"), is_number) or not optional(record.get("scale_collapsed"),
                                                                      lambda v: isinstance(v, bool)):
         raise InputError(f"{where}: 'time' must be a number and 'scale_collapsed' a boolean")
