@@ -101,7 +101,8 @@ def _check_frames(record: Dict[str, Any], where: str) -> None:
                              "'recomputed' and an 'entries' list")
         for entry in frame["entries"]:
             if not (isinstance(entry, dict) and all(is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
-                    and is_stat(entry.get("abs_min")) and is_stat(entry.get("abs_max"))):
+                    and {"abs_min", "abs_max"} <= entry.keys()  # null: not measured; absent: not ours
+                    and is_stat(entry["abs_min"]) and is_stat(entry["abs_max"])):
                 raise InputError(f"{where}: frames[{position}] has an entry without text 'name'/'kind'/'dtype'"
                                  " and numeric 'abs_min'/'abs_max'")
 
