@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import selftest
-from .commandline import OneLineParser, bad_input, positive
+from .commandline import OneLineParser, bad_input, positive, say
 from .errors import GradnanError, InputError
 from .offline.frames_view import format_frames
 from .offline.read import read_run
@@ -97,10 +97,10 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 def _print_maps(rows: List[Dict[str, Any]]) -> None:
     if not rows:
-        print("the selected map(s) list no parameters (a rank whose optimizer steps none)")
+        say("the selected map(s) list no parameters (a rank whose optimizer steps none)")
     for row in rows:
         shard = f" shard {row['shard']}" if row.get("shard") else ""
-        print(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')} {row.get('dtype')}{shard}")
+        say(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')} {row.get('dtype')}{shard}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -112,34 +112,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "demo":
             from .testing.demo import run_demo
 
-            print(run_demo(Path(args.out)))
+            say(run_demo(Path(args.out)))
         elif args.command == "report":
             report = build_report(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips, run=args.run)
             if args.plot and report["incident"] is not None:
                 from .offline.plot import plot_incident
 
                 plot_incident(report, args.plot)
-            print(json.dumps(report, indent=1) if args.json else format_text(report))
+            say(json.dumps(report, indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
-                print(f"Picture: {args.plot}" if report["incident"] is not None else "Nothing to plot: no failing step.")
+                say(f"Picture: {args.plot}" if report["incident"] is not None else "Nothing to plot: no failing step.")
         elif args.command == "replay":
             from .offline.replay import format_text as replay_text
             from .offline.replay import replay_bundle
 
             result = replay_bundle(args.bundle, device=args.device)
-            print(json.dumps(result, indent=1) if args.json else replay_text(result))
+            say(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "selftest":
             return selftest.run(args)
         elif args.command == "frames":
             chosen = _frames_command(args)
             if args.json:
-                print(json.dumps(chosen, indent=1))
+                say(json.dumps(chosen, indent=1))
             else:
-                print("\n\n".join(format_frames(record, args.last) for record in chosen))
+                say("\n\n".join(format_frames(record, args.last) for record in chosen))
         elif args.command == "maps":
             rows = _maps_command(args)
             if args.json:
-                print(json.dumps(rows, indent=1))
+                say(json.dumps(rows, indent=1))
             else:
                 _print_maps(rows)
     except GradnanError as exc:

@@ -25,9 +25,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
+from .formats.schema import read_text
 
 ENV_PREFIX = "GRADNAN_"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; a larger one (or /dev/zero) is refused
 CONFIG_FILE_ENV = "GRADNAN_CONFIG"  # names a config file; not a field
 RESERVED_PREFIXES = ("GRADNAN_SELFTEST_",)  # read by `gradnan selftest` only (its test switches)
 _NUMBER = re.compile(r"[0-9]+")
@@ -188,6 +190,8 @@ class GradnanConfig:
                 raise ConfigError(
                     f"gradnan config field '{spec.name}' must be {_FIELD_TYPES[spec.name].__name__}, got {value!r}"
                 )
+        if not self.out_dir.strip():
+            raise ConfigError("gradnan config field 'out_dir' is empty (GRADNAN_OUT_DIR= ?): name a directory")
         if self.max_records_bytes < 4096:
             raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
         object.__setattr__(self, "_ranges", {name: Ranges.parse(getattr(self, name), name) for name in RANGE_FIELDS})
@@ -315,9 +319,9 @@ def options_from_file(path: str) -> Dict[str, Any]:
     where = f"gradnan config file {path}"
     is_toml = str(path).lower().endswith(".toml")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+        text = read_text(Path(path), MAX_CONFIG_BYTES)
+    except InputError as exc:
+        raise ConfigError(f"gradnan config file {exc}") from None
     try:
         document = tomllib.loads(text) if is_toml else json.loads(text)
     except (ValueError, RecursionError) as exc:

@@ -14,6 +14,7 @@ with its own ``sys.argv``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -42,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` would find something to run (its parent packages are imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import gradnan
 
@@ -51,6 +60,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UsageError("give the training script (or -m MODULE) to run")
         if not args.module and not os.path.isfile(args.target[0]):
             raise UsageError(f"no such script: {args.target[0]}")
+        if args.module and not _module_exists(args.module):
+            raise UsageError(f"-m {args.module}: no such module (on sys.path from {os.getcwd()})")
         installation = gradnan.install(config_file=args.config_file,
                                        **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
     except GradnanError as exc:

@@ -56,3 +56,62 @@ def megatron_lm_args(monkeypatch):
     global_vars._GLOBAL_ARGS = args
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
     return args
+
+
+@pytest.fixture
+def no_hang():
+    """A test that would block (a FIFO opened for reading waits for a writer) fails after 60 s instead."""
+    import signal
+
+    def hung(signum, frame):
+        raise TimeoutError("blocked for 60 s: a read that should have been refused at once")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def crafted_bundle():
+    """``crafted_bundle(path, kind, victim=None, edit=None)``: a capture bundle written by
+    ``gradnan.formats.bundle.write``. ``kind="healthy"``: a recorded ``Linear`` call; ``"from_file"``: the
+    exploit, a trace mapping ``victim`` into memory (``aten.from_file``, shared) and copying a payload
+    into it. ``edit(manifest, tensors)`` changes either before writing."""
+    import torch
+
+    from gradnan.formats import bundle
+    from gradnan.training.recorder import OpRecorder
+
+    def recorded_linear():
+        torch.manual_seed(0)
+        module, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+        recorder = OpRecorder()
+        recorder.mark_inputs([x], "args")
+        recorder.mark_inputs(dict(module.named_parameters()), "param")
+        with recorder:
+            out = module(x)
+        trace = recorder.result(out)
+        return trace.to_json(), {**trace.leaves, "out.0": out.detach()}
+
+    def from_file(victim):
+        payload = torch.frombuffer(bytearray(b"import os; os.system('touch owned')  #"), dtype=torch.uint8)
+        ops = [{"op": "aten.from_file.default", "args": [str(victim)],
+                "kwargs": {"shared": True, "size": payload.numel(), "dtype": {"dtype": "uint8"}}, "out": {"t": "%0"}},
+               {"op": "aten.copy_.default", "args": [{"t": "%0"}, {"t": "args.0"}], "kwargs": {}, "out": {"t": "%1"}}]
+        trace = {"schema": "gradnan.trace", "version": 1, "ops": ops, "outputs": {"t": "%1"},
+                 "first_nonfinite": None, "leaves": {"args.0": {"shape": [payload.numel()], "dtype": "uint8"}}}
+        return trace, {"args.0": payload}
+
+    def make(path, kind, victim=None, edit=None):
+        trace, tensors = recorded_linear() if kind == "healthy" else from_file(victim)
+        manifest = {"module": {"path": "decoder.linear", "class": "Linear"}, "step": 1, "rank": dict(UNIT_COORDS),
+                    "run": {"id": None, "attempt": "0", "started": 1.7e9}, "created": 1.7e9, "trigger": "always",
+                    "outputs": 1 if kind == "healthy" else 0, "recompute": False, "trace": trace,
+                    "seen": {"outputs_nonfinite": False}}
+        if edit is not None:
+            edit(manifest, tensors)
+        return bundle.write(path, manifest, tensors)
+
+    return make

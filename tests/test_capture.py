@@ -165,7 +165,8 @@ def test_replay_of_an_unreplayable_bundle_is_one_line(runs, tmp_path):
 
     bundle = tmp_path / "b"
     shutil.copytree(_bundles(runs / "one_off", 1)[0], bundle)
-    for device, message in (("cuda:7", "no such CUDA device"), ("warp-drive", "is not a device")):
+    for device, message in (("cuda:7", "no such CUDA device"), ("warp-drive", "replay runs on cpu, cuda"),
+                            ("mps", "replay runs on cpu, cuda")):
         result = _replay(bundle, "--device", device)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
 

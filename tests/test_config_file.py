@@ -139,7 +139,7 @@ def test_a_bad_field_is_a_one_line_error_naming_it(tmp_path, suffix, document, n
     ("broken.toml", "out_dir = \n", "invalid TOML"),
     ("array.json", "[1, 2]", "must hold one object"),
     ("string.json", '"out_dir"', "must hold one object"),
-    ("binary.json", b"\xff\xfe{}", "cannot read"),
+    ("binary.json", b"\xff\xfe{}", "not UTF-8 text"),
 ])
 def test_an_unreadable_file_is_a_one_line_error_naming_the_file(tmp_path, name, text, expected):
     path = tmp_path / name

@@ -54,6 +54,8 @@ def test_a_bad_option_stops_before_training_in_one_line(tmp_path):
     (["--no-such-flag", "1", "train.py"], "unrecognized arguments"),
     ([], "give the training script"),
     (["/nonexistent/train.py"], "no such script"),
+    (["-m", "nonexistent_module"], "-m nonexistent_module: no such module"),
+    (["-m", "nonexistent_package.train"], "-m nonexistent_package.train: no such module"),
 ])
 def test_launcher_usage_errors_are_one_line_before_anything_is_installed(args, message):
     result = subprocess.run([sys.executable, "-m", "gradnan.run", *args], capture_output=True, text=True, timeout=120)

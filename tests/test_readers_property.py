@@ -513,6 +513,13 @@ CLI_CRASHES = [
     bug("frames-first_nonfinite-out-of-range",
         a_run(a_record(kind="frames", mode="detect", params=[], frames=[], frames_total=0, first_nonfinite=0)),
         IndexError, "frames_report.format_frames via cli (frames)", "record['frames'][first_nonfinite] of an empty list"),
+    bug("frames-entry-without-abs_min",
+        a_run(a_record(kind="frames", mode="detect", params=[], params_total=0, frames_total=1, first_nonfinite=None,
+                       frames=[{"step": 0, "module": "m", "class": "Linear", "call": 0, "recomputed": 0,
+                                "entries": [{"name": "output", "kind": "output", "dtype": "torch.float16",
+                                             "abs_max": 0.5}]}])),
+        KeyError, "frames_view.format_frames via cli (frames)", "entry['abs_min'] where the reader took a missing"
+        " key for null"),
 ]
 
 def with_examples(cases: List[Any]):

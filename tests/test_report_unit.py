@@ -167,9 +167,22 @@ def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
 
     both = run_identity("", {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2",
                              "TORCHELASTIC_RUN_ID": "none"}, 5.0)
-    assert both == {"id": "77", "attempt": "1.2", "started": 5.0}
+    assert both == {"id": "77", "attempt": "1.2", "started": 5.0, "rendezvous": None}
     assert run_identity("mine", {"TORCHELASTIC_RUN_ID": "abc"}, 1.0)["id"] == "mine"
-    assert run_identity("", {}, 1.0) == {"id": None, "attempt": "0", "started": 1.0}
+    assert run_identity("", {}, 1.0) == {"id": None, "attempt": "0", "started": 1.0, "rendezvous": None}
+    assert run_identity("", {"MASTER_ADDR": "node7", "MASTER_PORT": "29500"}, 1.0)["rendezvous"] == "node7:29500"
+
+
+def test_two_anonymous_jobs_started_together_are_two_launches_told_apart_by_their_rendezvous():
+    from gradnan.offline.report import split_runs
+
+    def record(rendezvous, started):
+        return {"run": {"id": None, "attempt": "0", "started": started, "rendezvous": rendezvous}}
+
+    records = [record("a:1", 100.0), record("b:2", 100.5), record("a:1", 101.0), record(None, 100.2)]
+    runs = split_runs(records)
+    assert sorted(len(group) for group in runs.values()) == [1, 1, 2]
+    assert all(len({r["run"]["rendezvous"] for r in group}) == 1 for group in runs.values())
 
 
 def test_the_log_rank_falls_back_to_slurm_before_torch_distributed_starts(monkeypatch):

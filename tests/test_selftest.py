@@ -179,6 +179,8 @@ def _run_in_process(argv: List[str], monkeypatch, environ: Dict[str, Optional[st
     (["--tp", "0"], {}, "--tp must be at least 1"),
     (["--timeout", "-1"], {}, "--timeout must be a positive number"),
     (["--seconds", "nan"], {}, "--seconds must be a positive number"),
+    (["--timeout", "1e300"], {}, "--timeout must be a positive number of seconds up to"),
+    (["--seconds", "inf"], {}, "--seconds must be a positive number of seconds up to"),
     ([], {"RANK": None}, "neither RANK nor SLURM_PROCID"),
     ([], {PERTURB_ENV: "7"}, f"{PERTURB_ENV}=7 is not a rank"),
 ])

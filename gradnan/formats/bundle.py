@@ -10,8 +10,10 @@ with ``torch.load(weights_only=True)``, which refuses any pickled object that is
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,9 +23,11 @@ import torch
 
 from ..errors import InputError
 from .layout import MANIFEST, TENSORS
-from .schema import Schema, check_rank, is_int, is_text, read_document
+from .schema import Schema, check_rank, check_run, is_int, is_number, is_text, open_regular, optional, read_document
 
 SCHEMA = Schema("gradnan.bundle", 1)
+MAX_TENSORS_BYTES = 1 << 36  # a tensors.pt larger than 64 GiB is no capture gradnan wrote
+_GRAD_OUT = re.compile(r"grad_out\.(\d{1,9})")
 
 
 def tensors_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -35,7 +39,7 @@ def write(path: Path, manifest: Dict[str, Any], tensors: Mapping[str, torch.Tens
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, temporary / TENSORS)
+        _save_tensors(tensors, temporary / TENSORS)
         (temporary / MANIFEST).write_text(json.dumps({**SCHEMA.header(), **manifest}, indent=1, allow_nan=False))
         os.chmod(temporary, 0o755)
         os.rename(temporary, path)
@@ -45,6 +49,16 @@ def write(path: Path, manifest: Dict[str, Any], tensors: Mapping[str, torch.Tens
     return path
 
 
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``torch.save``, its write failures (a full disk: ``enforce fail at inline_container.cc``) raised
+    as the OSError they are, naming ``path``."""
+    try:
+        torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, path)
+    except RuntimeError as exc:
+        reason = (str(exc).strip().splitlines() or ["torch.save failed"])[-1].strip()
+        raise OSError(errno.EIO, f"torch.save could not write it ({reason})", str(path)) from None
+
+
 def manifest_from_json(document: Any, where: str) -> Dict[str, Any]:
     """A bundle manifest, checked for what the report needs (``gradnan replay`` checks its trace)."""
     document = SCHEMA.check(document, where)
@@ -52,7 +66,36 @@ def manifest_from_json(document: Any, where: str) -> Dict[str, Any]:
     if not isinstance(module, dict) or not is_text(module.get("path")) or not is_int(document.get("step")):
         raise InputError(f"{where}: a bundle manifest needs a 'module' with a 'path' and an integer 'step'")
     check_rank(document.get("rank"), where)
+    check_run(document.get("run"), where)
+    if not all(optional(document.get(key), is_number) for key in ("time", "created")):
+        raise InputError(f"{where}: 'time' and 'created' must be numbers (seconds since the epoch)")
+    if not optional(document.get("trigger"), is_text):
+        raise InputError(f"{where}: 'trigger' must be text")
     return document
+
+
+def check_replayable(manifest: Dict[str, Any], tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Everything ``gradnan replay`` uses beyond the trace, checked before anything runs."""
+    module, seen = manifest["module"], manifest.get("seen", {})
+    if not is_text(module.get("class")):
+        raise InputError(f"{where}: 'module.class' must be text")
+    if not isinstance(manifest["trace"].get("leaves"), dict):
+        raise InputError(f"{where}: the trace needs a 'leaves' object")
+    outputs = manifest.get("outputs", 0)
+    if not (is_int(outputs) and 0 <= outputs <= len(tensors)):
+        raise InputError(f"{where}: 'outputs' must be a count of saved tensors (0 to {len(tensors)}), not"
+                         f" {repr(outputs)[:40]}")
+    if not isinstance(seen, dict) or not optional(manifest.get("recompute"), lambda v: isinstance(v, bool)):
+        raise InputError(f"{where}: 'seen' must be an object and 'recompute' a boolean")
+    odd = [name for name in tensors if name.startswith("grad_out.") and not _GRAD_OUT.fullmatch(name)]
+    if odd:
+        raise InputError(f"{where}: tensor {odd[0][:60]!r} is not named grad_out.<output number>")
+    rng = tensors.get("rng.cpu")
+    if rng is not None and not (rng.dtype == torch.uint8 and rng.dim() == 1):
+        raise InputError(f"{where}: tensor 'rng.cpu' is not a generator state (a 1-d uint8 tensor)")
+    unusual = [name for name, tensor in tensors.items() if tensor.layout != torch.strided or tensor.is_meta]
+    if unusual:
+        raise InputError(f"{where}: tensor {unusual[0][:60]!r} is not a dense tensor with data")
 
 
 def load_manifest(path: Path) -> Dict[str, Any]:
@@ -68,10 +111,13 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     manifest = load_manifest(path / MANIFEST)
     if not isinstance(manifest.get("trace"), dict):
         raise InputError(f"{path / MANIFEST}: a bundle manifest needs a 'trace' object")
+    if not (path / TENSORS).exists():
+        raise InputError(f"{path / TENSORS}: missing")
     try:
-        tensors = torch.load(path / TENSORS, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise InputError(f"{path / TENSORS}: missing") from None
+        with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream:
+            tensors = torch.load(stream, weights_only=True, map_location="cpu")
+    except InputError:
+        raise
     except Exception as exc:  # an unpickling refusal, a truncated zip, a foreign file
         reason = "holds a pickled object that is not a tensor: refused" if "weights_only" in str(
             exc).lower() or "unpickl" in type(exc).__name__.lower() else f"unreadable ({type(exc).__name__})"

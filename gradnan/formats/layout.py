@@ -1,9 +1,13 @@
 """The run directory: where every rank's files go, how ranks are named, and how launches are told apart.
 
-    <out_dir>/maps/<rank tag>[_opt<k>].json                     one parameter map per optimizer
+    <out_dir>/maps/<rank tag>[_opt<k>][.<launch tag>].json      one parameter map per optimizer
     <out_dir>/records/<rank tag>.jsonl                          append-only JSON lines
     <out_dir>/bundles/<rank tag>/step<NNNNNNN>_<module>[_<k>]/  capture bundles (manifest.json, tensors.pt)
     <out_dir>/selftest/<time>.json                              self-test results
+
+A launch never writes over another launch's map: where the name is taken (a restart, or another job
+writing into the same out_dir), its map gets its launch tag (``launch_tag``) as well. Records are only
+ever appended, each naming its launch.
 
 The rank tag starts with the global rank (unique per process) and carries the tp/pp/dp coordinates,
 plus cp/ep where their sizes are above 1: ``rank00003_tp1_pp0_dp1``.
@@ -21,7 +25,6 @@ BUNDLES_DIR = "bundles"
 SELFTEST_DIR = "selftest"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.pt"
-BUNDLE_MANIFESTS = f"{BUNDLES_DIR}/*/*/{MANIFEST}"
 
 AXES = ("tp", "pp", "dp", "cp", "ep")
 
@@ -49,9 +52,15 @@ def rank_tag(coords: Mapping[str, Any]) -> str:
     return "_".join(parts)
 
 
-def map_path(out_dir: str, coords: Mapping[str, Any], optimizer_index: int) -> Path:
-    suffix = f"_opt{optimizer_index}" if optimizer_index else ""
+def map_path(out_dir: str, coords: Mapping[str, Any], optimizer_index: int, launch: str = "") -> Path:
+    """``launch``: this launch's tag (``launch_tag``), where another launch's map already has the name."""
+    suffix = (f"_opt{optimizer_index}" if optimizer_index else "") + (f".{launch}" if launch else "")
     return Path(out_dir) / MAPS_DIR / f"{rank_tag(coords)}{suffix}.json"
+
+
+def launch_tag(run: Mapping[str, Any], coords: Mapping[str, Any]) -> str:
+    """A name part no other launch's process has: its start time (milliseconds) and process id."""
+    return f"launch{int(run['started'] * 1000)}-{coords.get('pid') or 0}"
 
 
 def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
@@ -73,11 +82,14 @@ def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: 
 
 
 def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:
-    """Names this launch in every record: all ranks of one launch agree on ``id`` and ``attempt``
-    without talking to each other (launcher variables); ``started`` tells launches apart otherwise."""
+    """Names this launch in every record: all ranks of one launch agree on ``id``, ``attempt`` and
+    ``rendezvous`` without talking to each other (launcher variables; two jobs running at once cannot
+    share a rendezvous address and port); ``started`` tells launches apart otherwise."""
     launcher_id = environ.get("TORCHELASTIC_RUN_ID", "")
     if launcher_id in ("", "none"):
         launcher_id = environ.get("SLURM_JOB_ID", "")
     counts = [environ.get(name, "") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")]
     attempt = ".".join(count for count in counts if count.isdigit()) or "0"  # requeue.restart under both
-    return {"id": run_id or launcher_id or None, "attempt": attempt, "started": started}
+    address, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    return {"id": run_id or launcher_id or None, "attempt": attempt, "started": started,
+            "rendezvous": f"{address}:{port}" if address and port else None}

@@ -131,6 +131,7 @@ def load(path: Path, params: bool = True) -> Dict[str, Any]:
     return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path), params)
 
 
-def write(path: Path, document: Mapping[str, Any]) -> None:
-    """Atomically, without indentation (a map can hold 50,000 parameters)."""
-    write_json_atomic(path, document, indent=None)
+def write(path: Path, document: Mapping[str, Any], replace: bool = True) -> None:
+    """Atomically, without indentation (a map can hold 50,000 parameters). ``replace=False``: never over an
+    existing file (another launch's map): FileExistsError instead."""
+    write_json_atomic(path, document, indent=None, replace=replace)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from .schema import (
     is_number,
     is_stat,
     is_text,
+    open_regular,
     optional,
     parse_json,
 )
@@ -66,11 +67,14 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     for position, entry in enumerate(params):
         if not isinstance(entry, dict) or not is_text(entry.get("name")) or not all(
                 optional(entry.get(key), is_int) for key in _PARAM_INTS) or not all(
-                is_int(entry.get(key)) for key in ("nan", "inf")):
-            raise InputError(f"{where}: params[{position}] needs a text 'name' and integer counts")
-    for key in ("params_total", "consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
+                is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
+            raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
+                             " 'abs_max_finite'")
+    for key in ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
         if not optional(record.get(key), is_int):
             raise InputError(f"{where}: '{key}' must be an integer")
+    if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
+        raise InputError(f"{where}: 'params_total' must be an integer")
     if not optional(record.get("time"), is_number) or not optional(record.get("scale_collapsed"),
                                                                      lambda v: isinstance(v, bool)):
         raise InputError(f"{where}: 'time' must be a number and 'scale_collapsed' a boolean")
@@ -98,7 +102,8 @@ def _check_frames(record: Dict[str, Any], where: str) -> None:
                              "'recomputed' and an 'entries' list")
         for entry in frame["entries"]:
             if not (isinstance(entry, dict) and all(is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
-                    and is_stat(entry.get("abs_min")) and is_stat(entry.get("abs_max"))):
+                    and {"abs_min", "abs_max"} <= entry.keys()  # null: not measured; absent: not ours
+                    and is_stat(entry["abs_min"]) and is_stat(entry["abs_max"])):
                 raise InputError(f"{where}: frames[{position}] has an entry without text 'name'/'kind'/'dtype'"
                                  " and numeric 'abs_min'/'abs_max'")
 
@@ -122,13 +127,6 @@ class Line:
     problem: Optional[str]
 
 
-def _open(path: Path) -> BinaryIO:
-    try:
-        return open(path, "rb")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
-
-
 def _decode(raw: bytes, path: Path) -> str:
     try:
         return raw.decode("utf-8")
@@ -146,7 +144,7 @@ def stream(path: Path) -> Iterator[Line]:
 
     A last line without its newline is a record cut short (the process died while writing it). Bytes
     that are not UTF-8 raise InputError for the whole file."""
-    with _open(path) as handle:
+    with open_regular(path) as handle:
         offset = 0
         for number, raw in enumerate(handle, start=1):
             start, offset = offset, offset + len(raw)
@@ -163,7 +161,7 @@ def stream(path: Path) -> Iterator[Line]:
 
 def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:
     """The record on line ``number`` that starts at byte ``offset`` (as ``stream`` found it)."""
-    with _open(path) as handle:
+    with open_regular(path) as handle:
         handle.seek(offset)
         return _parse_line(_decode(handle.readline(), path), path, number)
 

@@ -7,14 +7,16 @@ refuses a newer one with the advice to upgrade. Each schema is versioned on its 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional
 
 from ..errors import InputError
 
@@ -45,13 +47,22 @@ class Schema:
         return document
 
 
+INT_BOUND = 2**63  # every integer gradnan writes fits in int64; a 400-digit one is not a count, a step, an id
+
+
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer within int64: larger ones (valid JSON) would overflow every float or format using them."""
+    return isinstance(value, int) and not isinstance(value, bool) and -INT_BOUND <= value < INT_BOUND
 
 
 def is_number(value: Any) -> bool:
     """A usable number: not a bool, not NaN/Inf, and small enough for a float (time stamps, counts)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
+
+
+def is_finite(value: Any) -> bool:
+    """A finite number a float can hold (a measured magnitude: up to float64's largest)."""
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -64,8 +75,7 @@ def is_text(value: Any) -> bool:
 
 def is_stat(value: Any) -> bool:
     """An abs-min/abs-max as written: a number, "nan"/"inf"/"-inf", or null (not measured)."""
-    return value is None or value in ("nan", "inf", "-inf") or (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    return value is None or value in ("nan", "inf", "-inf") or is_finite(value)
 
 
 def optional(value: Any, check: Callable[[Any], bool]) -> bool:
@@ -99,9 +109,10 @@ def check_rank(rank: Any, where: str) -> None:
 def check_run(run: Any, where: str) -> None:
     """The launch identity written into records, maps and bundles (``layout.run_identity``)."""
     if run is not None and not (isinstance(run, dict) and optional(run.get("started"), is_number)
-                                and optional(run.get("id"), is_text)
+                                and optional(run.get("id"), is_text) and optional(run.get("rendezvous"), is_text)
                                 and optional(run.get("attempt"), lambda v: is_int(v) or is_text(v))):
-        raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and an 'attempt'")
+        raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and 'rendezvous' and an"
+                         " 'attempt'")
 
 
 def parse_json(text: str, where: str) -> Any:
@@ -115,13 +126,56 @@ def parse_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
-def read_text(path: Path) -> str:
+MAX_READ_BYTES = 1 << 30  # above any file gradnan writes (records stop at max_records_bytes, 64 MiB)
+
+
+def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file of at most ``max_bytes``; InputError otherwise.
+
+    Opened without blocking (a FIFO would wait forever for a writer) and checked on the open file, not
+    the name, so a symlink to ``/dev/zero`` or a directory swapped in after a check is refused too."""
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not UTF-8 text") from None
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise InputError(f"{path}: not a regular file ({_file_kind(status.st_mode)}): refused")
+        if status.st_size > max_bytes:
+            raise InputError(f"{path}: {status.st_size} bytes, more than the {max_bytes} gradnan reads: refused")
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
+
+
+def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes:
+    """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
+    even from a file that grows while it is read."""
+    with open_regular(path, max_bytes) as stream:
+        try:
+            data = stream.read(max_bytes + 1)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{path}: more than the {max_bytes} bytes gradnan reads: refused")
+    return data
+
+
+def read_text(path: Path, max_bytes: int = MAX_READ_BYTES) -> str:
+    """The one way gradnan reads a file it did not just write: ``read_bytes``, decoded as UTF-8."""
+    try:
+        return read_bytes(path, max_bytes).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
 
 
 def read_document(path: Path, schema: Schema) -> Dict[str, Any]:
@@ -135,11 +189,22 @@ def nonfinite_counts(entry: Mapping[str, Any]) -> str:
                      if entry.get(key))
 
 
-def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1) -> None:
+def with_path(error: OSError, path: Path) -> OSError:
+    """The same error naming ``path`` (an ENOSPC from ``write`` names no file)."""
+    return OSError(error.errno, error.strerror or str(error), str(path))
+
+
+def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1,
+                      replace: bool = True) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
-    sees the whole document or none of it. ``indent=None``: compact, for large documents."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    sees the whole document or none of it. ``indent=None``: compact, for large documents.
+    ``replace=False``: never over an existing file (another launch's): FileExistsError instead. An
+    OSError names ``path``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise with_path(error, path) from None
     try:
         os.chmod(temporary, 0o644)  # mkstemp makes it 0600; documents are read by other users' tools
         with os.fdopen(handle, "w") as stream:
@@ -147,18 +212,47 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[
                                     separators=None if indent else (",", ":")) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)  # fails if ``path`` exists, atomically (a rename would replace it)
+            os.unlink(temporary)
+    except BaseException as error:
         if os.path.exists(temporary):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise with_path(error, path) from None
         raise
 
 
+def _write_all(descriptor: int, data: bytes) -> None:
+    """``data`` written whole: after a short write the next one raises the reason (ENOSPC, EFBIG)."""
+    remaining = memoryview(data)
+    while remaining:
+        written = os.write(descriptor, remaining)
+        if written == 0:
+            raise OSError(errno.ENOSPC, "no byte could be written")
+        remaining = remaining[written:]
+
+
 def append_json_line(path: Path, document: Mapping[str, Any]) -> None:
-    """One JSON line, flushed and fsynced before returning: the process may die right after."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(document, allow_nan=False, separators=(",", ":")) + "\n"
-    with open(path, "a") as stream:
-        stream.write(line)
-        stream.flush()
-        os.fsync(stream.fileno())
+    """One JSON line, flushed and fsynced before returning: the process may die right after.
+
+    A file whose last line was cut short (a full disk, a killed writer) gets its newline first, so the
+    torn line stays one bad line and this record is readable. An OSError names ``path``."""
+    line = (json.dumps(document, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as error:
+        raise with_path(error, path) from None
+    try:
+        size = os.fstat(descriptor).st_size
+        if size and os.pread(descriptor, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        _write_all(descriptor, line)
+        os.fsync(descriptor)
+    except OSError as error:
+        raise with_path(error, path) from None
+    finally:
+        os.close(descriptor)

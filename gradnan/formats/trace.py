@@ -7,7 +7,10 @@ pickled code. The training side writes traces (``gradnan.training.recorder``); t
 them (``gradnan.offline.trace_replay``); both judge "the first non-finite op" by ``FirstNonFinite`` here,
 so the field means the same thing at record time and at replay.
 
-Op names resolve only in ``torch.ops.aten`` and ``torch.ops.prims``: a trace can name no other code.
+A replay executes only the operators of ``REPLAY_ALLOWLIST`` (and their in-place ``_`` variants): pure
+tensor computation, shape and creation. Nothing a trace names can open a file, share memory with one,
+talk to another process or reach the allocator's settings (``aten.from_file``, ``set_``, ``_copy_from``
+of a storage, collectives): such an entry is refused before any op runs.
 """
 
 import math
@@ -23,7 +26,45 @@ from .schema import Schema
 
 SCHEMA = Schema("gradnan.trace", 1)
 
-REPLAYABLE_NAMESPACES = ("aten", "prims")
+# The aten operators a replay may execute (by packet name, every overload): pure computation on the
+# replay's own tensors. docs/guarantees.md lists them (tests/test_untrusted.py checks the two agree).
+REPLAY_ALLOWLIST = frozenset("""
+    _efficient_attention_backward _efficient_attention_forward _flash_attention_backward
+    _flash_attention_forward _foreach_add _foreach_mul _fused_dropout _has_compatible_shallow_copy_type
+    _local_scalar_dense _log_softmax _log_softmax_backward_data _masked_scale _reshape_alias
+    _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
+    _scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward
+    _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention_for_cpu_backward
+    _softmax _softmax_backward_data _to_copy _to_dense _unsafe_index _unsafe_view abs absolute acos
+    acosh add addbmm addcdiv addcmul addmm addmv addr alias all amax amin aminmax any arange argmax
+    argmin as_strided asin asinh atan atan2 atanh avg_pool1d avg_pool2d avg_pool2d_backward baddbmm
+    bernoulli bitwise_and bitwise_not bitwise_or bitwise_xor bmm bucketize cat ceil clamp clamp_max
+    clamp_min clip clone constant_pad_nd contiguous conv1d conv2d convolution convolution_backward copy
+    cos cosh count_nonzero cumprod cumsum deg2rad dense_dim detach diag diagonal diagonal_backward div
+    dot dropout elu elu_backward embedding embedding_backward embedding_dense_backward empty empty_like
+    empty_permuted empty_strided eq erf erfc erfinv exp exp2 expand expand_as expand_copy expm1
+    exponential_ eye fill fix flatten flip floor floor_divide fmax fmin fmod frac full full_like gather
+    ge gelu gelu_backward geometric_ glu gt hardsigmoid hardswish hardtanh hardtanh_backward hypot index
+    index_add index_copy index_fill index_put index_select is_contiguous is_same_size isfinite isinf
+    isnan isneginf isposinf layer_norm le leaky_relu lerp lgamma lift_fresh lift_fresh_copy linear
+    linspace log log10 log1p log2 log_sigmoid_backward log_sigmoid_forward log_softmax logaddexp
+    logcumsumexp logical_and logical_not logical_or logical_xor logit logsumexp lt masked_fill
+    masked_scatter masked_select matmul max max_pool2d_with_indices maximum mean median min minimum mish
+    mm mse_loss mul mv nan_to_num narrow native_batch_norm native_dropout native_dropout_backward
+    native_group_norm native_group_norm_backward native_layer_norm native_layer_norm_backward ne neg
+    new_empty new_empty_strided new_full new_ones new_zeros nll_loss nll_loss2d_backward
+    nll_loss2d_forward nll_loss_backward nll_loss_forward nonzero norm normal numel ones ones_like
+    permute permute_copy pow prod rad2deg rand rand_like randint randint_like randn randn_like random_
+    randperm reciprocal relu remainder repeat repeat_interleave reshape rms_norm roll round rsqrt rsub
+    scalar_tensor scaled_dot_product_attention scatter scatter_add scatter_reduce select select_backward
+    select_copy select_scatter sgn sigmoid sigmoid_backward sign silu silu_backward sin sinh size slice
+    slice_backward slice_copy slice_scatter softmax softplus softplus_backward sort sparse_dim split
+    split_copy split_with_sizes sqrt square squeeze squeeze_copy stack std stride sub sum sum_to_size
+    sym_numel sym_size sym_storage_offset sym_stride t t_copy tanh tanh_backward threshold
+    threshold_backward to topk transpose transpose_copy tril triu true_divide trunc type_as unbind
+    unfold uniform unsqueeze unsqueeze_copy var var_mean view view_as view_copy where xlogy zero zeros
+    zeros_like
+""".split())
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # Ops that return uninitialized memory: garbage that happens to be NaN is nobody's fault.
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
@@ -141,13 +182,19 @@ def decode(encoded: Any, tensor_of: Callable[[str], Any], dtype: Optional[torch.
     raise TraceError(f"malformed value {repr(encoded)[:80]}")
 
 
+def allowed_in_replay(packet: str) -> bool:
+    """On ``REPLAY_ALLOWLIST``, or the in-place variant (``add_``) of an operator that is."""
+    return packet in REPLAY_ALLOWLIST or (packet.endswith("_") and packet[:-1] in REPLAY_ALLOWLIST)
+
+
 def replayable_op(name: Any) -> Any:
-    """The aten/prims ``OpOverload`` a name denotes; nothing else can be reached from a trace."""
+    """The aten ``OpOverload`` a name denotes, if replay may run it (``REPLAY_ALLOWLIST``); nothing else
+    can be reached from a trace."""
     match = _OP_NAME.fullmatch(name) if isinstance(name, str) else None
-    if match is None or match[1] not in REPLAYABLE_NAMESPACES:
-        raise TraceError(f"op {repr(name)[:80]} is not an aten or prims op: refused")
-    packet = getattr(getattr(torch.ops, match[1]), match[2], None)
-    overload = getattr(packet, match[3], None) if isinstance(packet, torch._ops.OpOverloadPacket) else None
+    if match is None or match[1] != "aten" or not allowed_in_replay(match[2]):
+        raise TraceError(f"op {repr(name)[:80]} is not on the replay allowlist (pure-computation aten"
+                         " operators only, docs/guarantees.md): refused")
+    overload = getattr(getattr(torch.ops.aten, match[2], None), match[3], None)
     if not isinstance(overload, torch._ops.OpOverload):
         raise TraceError(f"op {name!r} does not exist in this torch")
     return overload
@@ -215,6 +262,13 @@ class Trace:
     def from_json(document: Dict[str, Any], leaves: Dict[str, torch.Tensor]) -> "Trace":
         """Validate a document from ``to_json`` against its tensors (``leaves`` may hold other tensors
         too: only the trace's are taken). Raises TraceError on anything malformed or refused."""
+        try:
+            return Trace._checked(document, leaves)
+        except RecursionError:
+            raise TraceError("a value nested too deeply") from None
+
+    @staticmethod
+    def _checked(document: Dict[str, Any], leaves: Dict[str, torch.Tensor]) -> "Trace":
         if not isinstance(document, dict) or document.get("schema") != SCHEMA.name:
             raise TraceError(f"not a {SCHEMA.name} document")
         version = document.get("version")

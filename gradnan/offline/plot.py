@@ -9,6 +9,7 @@ the fp16 limit, where an fp16 overflow shows as bars reaching the line.
 from __future__ import annotations
 
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -34,7 +35,15 @@ def incident_grid(incident: Dict[str, Any]) -> Tuple[List[str], List[int], List[
 
 
 def plot_incident(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
-    """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix); return what was drawn."""
+    """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix); return what was drawn.
+    Magnitudes near float64's limit (from a file) draw at the axis' edge, without numpy's overflow
+    warnings on the terminal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _draw(report, path)
+
+
+def _draw(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
     try:
         import matplotlib
 

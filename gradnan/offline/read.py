@@ -10,13 +10,14 @@ parameters (``_line`` says where each is; ``RunFiles.full`` reads one back whole
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import InputError
 from ..formats import bundle, maps, records, selftest
-from ..formats.layout import BUNDLE_MANIFESTS, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
+from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
 
 
 @dataclass
@@ -56,19 +57,42 @@ def _read_records(path: Path, params: bool) -> Tuple[List[Dict[str, Any]], List[
     return found, problems
 
 
+def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
+    """The ``*suffix`` entries of ``directory`` (none if it does not exist); one that cannot be listed
+    is a problem, not an empty directory."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        problems.append(f"{directory}: cannot list it ({exc.strerror or exc})")
+        return []
+    return sorted(directory / name for name in names if name.endswith(suffix) and not name.startswith("."))
+
+
+def _bundle_manifests(run_dir: Path, problems: List[str]) -> List[Path]:
+    """``bundles/<rank>/<bundle>/manifest.json``; a directory whose name starts with a dot is a bundle
+    still being written (or whose writer died)."""
+    return [bundle / MANIFEST for rank in _listed(run_dir / BUNDLES_DIR, "", problems)
+            for bundle in _listed(rank, "", problems) if (bundle / MANIFEST).exists()]
+
+
 def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise InputError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: not a directory")
-    map_files = sorted((run_dir / MAPS_DIR).glob("*.json"))
-    record_files = sorted((run_dir / RECORDS_DIR).glob("*.jsonl"))
-    selftest_files = sorted((run_dir / SELFTEST_DIR).glob("*.json"))
+    listing: List[str] = []
+    map_files = _listed(run_dir / MAPS_DIR, ".json", listing)
+    record_files = _listed(run_dir / RECORDS_DIR, ".jsonl", listing)
+    selftest_files = _listed(run_dir / SELFTEST_DIR, ".json", listing)
+    if listing and not map_files and not record_files and not selftest_files:
+        raise InputError(listing[0])
     if not map_files and not record_files and not selftest_files:
         raise InputError(f"{run_dir}: no gradnan maps or records here (expected {MAPS_DIR}/ and"
                          f" {RECORDS_DIR}/ as written by gradnan.install(out_dir=...))")
-    files = RunFiles(run_dir)
+    files = RunFiles(run_dir, problems=listing)
     for path in map_files:
         try:
             files.maps[path] = maps.load(path, params)
@@ -79,9 +103,7 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             files.selftests[path] = selftest.load(path)
         except InputError as exc:
             files.problems.append(str(exc))
-    for path in sorted(run_dir.glob(BUNDLE_MANIFESTS)):
-        if path.parent.name.startswith("."):  # a bundle still being written (or its writer died)
-            continue
+    for path in _bundle_manifests(run_dir, files.problems):
         try:
             files.bundles[path.parent] = bundle.load_manifest(path)
         except InputError as exc:

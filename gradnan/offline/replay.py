@@ -18,6 +18,7 @@ inputs were finite and whose output was not. The verdict:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from ..formats import bundle
+from ..formats.layout import MANIFEST
 from ..formats.schema import Schema
 from ..formats.trace import Trace, TraceError, has_nonfinite, tensors_in
 from .trace_replay import output_tree, replay
@@ -61,9 +63,20 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
     }
 
 
+def replay_device(name: Optional[str]) -> torch.device:
+    """The device ``--device`` names: the CPU or a CUDA device present here (default: cuda if any)."""
+    if name is not None and not re.fullmatch(r"cpu|cuda(:\d{1,4})?", name):
+        raise UsageError(f"--device {name!r}: replay runs on cpu, cuda or cuda:N")
+    target = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"--device {name}: no such CUDA device here")
+    return target
+
+
 def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     """Replay a bundle in three precisions and judge; raises InputError for an unusable bundle."""
     manifest, tensors = bundle.load(Path(path))
+    bundle.check_replayable(manifest, tensors, str(Path(path) / MANIFEST))
     leaf_names = list(manifest["trace"].get("leaves", {}))
     missing = [name for name in leaf_names if name not in tensors]
     if missing:
@@ -72,12 +85,7 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
         trace = Trace.from_json(manifest["trace"], {name: tensors[name] for name in leaf_names})
     except TraceError as exc:
         raise InputError(f"{path}: {exc}") from None
-    try:
-        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise UsageError(f"--device {device!r} is not a device (use cpu, cuda or cuda:N)") from None
-    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
-        raise UsageError(f"--device {device}: no such CUDA device here")
+    target = replay_device(device)
     grads = {int(key.split(".", 1)[1]): t.to(target) for key, t in tensors.items() if key.startswith("grad_out.")}
     grad_leaves = [name for name in leaf_names
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
@@ -88,7 +96,7 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
         raise InputError(f"{path}: cannot replay: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     seen = manifest.get("seen", {})
     captured = runs["captured"]
-    saved_outputs = [tensors[f"out.{i}"] for i in range(int(manifest.get("outputs", 0))) if f"out.{i}" in tensors]
+    saved_outputs = [tensors[f"out.{i}"] for i in range(manifest.get("outputs", 0)) if f"out.{i}" in tensors]
     matches = len(saved_outputs) == len(captured["_outputs"]) and all(
         _same(saved.to(target), replayed.detach()) for saved, replayed in zip(saved_outputs, captured["_outputs"]))
     judgement = _judge(seen, runs, tensors, leaf_names, grads)

@@ -241,22 +241,31 @@ def _started(record: Dict[str, Any]) -> float:
 
 def split_runs(records: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     """Records by launch: the launcher's run id and restart attempt where known, else launches told
-    apart by their processes' start times (a gap of more than RUN_GAP_SECONDS starts a new one)."""
+    apart by their rendezvous (two jobs at once cannot share one) and their processes' start times (a
+    gap of more than RUN_GAP_SECONDS starts a new one)."""
     runs: Dict[str, List[Dict[str, Any]]] = {}
-    anonymous = []
+    anonymous: Dict[Any, List[Dict[str, Any]]] = {}
     for record in records:
         run = record.get("run") if isinstance(record.get("run"), dict) else {}
         if run.get("id"):
             runs.setdefault(f"{run['id']}#{run.get('attempt', 0)}", []).append(record)
         else:
-            anonymous.append(record)
-    key, last = None, None
-    for record in sorted(anonymous, key=_started):
-        if key is None or _started(record) - last > RUN_GAP_SECONDS:
-            key = "started@" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(record)))
-        last = _started(record)
-        runs.setdefault(key, []).append(record)
+            anonymous.setdefault(run.get("rendezvous"), []).append(record)
+    for rendezvous, group in anonymous.items():
+        for launch in _split_by_start(group):
+            key = "started@" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(launch[0])))
+            runs.setdefault(f"{key} via {rendezvous}" if key in runs else key, []).extend(launch)
     return dict(sorted(runs.items(), key=lambda item: min(_started(r) for r in item[1])))
+
+
+def _split_by_start(records: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+    """Records in launches: a gap of more than RUN_GAP_SECONDS between start times starts a new one."""
+    launches: List[List[Dict[str, Any]]] = []
+    for record in sorted(records, key=_started):
+        if not launches or _started(record) - _started(launches[-1][-1]) > RUN_GAP_SECONDS:
+            launches.append([])
+        launches[-1].append(record)
+    return launches
 
 
 def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,

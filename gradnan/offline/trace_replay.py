@@ -209,7 +209,7 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
                 _replay_op(index, op, env, forward, dtype, device)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
-            except (RuntimeError, TypeError, IndexError) as error:
+            except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:
                 first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 raise TraceError(f"op {index} ({op.get('op')}) failed at replay: {first_line}") from error
         outputs = decode(trace.outputs, _from_env(env))

@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import socket
@@ -41,6 +40,7 @@ PERTURB_ENV = "GRADNAN_SELFTEST_PERTURB_RANK"  # test only: flip one bit of one 
 STALL_ENV = "GRADNAN_SELFTEST_STALL_RANK"  # test only: that rank stops answering, as a hung device would
 DEFAULT_SECONDS = 30.0
 DEFAULT_TIMEOUT = 60.0
+MAX_SECONDS = 7 * 24 * 3600.0  # a datetime.timedelta holds far more, but no test or wait needs longer
 DEFAULT_SIZE = {"cuda": 4096, "cpu": 256}
 SEED = 20240917
 ARITHMETIC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -400,8 +400,9 @@ def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
             raise BadArguments(f"--tp {tp} x --pp {pp} does not divide the world size {world_size}") from None
         layout = {"tp": tp, "pp": pp, "dp": world_size // (tp * pp)}
     for option, value in (("--seconds", args.seconds), ("--timeout", args.timeout)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise BadArguments(f"{option} must be a positive number of seconds, not {value:g}")
+        if value is not None and not (0 < value <= MAX_SECONDS):
+            raise BadArguments(f"{option} must be a positive number of seconds up to {MAX_SECONDS:g} (a week),"
+                               f" not {value:g}")
     device = torch.device("cpu")
     if torch.cuda.is_available():
         visible = torch.cuda.device_count()

@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
 from ..offline.read import read_run
 from ..offline.report import build_report, format_text
-from .toy import Injection, TinyGPTJob, launch
+from .toy import Injection, JobFailed, TinyGPTJob, launch
 
 DEMO_PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
 DEMO_RANK = 1
@@ -37,7 +37,11 @@ def run_demo(out_dir: Path) -> str:
     print(f"Training a tiny Megatron-Core GPT on CPU: 2 processes, TP=2, bf16, 3 steps.\n"
           f"Injecting a NaN into {DEMO_PARAM}'s gradient on rank {DEMO_RANK} at step {DEMO_STEP}.\n",
           flush=True)
-    launch(demo_job(out_dir))
+    try:
+        launch(demo_job(out_dir))
+    except JobFailed as failure:
+        where, reason = next(iter(failure.errors.items()), ("a process", "it died without saying why"))
+        raise UsageError(f"the demo's training failed in {where}: {reason}") from None
     report = format_text(build_report(read_run(out_dir)))
     return (f"\n{report}\n\nMaps:    {out_dir / MAPS_DIR}\nRecords: {out_dir / RECORDS_DIR}\n"
             f"Again as JSON: gradnan report {out_dir} --json")

@@ -425,15 +425,17 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
-    with gloo_process(rank, jobs[0].world_size, port, quiet=jobs[0].quiet):
-        for number, job in enumerate(jobs):
-            try:
+    number = 0
+    try:  # every rank's own error, not only the first the launcher sees (a taken port included)
+        with gloo_process(rank, jobs[0].world_size, port, quiet=jobs[0].quiet):
+            for number, job in enumerate(jobs):
                 result = train(job, rank)
-            except Exception as exc:  # every rank's own error, not only the first the launcher sees
-                (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
-                raise
-            path = Path(results_dir) / f"job{number}_rank{rank}.json"
-            path.write_text(json.dumps(dataclasses.asdict(result)))
+                path = Path(results_dir) / f"job{number}_rank{rank}.json"
+                path.write_text(json.dumps(dataclasses.asdict(result)))
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(f"{type(exc).__name__}: {first_line}")
+        raise
 
 
 def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:

@@ -16,10 +16,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.trace import (
     COLLECTIVE_NAMESPACES,
-    REPLAYABLE_NAMESPACES,
     FirstNonFinite,
     Trace,
     TraceError,
+    allowed_in_replay,
     encode,
     nodes,
     op_inputs,
@@ -118,8 +118,8 @@ class OpRecorder(TorchDispatchMode):
         entry: Dict[str, Any] = {"op": name}
         if namespace in COLLECTIVE_NAMESPACES:
             entry["collective"] = True
-        elif namespace not in REPLAYABLE_NAMESPACES:
-            entry["external"] = True
+        elif namespace != "aten" or not allowed_in_replay(func.__name__.split(".")[0]):
+            entry["external"] = True  # not executed at replay: its outputs become leaves
         entry["args"] = [encode(value, self._input_name) for value in args]
         entry["kwargs"] = {key: encode(value, self._input_name) for key, value in kwargs.items()}
         if any("opaque" in node for node in nodes(op_inputs(entry))):

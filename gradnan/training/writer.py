@@ -4,8 +4,9 @@ bounds (``max_records_bytes``, ``max_params_per_record``, ``max_bundles``, ``max
 bound logged once when it is reached.
 
 A file that cannot be written (an out_dir that is a file, a full disk, no permission) is the machine's
-fault, not gradnan's: it is logged once per kind of file, with the path and the reason, and training
-goes on, ``strict`` or not."""
+fault, not gradnan's: it is logged once per reason (a read-only out_dir once, not once per file), with
+the path and the reason, and training goes on, ``strict`` or not. A map is never written over another
+launch's (``layout.launch_tag``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from ..config import GradnanConfig
 from ..formats import bundle, maps, records
-from ..formats.layout import bundle_dir, map_path, records_path, run_identity
+from ..formats.layout import bundle_dir, launch_tag, map_path, records_path, run_identity
 from ..formats.maps import ParamSlot
 from ..formats.schema import append_json_line
 from ..log import logger
@@ -33,6 +34,7 @@ class Writer:
         self._known_coords: Optional[Dict[str, Any]] = None
         self._bounds_logged: set = set()
         self._bundles_written = 0
+        self._maps_written: Dict[Path, Path] = {}  # the name a map wanted -> where this launch wrote it
 
     def coords(self) -> Dict[str, Any]:
         """This rank's coordinates, as first seen with the optimizer built (a write at exit, after the
@@ -49,8 +51,25 @@ class Writer:
             logger.log(level, message, *args)
 
     def _unwritable(self, what: str, path: Path, error: OSError) -> None:
-        self._log_bound_once(f"unwritable {what}", logging.ERROR, "cannot write the %s %s: %s (training goes on"
-                             " unchanged; later %ss may be missing)", what, path, error.strerror or error, what)
+        self._log_bound_once(f"unwritable {error.errno or type(error).__name__}", logging.ERROR,
+                             "cannot write the %s %s: %s (training goes on unchanged; later files may be missing)",
+                             what, path, error.strerror or error)
+
+    def _write_map(self, wanted: Path, document: Dict[str, Any], coords: Mapping[str, Any],
+                   optimizer_index: int) -> Path:
+        """Where the map went: its own name, or with the launch tag where another launch's map has it."""
+        path = self._maps_written.get(wanted)
+        if path is not None:
+            maps.write(path, document)
+            return path
+        try:
+            maps.write(wanted, document, replace=False)
+            path = wanted
+        except FileExistsError:
+            path = map_path(self.config.out_dir, coords, optimizer_index, launch_tag(self.run, coords))
+            maps.write(path, document)
+        self._maps_written[wanted] = path
+        return path
 
     def write_map(self, optimizer_index: int, optimizer_class: str, slots: Sequence[ParamSlot]) -> str:
         """The parameter map of one optimizer; returns its path."""
@@ -58,7 +77,7 @@ class Writer:
         path = map_path(self.config.out_dir, coords, optimizer_index)
         document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class, slots)
         try:
-            maps.write(path, document)
+            path = self._write_map(path, document, coords, optimizer_index)
         except OSError as error:
             self._unwritable("map", path, error)
         logger.debug("wrote parameter map %s (%d parameters)", path, len(slots))
