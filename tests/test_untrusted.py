@@ -573,7 +573,8 @@ CONTROLS = ("\x1b", "\x07", "\x9b", "\u202e")
 def test_control_characters_from_a_file_never_reach_the_terminal(tmp_path):
     documents = valid_documents()
     evil = f"decoder.layers.0.mlp{ESCAPES}.weight"
-    documents["map"]["params"][0]["name"] = evil
+    columns = documents["map"]["param_columns"]
+    documents["map"]["params"][0][columns.index("name")] = evil
     documents["pre_reduction"]["params"][0]["name"] = evil
     documents["frames"]["frames"][0]["module"] = evil
     documents["pre_reduction"]["rank"]["host"] = ESCAPES
