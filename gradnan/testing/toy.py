@@ -8,6 +8,7 @@ pipeline schedules); only CUDA is replaced by the CPU shim. Faults are injected 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import tempfile
@@ -134,8 +135,9 @@ def _build_chunks(job: TinyGPTJob):
         attention_dropout=0.0,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if job.recompute else {}),
+        # MoE: experts without biases (core 0.13/0.14 assert it)
         **({"num_moe_experts": job.experts, "expert_model_parallel_size": job.ep, "moe_router_topk": 2,
-            "moe_token_dispatcher_type": "allgather"} if job.experts else {}),
+            "moe_token_dispatcher_type": "allgather", "add_bias_linear": False} if job.experts else {}),
         **({"virtual_pipeline_model_parallel_size": job.vpp} if job.vpp > 1 else {}),
     )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -143,6 +145,11 @@ def _build_chunks(job: TinyGPTJob):
     def chunk(vp_stage: int):
         if job.vpp == 1:
             return {"pre_process": pp_rank == 0, "post_process": pp_rank == job.pp - 1}
+        if "vp_stage" not in inspect.signature(parallel_state.is_pipeline_first_stage).parameters:
+            # core 0.12: the chunk being built is a global of parallel_state, not an argument
+            parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+            return {"pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False),
+                    "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False)}
         return {"vp_stage": vp_stage,
                 "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)}

@@ -52,18 +52,19 @@ def _layer_prefix_renames(model: torch.nn.Module) -> Dict[str, str]:
 
 def _expert_prefix_renames(model: torch.nn.Module, layer_renames: Dict[str, str]) -> Dict[str, str]:
     """Megatron numbers an MoE layer's experts locally on every expert-parallel rank (``local_experts.0`` is
-    global expert ``ep_rank * num_local_experts`` there, as its checkpoints count): the global number,
-    under the layer's global name. Grouped-GEMM experts hold all local experts in one weight: unchanged."""
+    global expert ``ep_rank * num_local_experts`` there): the layer's ``local_expert_indices`` (every
+    release since 0.12) give the global numbers, as its checkpoints count them. Grouped-GEMM experts hold
+    all local experts in one weight: unchanged."""
     renames = {}
+    rename_layer = prefix_renamer(layer_renames)
     for name, module in model.named_modules():
-        experts = getattr(module, "local_experts", None)
-        group = getattr(module, "ep_group", None)
-        if not isinstance(experts, torch.nn.ModuleList) or group is None:
+        indices = getattr(module, "local_expert_indices", None)
+        experts = getattr(getattr(module, "experts", None), "local_experts", None)
+        if not isinstance(experts, torch.nn.ModuleList) or not isinstance(indices, list):
             continue
-        offset = group.rank() * len(experts)
-        head = prefix_renamer(layer_renames)(f"{name}.")
-        for index in range(len(experts)):
-            renames[f"{name}.local_experts.{index}."] = f"{head}local_experts.{offset + index}."
+        head = rename_layer(f"{name}.experts.")
+        for local, global_index in enumerate(indices[:len(experts)]):
+            renames[f"{name}.experts.local_experts.{local}."] = f"{head}local_experts.{global_index}."
     return renames
 
 
