@@ -159,3 +159,19 @@ def test_only_the_rank_that_holds_the_nan_scans_it_when_norms_are_not_shared(pai
     by_rank = records_by_rank(run_dir)
     assert [r["step"] for r in by_rank[1]][0] == STEP
     assert min(r["step"] for r in by_rank[0]) == STEP + 1
+
+
+def test_a_healthy_fp16_run_from_megatron_lms_initial_loss_scale_is_no_incident(tmp_path):
+    """Megatron-LM starts fp16 at a loss scale of 2**32: a healthy run skips steps until the scale has come
+    down. Those skips are recorded as the scale warming up, and the report finds no failure."""
+    from gradnan.offline.read import read_run
+    from gradnan.offline.report import build_report
+
+    [outcome] = launch_many([TinyGPTJob(world_size=1, dtype="fp16", initial_loss_scale=2.0 ** 32, steps=20,
+                                        gradnan={"out_dir": str(tmp_path)})])
+    skipped = [not step.update_successful for step in outcome[0].steps]
+    assert skipped[:3] == [True] * 3 and skipped[-1] is False  # a real warm-up: many skips, then updates
+    records = [r for r in records_by_rank(tmp_path)[0] if r["kind"] == "loss_scale_overflow"]
+    assert len(records) == sum(skipped) and all(r["warmup"] for r in records)
+    report = build_report(read_run(tmp_path))
+    assert report["incident"] is None and report["loss_scale_overflow_steps"] == [r["step"] for r in records]

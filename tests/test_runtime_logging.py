@@ -29,12 +29,39 @@ def _overflow_steps(runtime, optimizer, count, scale=1024.0, min_scale=1.0):
         runtime.end_step(optimizer, skipped=True)
 
 
+def _applied_step(runtime, optimizer):
+    runtime.begin_step(optimizer, lambda: [_slot()])
+    runtime.end_step(optimizer, skipped=False)
+
+
 def test_repeated_skips_warn_at_the_threshold_then_at_doubling_counts(tmp_path, caplog, make_runtime):
     runtime, optimizer = make_runtime(skip_warn_after=3), FakeOptimizer()
+    _applied_step(runtime, optimizer)  # training has had a stable stretch: the scale is no longer warming up
     with caplog.at_level(logging.DEBUG, logger="gradnan"):
         _overflow_steps(runtime, optimizer, 13)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [m.split(" consecutive")[0].split(": ")[1] for m in warned] == ["3", "6", "12"]
+
+
+def test_skips_before_the_first_applied_update_are_the_loss_scale_warming_up(tmp_path, caplog, make_runtime):
+    """Megatron-LM starts fp16 at a loss scale of 2**32: a healthy run skips a dozen steps or more while
+    the scale comes down. Before any update is applied, that is routine: recorded, not warned about,
+    nothing captured. Its collapse to the minimum is still an error (the other test)."""
+    import json
+
+    fc1 = ("decoder.layers.0.mlp.linear_fc1", torch.nn.Linear(4, 4))
+    runtime, optimizer = make_runtime([fc1], skip_warn_after=3), FakeOptimizer()
+    with caplog.at_level(logging.INFO, logger="gradnan"):
+        _overflow_steps(runtime, optimizer, 13, scale=2.0 ** 20, min_scale=1.0)
+    assert not caplog.records and runtime.captures.captures == {} and runtime.captures.finder is None
+    lines = next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()
+    assert len(lines) == 13 and all(json.loads(line)["warmup"] is True for line in lines)
+    _applied_step(runtime, optimizer)
+    with caplog.at_level(logging.WARNING, logger="gradnan"):
+        _overflow_steps(runtime, optimizer, 3, scale=2.0 ** 20, min_scale=1.0)
+    [warned] = caplog.records
+    assert "3 consecutive fp16 steps skipped" in warned.getMessage()
+    assert runtime.captures.finder is not None  # a real run of skips (all of this rank's gradients): watched
 
 
 def test_a_healthy_step_resets_the_skip_count(tmp_path, caplog, make_runtime):

@@ -75,9 +75,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
             raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    if not optional(record.get("time"), is_number) or not optional(record.get("scale_collapsed"),
-                                                                     lambda v: isinstance(v, bool)):
-        raise InputError(f"{where}: 'time' must be a number and 'scale_collapsed' a boolean")
+    if not optional(record.get("time"), is_number) or not all(
+            optional(record.get(key), lambda v: isinstance(v, bool)) for key in ("scale_collapsed", "warmup")):
+        raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed' and 'warmup' booleans")
     check_run(record.get("run"), where)
     for key in ("kind", "pre_reduction", "mode", "map"):
         if not optional(record.get(key), is_text):

@@ -189,16 +189,18 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
 
 
 def _failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optional[int]:
-    """The first step that is a failure, not a routine fp16 loss-scale skip. For a run of consecutive
-    skips that became serious, the step where that run began (its origin is the interesting one)."""
+    """The first step that is a failure, not a routine fp16 loss-scale skip (one of a few in a row, or any
+    number while the scale warms up before the first applied update, short of its collapse). For a run
+    of consecutive skips that became serious, the step where that run began (its origin is the
+    interesting one)."""
     by_step: Dict[int, List[Dict[str, Any]]] = {}
     for record in incidents:
         by_step.setdefault(record["step"], []).append(record)
     for step in sorted(by_step):
         records = by_step[step]
         overflows = [r for r in records if r["kind"] == "loss_scale_overflow"]
-        serious = [r for r in overflows
-                   if r.get("scale_collapsed") or (r.get("consecutive_skips") or 1) >= serious_skips]
+        serious = [r for r in overflows if r.get("scale_collapsed")
+                   or (not r.get("warmup") and (r.get("consecutive_skips") or 1) >= serious_skips)]
         if any(r["kind"] == "nonfinite_grad_norm" for r in records) or (not overflows and records):
             return step
         if serious:

@@ -81,6 +81,7 @@ class TinyGPTJob:
     experts: int = 0  # MoE: experts per MLP (0: dense), spread over ``ep`` expert-parallel ranks
     ep: int = 1
     norm_as_tensor: bool = False  # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
+    initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -331,7 +332,7 @@ class TinyGPT:
                 fp16=job.dtype == "fp16",
                 params_dtype=config.params_dtype,
                 use_distributed_optimizer=job.distributed_optimizer,
-                initial_loss_scale=2.0**12,
+                initial_loss_scale=job.initial_loss_scale,
             ),
             self.chunks,
         )

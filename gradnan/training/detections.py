@@ -32,6 +32,7 @@ class OptimizerState:
         self.index = index
         self.map_file: Optional[str] = None
         self.consecutive_skips = 0
+        self.applied_steps = 0  # steps whose update was applied: none yet means the loss scale is still warming up
         self.scale_collapse_reported = False
         self.last_nonfinite_step: Optional[int] = None
         self.consecutive_nonfinite = 0
@@ -69,6 +70,7 @@ class Detections:
         if skipped is not None:
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
             if not skipped:
+                state.applied_steps += 1
                 state.scale_collapse_reported = False
 
     # -- pre-reduction (data-parallel bucket) checks -------------------------------------------------
@@ -165,20 +167,23 @@ class Detections:
         skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
         chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
         collapsed = scale is not None and min_scale is not None and scale <= min_scale
+        # no update applied yet: the scale is still coming down from its initial value (Megatron-LM's is
+        # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident
+        warmup = state.applied_steps == 0
         record = self._record(
             optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
             {"loss_scale": None if scale is None else json_float(scale),
              "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
-             "consecutive_skips": skips, "scale_collapsed": collapsed})
+             "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup})
         first = self.config.skip_warn_after
-        if collapsed or skips == first:
+        if collapsed or (skips == first and not warmup):
             self._capture_after(record, len(slots))
         if collapsed and not state.scale_collapse_reported:
             state.scale_collapse_reported = True
             logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
                          " %s; record: %s", when(record), scale, skips, describe_params(record), record["_path"])
             stop_if_asked(self.config, record)
-        elif skips >= first and is_power_of_two(skips // first) and skips % first == 0:
+        elif not warmup and skips >= first and is_power_of_two(skips // first) and skips % first == 0:
             logger.warning("%s: %d consecutive fp16 steps skipped for gradient overflow"
                            " (loss scale %s); %s; record: %s", when(record), skips, scale,
                            describe_params(record), record["_path"])
