@@ -49,10 +49,6 @@ class PendingNorms:
         self._norms: List[Tuple[DeviceScalar, Callable[[float], None]]] = []
         self._then: List[Callable[[], None]] = []
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._norms)
-
     def add(self, norm: DeviceScalar, on_nonfinite: Callable[[float], None]) -> None:
         self._norms.append((norm, on_nonfinite))
 
