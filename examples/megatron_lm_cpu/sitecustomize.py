@@ -3,9 +3,9 @@
 Not needed, and not to be used, on GPUs. Put this directory on ``PYTHONPATH`` with
 ``MEGATRON_LM_ON_CPU=1`` (docs/recipes.md has the whole command). It acts only inside torchrun's
 workers (``LOCAL_RANK`` set) and changes nothing in Megatron-LM's files: it tells Megatron-LM that one
-CUDA device is there, gives it the streams and device properties it asks for, points the legacy fused-
+CUDA device is there, gives it the device properties it asks for, points the legacy fused-
 kernel loader at a stand-in ``nvcc`` that only prints a version, and activates gradnan's CPU shim
-(``gradnan.testing.cpu_shim``), which sends every CUDA tensor to the CPU.
+(``gradnan.testing.cpu_shim``), which sends every CUDA tensor to the CPU and stands in for CUDA streams.
 
 To see gradnan at work it can also plant a fault, at one iteration on one rank, from outside the script:
 - ``PLANT_NAN=RANK:ITERATION:PARAMETER``: a NaN in that parameter's gradient during backward;
@@ -16,29 +16,12 @@ ITERATION is the one Megatron-LM's log prints; names are global (``decoder.layer
 import os
 
 if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
-    import contextlib
     import stat
     import sys
     import tempfile
     import types
 
     import torch
-
-    class _Stream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def wait_stream(self, *args):
-            pass
-
-        def wait_event(self, *args):
-            pass
-
-        def record_event(self, *args):
-            return None
-
-        def synchronize(self):
-            pass
 
     def _fake_nvcc_home() -> str:
         home = tempfile.mkdtemp(prefix="fake-cuda-home-")
@@ -52,9 +35,6 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *args, **kwargs: None
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(
         major=9, minor=0, name="cpu (stand-in)", total_memory=16 << 30, multi_processor_count=1)
     import torch.utils.cpp_extension

@@ -60,7 +60,14 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 
 
 class _CpuStream:
-    """The one stream of a CPU: work is done in order, so every wait and record is already satisfied."""
+    """The one stream of a CPU: work is done in order, so every wait and record is already satisfied.
+    Constructed in place of ``torch.cuda.Stream`` too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> None:
+        return None
 
     def wait_stream(self, *args: Any) -> None:
         return None
@@ -100,6 +107,7 @@ class CpuShim:
             ("synchronize", _no_op),
             ("current_stream", lambda device=None: _CPU_STREAM),  # core 0.19+ start_grad_sync
             ("stream", _cpu_stream_context),
+            ("Stream", _CpuStream),
             ("get_rng_state", _cpu_rng_state),
             ("set_rng_state", _set_cpu_rng_state),
             ("manual_seed", _cpu_manual_seed),
