@@ -32,7 +32,7 @@ class OptimizerState:
         self.index = index
         self.map_file: Optional[str] = None
         self.consecutive_skips = 0
-        self.applied_steps = 0  # steps whose update was applied: none yet means the loss scale is still warming up
+        self.warmed_up = False  # an update has been applied: the loss scale is no longer coming down from its start
         self.scale_collapse_reported = False
         self.last_nonfinite_step: Optional[int] = None
         self.consecutive_nonfinite = 0
@@ -70,7 +70,7 @@ class Detections:
         if skipped is not None:
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
             if not skipped:
-                state.applied_steps += 1
+                state.warmed_up = True
                 state.scale_collapse_reported = False
 
     # -- pre-reduction (data-parallel bucket) checks -------------------------------------------------
@@ -169,7 +169,7 @@ class Detections:
         collapsed = scale is not None and min_scale is not None and scale <= min_scale
         # no update applied yet: the scale is still coming down from its initial value (Megatron-LM's is
         # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident
-        warmup = state.applied_steps == 0
+        warmup = not state.warmed_up
         record = self._record(
             optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
             {"loss_scale": None if scale is None else json_float(scale),
