@@ -9,7 +9,7 @@ them, ``gradnan.offline`` reads them (report, frames, replay, plot), ``gradnan.s
 suspect device, ``gradnan.testing`` is the tiny real Megatron job the demo and the tests run.
 """
 
-from .config import FramesMode, GradnanConfig, OnNonfinite, PreReduction
+from .config import FramesMode, GradnanConfig, OnNonfinite, PreReduction, RerunMode
 from .errors import (
     AbortRequested,
     ConfigError,
@@ -25,5 +25,5 @@ from .training.seed import seed_all
 __version__ = "0.1.0"
 
 __all__ = ["AbortRequested", "ConfigError", "FramesMode", "GradnanConfig", "GradnanError", "InputError",
-           "Installation", "InternalError", "NonFiniteGradientError", "OnNonfinite", "PreReduction", "UsageError",
+           "Installation", "InternalError", "NonFiniteGradientError", "OnNonfinite", "PreReduction", "RerunMode", "UsageError",
            "check", "current", "install", "seed_all", "uninstall", "__version__"]

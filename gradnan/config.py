@@ -60,6 +60,13 @@ class FramesMode(str, enum.Enum):
     TRACE = "trace"
 
 
+class RerunMode(str, enum.Enum):
+    """Whether the first incident's step is re-executed in place to find where it went non-finite."""
+
+    AUTO = "auto"
+    OFF = "off"
+
+
 class Ranges:
     """A set of non-negative integers ("3,7-9") kept as sorted, merged intervals: a range as wide as
     ``0-10**12`` costs two numbers, and membership is a binary search."""
@@ -102,7 +109,8 @@ class Ranges:
 
 RANGE_FIELDS = ("ranks", "steps", "trace_steps", "capture_steps", "capture_ranks")
 PATTERN_FIELDS = ("modules", "exclude_modules", "capture_modules")
-_ENUM_FIELDS = {"pre_reduction": PreReduction, "on_nonfinite": OnNonfinite, "frames": FramesMode}
+_ENUM_FIELDS = {"pre_reduction": PreReduction, "on_nonfinite": OnNonfinite, "frames": FramesMode,
+                "rerun": RerunMode}
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,15 @@ class GradnanConfig:
     capture_retain: keep the last call of capture_modules every step and write it when a detection
         happens in that step (the failing step itself, without a rerun; costs a trace every step).
     max_bundles: bundles a rank writes at most. max_bundle_bytes: a larger bundle is not written.
+    rerun: "auto": at the run's first incident (a non-finite grad norm, an fp16 overflow that keeps
+        recurring), before the optimizer applies anything, run the same step's forward pass again on
+        every rank, over the same micro-batches from the same RNG state, without gradients; name the
+        module where a value first went non-finite (its rank, micro-batch, tensor-parallel receivers),
+        capture that call into a bundle and keep the failing micro-batch; then say whether the failure
+        reproduced (data or numerics) or not (suspect the device). Training is unchanged: the RNG state,
+        module buffers and gradients are as they were. Costs one reference per micro-batch a step.
+        "off": never. Needs the step driven by megatron-core's pipeline schedules.
+    max_batch_bytes: the failing micro-batch's tensors are kept by the rerun up to this size.
     ranks: global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all.
         Maps are written on every rank (the report needs them to name receivers).
     steps: steps ("10-20") in which anything is recorded; empty: all. Like every step filter, a step
@@ -170,6 +187,8 @@ class GradnanConfig:
     capture_retain: bool = False
     max_bundles: int = 4
     max_bundle_bytes: int = 256 << 20
+    rerun: RerunMode = RerunMode.AUTO
+    max_batch_bytes: int = 64 << 20
     ranks: str = ""
     steps: str = ""
     modules: str = ""

@@ -49,6 +49,26 @@ def write(path: Path, manifest: Dict[str, Any], tensors: Mapping[str, torch.Tens
     return path
 
 
+def write_batch(path: Path, tensors: Mapping[str, torch.Tensor]) -> Path:
+    """A micro-batch's tensors (``torch.save`` of a dict, loadable with ``weights_only=True``), written to a
+    temporary sibling then linked in place: never over an existing file (a suffix is added instead)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        _save_tensors(tensors, Path(temporary))
+        candidate, suffix = path, 1
+        while True:
+            try:
+                os.link(temporary, candidate)
+                return candidate
+            except FileExistsError:
+                suffix += 1
+                candidate = path.with_name(f"{path.stem}_{suffix}{path.suffix}")
+    finally:
+        os.unlink(temporary)
+
+
 def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """``torch.save``, its write failures (a full disk: ``enforce fail at inline_container.cc``) raised
     as the OSError they are, naming ``path``."""

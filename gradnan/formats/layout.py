@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 MAPS_DIR = "maps"
 RECORDS_DIR = "records"
 BUNDLES_DIR = "bundles"
+BATCHES_DIR = "batches"
 SELFTEST_DIR = "selftest"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.pt"
@@ -79,6 +80,13 @@ def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: 
         suffix += 1
         candidate = parent / f"{stem}_{suffix}"
     return candidate
+
+
+def batch_path(out_dir: str, coords: Mapping[str, Any], step: int, micro_batch: int,
+               iteration: Optional[int] = None) -> Path:
+    """Where the rerun keeps the failing micro-batch's tensors (``torch.save`` of a dict of tensors)."""
+    when = f"iter{iteration:07d}" if iteration is not None else f"step{step:07d}"
+    return Path(out_dir) / BATCHES_DIR / rank_tag(coords) / f"{when}_mb{micro_batch}.pt"
 
 
 def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:

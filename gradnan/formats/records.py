@@ -1,6 +1,6 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
-Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``
+Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -86,7 +86,25 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_frames(record, where)
     elif record.get("kind") == "probe":
         _check_probes(record, where)
+    elif record.get("kind") == "rerun":
+        _check_rerun(record, where)
     return record
+
+
+RERUN_ROLES = ("origin", "receiver", "clean")
+RERUN_CONCLUSIONS = ("reproducible", "transient", "backward", "not_reproduced")
+
+
+def _check_rerun(record: Dict[str, Any], where: str) -> None:
+    batch = record.get("batch")
+    if (record.get("role") not in RERUN_ROLES or record.get("conclusion") not in RERUN_CONCLUSIONS
+            or not all(optional(record.get(key), is_text) for key in ("trigger", "module", "class", "bundle"))
+            or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
+            or not is_stat(record.get("output_abs_max"))
+            or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
+        raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion' one"
+                         f" of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle', integer or"
+                         " null 'micro_batch'/'call', and 'batch' null or an object with a text 'path'")
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:

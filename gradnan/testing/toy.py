@@ -37,6 +37,8 @@ class Injection:
     - ``"scale_to"``: rescale parameter ``target`` so its largest magnitude is ``value`` (a number), once,
       before the step's forward: drives a later operator to overflow for as long as the weight stays.
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
+    ``transient``: a ``"forward"`` fault that fires in the step's first forward pass only, as a glitch
+    would: a rerun of the same step (``gradnan``'s ``rerun``) does not meet it again.
     """
 
     rank: int
@@ -45,6 +47,7 @@ class Injection:
     value: str = "nan"
     where: str = "main_grad"
     index: Optional[int] = None
+    transient: bool = False
 
     def number(self) -> float:
         return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(self.value) or float(self.value)
@@ -82,6 +85,7 @@ class TinyGPTJob:
     ep: int = 1
     norm_as_tensor: bool = False  # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
+    dropout: float = 0.0  # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -132,8 +136,8 @@ def _build_chunks(job: TinyGPTJob):
         params_dtype=params_dtype,
         bf16=job.dtype == "bf16",
         fp16=job.dtype == "fp16",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=job.dropout,
+        attention_dropout=job.dropout,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if job.recompute else {}),
         # MoE: experts without biases (core 0.13/0.14 assert it)
@@ -250,6 +254,18 @@ def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
     return param, index
 
 
+def _forward_fault(index: int, value: float, transient: bool):
+    fired = []
+
+    def hook(_module, _args, outputs):
+        if transient and fired:
+            return outputs
+        fired.append(True)
+        return _poison_first(outputs, index, value)
+
+    return hook
+
+
 def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
     """Register this step's backward, module_backward and forward injections; return their handles."""
     handles = []
@@ -265,8 +281,7 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
                 raise ValueError(f"no module named {injection.target} on this rank")
             index, value = injection.index or 0, injection.number()
             if where == "forward":
-                handles.append(module.register_forward_hook(
-                    lambda _m, _args, out, index=index, value=value: _poison_first(out, index, value)))
+                handles.append(module.register_forward_hook(_forward_fault(index, value, injection.transient)))
             else:
                 handles.append(module.register_full_backward_pre_hook(
                     lambda _m, grads, index=index, value=value: _poison_first(grads, index, value)))
@@ -375,10 +390,10 @@ class TinyGPT:
             micro_batch_size=job.micro_batch_size,
             forward_only=False,
         )
-        for hook in hooks:
-            hook.remove()
         _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
         update_successful, grad_norm, _ = optimizer.step()
+        for hook in hooks:  # after the step: a rerun of its forward pass meets the same faults
+            hook.remove()
         loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
         grad_norm = float(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
         outcome = StepResult(step, loss, grad_norm, bool(update_successful))

@@ -92,6 +92,7 @@ class ModuleCapture:
             raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
         self.name, self.module, self.mode, self._guard = name, module, mode, guard
         self._confirm, self._passing = confirm, False
+        self.only_when: Optional[Callable[[], bool]] = None  # asked at each call: record this one?
         self.calls: List[ModuleCall] = []
         self.steps_watched = 0
         self.context: Dict[str, Any] = {}
@@ -136,7 +137,7 @@ class ModuleCapture:
         if self._confirm is not None:
             confirm, self._confirm = self._confirm, None
             self._passing = not self._guard("capture", confirm)
-        if self._passing:
+        if self._passing or (self.only_when is not None and not self.only_when()):
             return self._original_forward(*args, **kwargs)
         recorder = OpRecorder()
         rng = self._guard("capture", self._prepare, recorder, args, kwargs)
@@ -273,18 +274,18 @@ class CaptureManager:
         self.captures: Dict[str, ModuleCapture] = {}
         self.finder: Optional[ForwardOriginFinder] = None
 
-    def _write(self, step: int, capture: ModuleCapture, call: ModuleCall, observed: Dict[str, Any],
-               context: Dict[str, Any]) -> bool:
-        """One bundle; False when nothing more can be written (not recording, or a bound reached)."""
+    def write_call(self, step: int, capture: ModuleCapture, call: ModuleCall, context: Dict[str, Any],
+                   observed: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+        """One bundle (its manifest with ``_path``); None when nothing more can be written (not recording,
+        or a bound reached)."""
         if not self._window.recording():
-            return False
-        manifest, tensors = bundle_contents(capture, call, observed, context, self._facts.param_facts)
+            return None
+        manifest, tensors = bundle_contents(capture, call, observed or {}, context, self._facts.param_facts)
         written = self._writer.bundle(step, capture.name, manifest, tensors)
-        if written is None:
-            return False
-        logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written), capture.name,
-                       where(written), capture.mode, written["_path"])
-        return True
+        if written is not None:
+            logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written), capture.name,
+                           where(written), context.get("trigger", capture.mode), written["_path"])
+        return written
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
         patterns = self.config.patterns("capture_modules")
@@ -346,7 +347,7 @@ class CaptureManager:
                 continue
             call = capture.chosen_call()
             if call is not None:
-                self._write(step, capture, call, {}, {"trigger": capture.mode, **capture.context})
+                self.write_call(step, capture, call, {"trigger": capture.mode, **capture.context})
             if call is not None or capture.mode == "always":
                 self.disarm(name)
                 continue
@@ -370,7 +371,7 @@ class CaptureManager:
             if capture.mode == "retain" and capture.calls:
                 params = dict(capture.module.named_parameters())
                 observed = {name: self._facts.observed_grad(param) for name, param in params.items()}
-                if not self._write(step, capture, capture.calls[-1], observed, {"trigger": "retain"}):
+                if self.write_call(step, capture, capture.calls[-1], {"trigger": "retain"}, observed) is None:
                     self.disarm(capture.name)  # nothing more can be written: stop tracing every step
         if not (arm and self.config.capture):
             return

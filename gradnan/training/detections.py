@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,7 +21,6 @@ from .clock import StepClock
 from .detect import offending_params
 from .events import DescribeBuckets, Grads
 from .messages import describe_params, is_power_of_two, when, where
-from .stops import stop_if_asked
 from .writer import Writer
 
 
@@ -39,8 +38,12 @@ class OptimizerState:
 
 
 class Detections:
-    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager) -> None:
+    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
+                 rerun_expected: Callable[[], bool]) -> None:
+        """``rerun_expected()``: the failing step will be run again in place (``rerun``), which finds a
+        forward origin better than watching later steps."""
         self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
+        self._rerun_expected = rerun_expected
         self._lock = threading.Lock()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerState]" = weakref.WeakKeyDictionary()
         self._optimizers_seen = 0  # never reused: a collected optimizer's index (its map file) stays its own
@@ -138,7 +141,9 @@ class Detections:
         return self._writer.record(kind, self._clock.current(optimizer), offending_params(slots, grads), {
             "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra})
 
-    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
+                            grads: Grads) -> Dict[str, Any]:
+        """Record and log it; the record, on which to stop if asked."""
         record = self._record(optimizer, "nonfinite_grad_norm", slots, grads, {"grad_norm": json_float(norm)})
         state, _ = self.optimizer(optimizer)
         consecutive = state.last_nonfinite_step == record["step"] - 1
@@ -159,10 +164,18 @@ class Detections:
                            " came from another rank through the norm's all-reduce); record: %s",
                            when(record), record["grad_norm"], where(record), record["_path"])
         self._capture_after(record, len(slots))
-        stop_if_asked(self.config, record)
+        return record
+
+    def overflow_is_incident(self, optimizer: Any, scale: Optional[float], min_scale: Optional[float]) -> bool:
+        """An fp16 overflow that is more than routine: the scale collapsed, or skips keep recurring after
+        training had applied updates. The same on every rank (skips are counted whether recorded or not)."""
+        state, _ = self.optimizer(optimizer)
+        collapsed = scale is not None and min_scale is not None and scale <= min_scale
+        return collapsed or (state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
-                            slots: Sequence[ParamSlot], grads: Grads) -> None:
+                            slots: Sequence[ParamSlot], grads: Grads) -> Optional[Dict[str, Any]]:
+        """Record and log it; the record when the scale collapsed (first time), on which to stop if asked."""
         state, _ = self.optimizer(optimizer)
         skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
         chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
@@ -176,19 +189,20 @@ class Detections:
              "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
              "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup})
         first = self.config.skip_warn_after
-        if collapsed or (skips == first and not warmup):
+        if self.overflow_is_incident(optimizer, scale, min_scale):
             self._capture_after(record, len(slots))
         if collapsed and not state.scale_collapse_reported:
             state.scale_collapse_reported = True
             logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
                          " %s; record: %s", when(record), scale, skips, describe_params(record), record["_path"])
-            stop_if_asked(self.config, record)
-        elif not warmup and skips >= first and is_power_of_two(skips // first) and skips % first == 0:
+            return record
+        if not warmup and skips >= first and is_power_of_two(skips // first) and skips % first == 0:
             logger.warning("%s: %d consecutive fp16 steps skipped for gradient overflow"
                            " (loss scale %s); %s; record: %s", when(record), skips, scale,
                            describe_params(record), record["_path"])
         else:
             logger.debug("%s: loss-scale overflow (scale %s), step skipped", when(record), scale)
+        return None
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
         """Capture: write what retention kept of this step; arm the implicated module where this rank may
@@ -196,5 +210,6 @@ class Detections:
         implicated = record["params"] and record["pre_reduction"] != "clean"
         forward = implicated and local_params > 0 and record["params_total"] >= FORWARD_SHARE * local_params
         first = max(record["params"], key=lambda p: p.get("order", -1))["name"] if implicated else None
-        self._captures.on_detection(record["step"], bool(forward), first, arm=bool(implicated))
+        arm = bool(implicated) and not (forward and self._rerun_expected())
+        self._captures.on_detection(record["step"], bool(forward), first, arm=arm)
 

@@ -54,6 +54,30 @@ class ModelFacts:
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
 
 
+class RerunnableStep(Protocol):
+    """A training step the adapter kept so that its forward pass can run again (``gradnan.training.rerun``)."""
+
+    chunks: List[torch.nn.Module]
+
+    def forward(self) -> None:
+        """The step's forward pass again: same micro-batches, same starting RNG state, no gradients; leaves
+        the RNG state as it found it."""
+
+    def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
+        """Whether the training pass's losses were all finite (None: none here), and the first micro-batch
+        whose loss was not."""
+
+    def micro_batches(self) -> List[Any]:
+        """What the data iterator yielded for each micro-batch of the step (empty without one)."""
+
+    def fp8(self) -> bool:
+        """Whether a second forward pass would change state (FP8 scaling history)."""
+
+    def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
+        """``values`` reduced ("max"/"min") over "world", "tensor" (tensor-parallel) or "model" (the
+        model-parallel group: one data-parallel replica)."""
+
+
 class Events(Protocol):
     """What an instrumentor may call. Every call is made through ``guarded`` (an internal error is
     logged once and training goes on, unless ``config.strict``)."""
@@ -79,6 +103,10 @@ class Events(Protocol):
     def grad_norm_tensor(self, norm: torch.Tensor, on_nonfinite: Callable[[float], None]) -> None: ...
 
     def gradients_zeroing(self) -> None: ...
+
+    def keeps_steps(self) -> bool: ...
+
+    def step_kept(self, kept: RerunnableStep) -> None: ...
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None: ...
 

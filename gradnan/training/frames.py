@@ -130,6 +130,10 @@ class FrameTracer:
         self._handles = []
         self._reset()
 
+    def frame_count(self) -> int:
+        """Frames taken since the last read."""
+        return len(self._frames)
+
     def _measure(self, tensor: torch.Tensor) -> Optional[int]:
         """The index of the tensor's (abs-min, abs-max) in this step's statistics, measuring it if this
         very tensor, unchanged since (same version), was not measured yet this step."""

@@ -21,11 +21,12 @@ from ..formats.maps import ParamSlot
 from .capture import CaptureManager
 from .clock import StepClock
 from .detections import Detections
-from .events import DescribeBuckets, Grads, ModelFacts, NamedModules
+from .events import DescribeBuckets, Grads, ModelFacts, NamedModules, RerunnableStep
 from .forward import ForwardWatch
 from .guard import ErrorGuard
 from .norms import DeviceScalar, PendingNorms
-from .stops import abort_if_asked
+from .rerun import StepRerun
+from .stops import abort_if_asked, stop_if_asked
 from .window import RecordingWindow
 from .writer import Writer
 
@@ -39,7 +40,9 @@ class Runtime:
         self.window = RecordingWindow(config, self.clock, lambda: int(self.writer.coords()["global_rank"]))
         self.captures = CaptureManager(config, self.clock, self.window, self.writer, self.guarded, facts,
                                        self.named_modules)
-        self.detections = Detections(config, self.clock, self.writer, self.captures)
+        self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded, self.named_modules,
+                               self.window.recording)
+        self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules)
         self.norms = PendingNorms()
         self._lock = threading.Lock()
@@ -120,13 +123,31 @@ class Runtime:
         self.norms.settle(wait=True)
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
-        if self.window.recording():
-            self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads)
+        stop = self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording() else None
+        self._incident("nonfinite_grad_norm", stop)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
                             slots: Sequence[ParamSlot], grads: Grads) -> None:
-        if self.window.recording():
-            self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
+        incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
+        stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
+                if self.window.recording() else None)
+        if incident:
+            self._incident("loss_scale_overflow", stop)
+
+    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]]) -> None:
+        """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
+        then the run stops if asked to."""
+        self.guarded("rerun", self.rerun.incident, trigger)
+        if stop is not None:
+            stop_if_asked(self.config, stop)
+
+    # -- the step's schedule (its forward pass may be run again) ------------------------------------
+
+    def keeps_steps(self) -> bool:
+        return self.rerun.keeps_steps()
+
+    def step_kept(self, kept: RerunnableStep) -> None:
+        self.rerun.step_kept(kept)
 
     # -- the data-parallel gradient sync ------------------------------------------------------------
 

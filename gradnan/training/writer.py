@@ -20,7 +20,7 @@ import torch
 
 from ..config import GradnanConfig
 from ..formats import bundle, maps, records
-from ..formats.layout import bundle_dir, launch_tag, map_path, records_path, run_identity
+from ..formats.layout import batch_path, bundle_dir, launch_tag, map_path, records_path, run_identity
 from ..formats.maps import ParamSlot
 from ..formats.schema import append_json_line
 from ..log import logger
@@ -122,3 +122,15 @@ class Writer:
             return None
         self._bundles_written += 1
         return {**manifest, "_path": str(path)}
+
+    def batch(self, step: int, micro_batch: int, tensors: Mapping[str, torch.Tensor],
+              left_out_bytes: int) -> Optional[Dict[str, Any]]:
+        """Keep one micro-batch's tensors; what the ``rerun`` record says of it, or None if not written."""
+        path = batch_path(self.config.out_dir, self.coords(), step, micro_batch, self._facts.iteration())
+        try:
+            path = bundle.write_batch(path, tensors)
+        except OSError as error:
+            self._unwritable("micro-batch", path, error)
+            return None
+        return {"path": str(path), "micro_batch": micro_batch, "left_out_bytes": left_out_bytes,
+                "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype)} for name, t in tensors.items()}}

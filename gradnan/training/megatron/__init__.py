@@ -11,10 +11,11 @@ from .grad_zeroing import GradZeroingInstrumentor
 from .loss_scale import LossScaleInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
+from .schedule import ScheduleInstrumentor
 
 __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 
 
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
-            GradSyncInstrumentor(), GradZeroingInstrumentor()]
+            GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor()]

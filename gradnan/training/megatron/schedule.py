@@ -1,0 +1,217 @@
+"""The training step's forward-backward schedule: ``megatron.core.pipeline_parallel.schedules``' three
+``forward_backward_*`` functions (what ``get_forward_backward_func()`` returns, looked up at each call).
+
+While a rerun may still be wanted (``Events.keeps_steps``), each training call (not ``forward_only``) keeps
+what it takes to run the same step's forward pass again: a reference to every micro-batch its data
+iterators yield, the RNG states it started from (torch's, CUDA's and Megatron's model-parallel tracker),
+and the losses it returned. No tensor is copied and nothing is read from the device. ``KeptStep.forward``
+is that second pass, made at a detection before the optimizer applies anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..events import Events
+from .patcher import Instrumentor, Patcher
+
+SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+             "forward_backward_pipelining_with_interleaving")
+
+
+class KeepingIterator:
+    """Yields what ``source`` yields and keeps a reference to each item (the step's micro-batches)."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source = source
+        self.items: List[Any] = []
+
+    def __iter__(self) -> "KeepingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.source)
+        self.items.append(item)
+        return item
+
+
+def _keeping(data_iterator: Any) -> Any:
+    if data_iterator is None:
+        return None
+    if isinstance(data_iterator, list):
+        return [_keeping(it) for it in data_iterator]
+    return KeepingIterator(data_iterator)
+
+
+def _replaying(kept: Any) -> Any:
+    if kept is None:
+        return None
+    if isinstance(kept, list):
+        return [_replaying(it) for it in kept]
+    return iter(list(kept.items))
+
+
+def rng_states() -> Dict[str, Any]:
+    """Every generator a forward pass may draw from: torch's CPU and CUDA ones, Megatron's tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states: Dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(states["cpu"])
+    get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+@contextlib.contextmanager
+def _forward_pre_hooks_off(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Megatron DDP's forward pre-hooks (``overlap_param_gather``) finish or start parameter all-gathers:
+    off for a diagnostic pass, without a parameter sync (nothing has been updated), as Megatron-LM
+    turns them off around evaluation."""
+    hooked = [chunk for chunk in chunks if getattr(chunk, "remove_forward_pre_hook_handles", None)]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook(param_sync=False)
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
+
+
+@contextlib.contextmanager
+def diagnostic_pass(config: Any, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """What a diagnostic forward pass must not touch in Megatron: its result validation (the
+    ``RerunStateMachine``: a NaN loss met again would raise or change its state), its timers, the
+    parameter all-gathers of ``overlap_param_gather``."""
+    from megatron.core import rerun_state_machine
+
+    machine = rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE  # None until a run creates it
+    machine_attrs = vars(machine) if machine is not None else {}
+    saved = {name: getattr(config, name, None) for name in ("timers", "param_sync_func")}
+    machine_attrs["validate_result"] = lambda *args, **kwargs: None
+    machine_attrs["is_unexpectedly_large"] = lambda *args, **kwargs: False
+    for name, value in saved.items():
+        if value is not None:
+            setattr(config, name, None)
+    try:
+        with _forward_pre_hooks_off(chunks):
+            yield
+    finally:
+        machine_attrs.pop("validate_result", None)
+        machine_attrs.pop("is_unexpectedly_large", None)
+        for name, value in saved.items():
+            if value is not None:
+                setattr(config, name, value)
+
+
+def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
+    """Whether every loss a schedule returned is finite, and the first micro-batch whose loss is not (one
+    host read); (None, None) where it returned none (not the last pipeline stage)."""
+    per_micro_batch = [[value for value in (item.values() if isinstance(item, dict) else [item])
+                        if isinstance(value, torch.Tensor) and value.is_floating_point()] for item in store or []]
+    flat = [tensor for tensors in per_micro_batch for tensor in tensors]
+    if not flat:
+        return None, None
+    finite = torch.stack([torch.isfinite(t.detach().float()).all() for t in flat]).tolist()
+    position = 0
+    for micro_batch, tensors in enumerate(per_micro_batch):
+        if not all(finite[position:position + len(tensors)]):
+            return False, micro_batch
+        position += len(tensors)
+    return True, None
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class KeptStep:
+    """One training call of a schedule, kept to run its forward pass again (``events.RerunnableStep``)."""
+
+    def __init__(self, schedule: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+        self._schedule = schedule
+        self._kept_iterator = _keeping(kwargs.get("data_iterator"))
+        self.kwargs = {**kwargs, "data_iterator": self._kept_iterator}
+        self.rng = rng_states()
+        self._losses: Any = None
+        model = kwargs.get("model")
+        self.chunks: List[torch.nn.Module] = list(model) if isinstance(model, list) else [model]
+
+    def run(self) -> Any:
+        self._losses = self._schedule(**self.kwargs)
+        return self._losses
+
+    def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
+        """The training pass's losses: all finite?, and the first micro-batch whose loss was not."""
+        return loss_state(self._losses)
+
+    def micro_batches(self) -> List[Any]:
+        """The items the first data iterator yielded this step, in order (empty without one)."""
+        first = self._kept_iterator[0] if isinstance(self._kept_iterator, list) else self._kept_iterator
+        return list(first.items) if first is not None else []
+
+    def forward(self) -> None:
+        """The step's forward pass again: same micro-batches, from the RNG state the step started with,
+        without gradients; the RNG state is put back as it was."""
+        from megatron.core.utils import get_model_config
+
+        before = rng_states()
+        set_rng_states(self.rng)
+        try:
+            with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks):
+                self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
+                                         "forward_only": True})
+        finally:
+            set_rng_states(before)
+
+    def fp8(self) -> bool:
+        """Transformer Engine's FP8 keeps scaling history that every forward updates: no second pass then."""
+        from megatron.core.utils import get_model_config
+
+        return bool(getattr(get_model_config(self.chunks[0]), "fp8", None))
+
+    def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
+        """``values`` reduced ("max" or "min") over the world, the tensor-parallel group ("tensor") or
+        the model-parallel group ("model", one data-parallel replica)."""
+        from megatron.core import parallel_state
+
+        groups = {"world": lambda: None, "tensor": parallel_state.get_tensor_model_parallel_group,
+                  "model": parallel_state.get_model_parallel_group}
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=_device())
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
+        torch.distributed.all_reduce(tensor, op=reduce_op, group=groups[group]())
+        return tensor.tolist()
+
+
+class ScheduleInstrumentor(Instrumentor):
+    name = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
+
+    def _apply(self, patcher: Patcher, runtime: Events) -> None:
+        schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+
+        def make_wrapper(original):
+            def wrapper(*args, **kwargs):
+                if args or kwargs.get("forward_only") or not runtime.keeps_steps():
+                    return original(*args, **kwargs)
+                kept = runtime.guarded("rerun", KeptStep, original, kwargs)
+                if kept is None:
+                    return original(*args, **kwargs)
+                result = kept.run()
+                runtime.guarded("rerun", runtime.step_kept, kept)
+                return result
+
+            return wrapper
+
+        for name in SCHEDULES:
+            patcher.wrap(schedules, name, make_wrapper)

@@ -1,0 +1,314 @@
+"""The failing step itself, run again in place: at the run's first incident, before the optimizer applies
+anything, every rank runs the same step's forward pass again (the schedule's kept micro-batches, the RNG
+state the step started with, no gradients) with every watched module traced, to name where a value first
+went non-finite; a second pass captures that module's call into a bundle. Then whether it reproduced:
+the same batch failing again is data or numerics, a clean rerun of a failing step a transient fault.
+
+All ranks see the same non-finite grad norm (or the same fp16 overflow) and so enter together; every
+decision that follows is taken from all-reduced values, so no rank waits alone in a collective. Training
+is unchanged: the passes compute no gradient, and the RNG state (restored by the kept step) and the
+model's buffers are put back as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import GradnanConfig, RerunMode
+from ..formats.schema import json_float
+from ..log import logger
+from .capture import CaptureManager, ModuleCapture
+from .clock import StepClock
+from .events import NamedModules, RerunnableStep
+from .frames import Frame, FrameTracer, first_nonfinite, forward_origin
+from .guard import ErrorGuard
+from .messages import when, where
+from .writer import Writer
+
+NONE = math.inf  # "no such micro-batch / call" in a MIN all-reduce
+
+
+def reduce(kept: Optional[RerunnableStep], values: Sequence[float], op: str, group: str = "world") -> List[float]:
+    """``values`` reduced over ``group`` through the kept step's process groups; over the world without
+    one (a rank that kept nothing still takes part), unchanged without torch.distributed."""
+    if kept is not None:
+        return kept.all_reduce(values, op, group)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
+    torch.distributed.all_reduce(tensor, op=reduce_op)
+    return tensor.tolist()
+
+
+class MicroBatchCounter:
+    """Forward pre-hooks on the model chunks: which micro-batch the frames being traced belong to (a
+    chunk is called once per micro-batch; frames between two chunk calls belong to the first)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], frames_so_far: Callable[[], int]) -> None:
+        self._frames_so_far = frames_so_far
+        self._calls = [0] * len(chunks)
+        self.starts: List[Tuple[int, int]] = []  # (frame index, micro-batch) at each chunk call
+        self.current = -1
+        self._handles = [chunk.register_forward_pre_hook(self._hook(index)) for index, chunk in enumerate(chunks)]
+
+    def _hook(self, index: int):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self.current = self._calls[index]
+            self._calls[index] += 1
+            self.starts.append((self._frames_so_far(), self.current))
+        return hook
+
+    def of_frame(self, call: int) -> Optional[int]:
+        found = None
+        for first_frame, micro_batch in self.starts:
+            if first_frame > call:
+                break
+            found = micro_batch
+        return found
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def buffers_of(chunks: Sequence[torch.nn.Module]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, copy) for every module buffer: a forward may update one (running statistics). Through
+    ``nn.Module``'s method: Megatron's DDP has a ``buffers`` attribute of its own (its gradient buffers)."""
+    seen, kept = set(), []
+    for chunk in chunks:
+        for buffer in torch.nn.Module.buffers(chunk):
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                kept.append((buffer, buffer.detach().clone()))
+    return kept
+
+
+def restore_buffers(kept: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, copy in kept:
+            buffer.copy_(copy)
+
+
+def batch_tensors(item: Any, limit: int) -> Tuple[Dict[str, torch.Tensor], int]:
+    """The tensors of one micro-batch as the data iterator gave it (dicts, lists and tuples walked), named
+    by their path, copied to the CPU while within ``limit`` bytes in all; and the bytes left out."""
+    found: Dict[str, torch.Tensor] = {}
+    left_out = 0
+
+    def walk(name: str, value: Any) -> None:
+        nonlocal left_out, limit
+        if isinstance(value, torch.Tensor):
+            size = value.numel() * value.element_size()
+            if size <= limit:
+                found[name or "batch"] = value.detach().to("cpu", copy=True)
+                limit -= size
+            else:
+                left_out += size
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{name}.{key}" if name else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{name}[{index}]", item)
+
+    walk("", item)
+    return found, left_out
+
+
+class PassResult:
+    """What one rank saw in the traced pass: its frames, where its first non-finite value was, and the
+    candidate origin (a call whose inputs were finite and outputs not)."""
+
+    def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]]) -> None:
+        self.frames = frames
+        index = first_nonfinite(frames)
+        self.first = frames[index] if index is not None else None
+        self.candidate = forward_origin(frames)
+        self.micro_batch_of = micro_batch_of
+
+    def key(self, frame: Optional[Frame]) -> float:
+        """Position of a call in the step (micro-batch, then call order), comparable across tensor-parallel
+        ranks, which make the same calls in the same order."""
+        if frame is None:
+            return NONE
+        return float((self.micro_batch_of(frame.call) or 0) * (1 << 24) + frame.call)
+
+    def micro_batch(self) -> Optional[int]:
+        frame = self.candidate or self.first
+        return None if frame is None else self.micro_batch_of(frame.call)
+
+
+def largest(values: Sequence[float]) -> Any:
+    """The largest of the values as a record writes it (NaN wins: it is what went wrong); None if none."""
+    if not values:
+        return None
+    return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
+
+
+def conclusion(reproduced: bool, original_loss: float) -> str:
+    """``original_loss``: the all-reduced loss state of the failing pass (1 non-finite somewhere, 0 finite
+    everywhere it was seen, -1 seen nowhere)."""
+    if reproduced:
+        return "reproducible"
+    if original_loss > 0:
+        return "transient"
+    return "backward" if original_loss == 0 else "not_reproduced"
+
+
+class StepRerun:
+    """Keeps the latest training step (``step_kept``) while a rerun may still be wanted, and runs it again
+    at the first incident (``incident``). One rerun per run: later incidents are that failure's aftermath."""
+
+    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
+                 guard: ErrorGuard, named_modules: Callable[[], NamedModules], recording: Callable[[], bool]) -> None:
+        self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
+        self._guard, self._named_modules, self._recording = guard, named_modules, recording
+        self._kept: Optional[RerunnableStep] = None
+        self.done = False
+
+    def keeps_steps(self) -> bool:
+        return self.config.rerun is RerunMode.AUTO and self.config.detect and not self.done
+
+    def step_kept(self, kept: RerunnableStep) -> None:
+        self._kept = kept
+
+    def expected(self) -> bool:
+        """Whether the next incident will be run again (so no later step needs to be watched for it)."""
+        return self.keeps_steps() and self._kept is not None
+
+    def incident(self, trigger: str) -> Optional[Dict[str, Any]]:
+        """The first incident: run the kept step again on every rank; this rank's ``rerun`` record."""
+        if not self.keeps_steps():
+            return None
+        self.done = True
+        kept, self._kept = self._kept, None
+        usable = kept is not None and not kept.fp8()
+        if not reduce(kept, [1.0 if usable else 0.0], "min")[0]:
+            logger.info("step %d: no rerun of the failing step (%s)", self._clock.current(),
+                        "FP8 keeps scaling history a second pass would change" if kept is not None and kept.fp8()
+                        else "a rank's step was not run by megatron-core's pipeline schedules")
+            return None
+        return self._rerun(kept, trigger)
+
+    def _watched(self) -> NamedModules:
+        return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
+
+    def _traced_pass(self, kept: RerunnableStep) -> PassResult:
+        step = self._clock.current()
+        tracer = FrameTracer(self._watched(), lambda: step, lambda: True).attach()
+        counter = MicroBatchCounter(kept.chunks, tracer.frame_count)
+        buffers = buffers_of(kept.chunks)
+        try:
+            kept.forward()
+            frames = tracer.read()
+        finally:
+            counter.remove()
+            tracer.detach()
+            restore_buffers(buffers)
+        return PassResult(frames, counter.of_frame)
+
+    def _rerun(self, kept: RerunnableStep, trigger: str) -> Dict[str, Any]:
+        seen = self._traced_pass(kept)
+        earliest = reduce(kept, [seen.key(seen.candidate)], "min", "tensor")[0]
+        if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
+            role, module = "origin", seen.candidate
+        else:
+            role, module = ("receiver" if seen.first is not None else "clean"), seen.first
+        loss_finite, loss_micro_batch = kept.original_losses()
+        loss_state = -1.0 if loss_finite is None else (0.0 if loss_finite else 1.0)
+        found_mb = seen.micro_batch() if role != "clean" else None
+        reproduced, original_loss = reduce(kept, [0.0 if role == "clean" else 1.0, loss_state], "max")
+        micro_batch = reduce(kept, [NONE if found_mb is None else found_mb,
+                                    NONE if loss_micro_batch is None else loss_micro_batch], "min", "model")
+        failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
+        verdict = conclusion(bool(reproduced), original_loss)
+        bundle = self._capture_pass(kept, seen, module if role == "origin" else None, failing_mb) \
+            if reproduced else None
+        batch = self._keep_batch(kept, failing_mb)
+        return self._report(trigger, role, module, seen, failing_mb, verdict, bundle, batch)
+
+    def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
+                      micro_batch: Optional[int]) -> Optional[str]:
+        """Every rank runs the pass again (its collectives need them all); the origin's rank captures the
+        origin module's call of the failing micro-batch."""
+        capture = None
+        named = dict(self._watched())
+        if origin is not None and origin.module in named and self._recording():
+            capture = ModuleCapture(origin.module, named[origin.module], "always", self._guard).attach()
+        counter = MicroBatchCounter(kept.chunks, lambda: 0)
+        if capture is not None:
+            capture.only_when = lambda: micro_batch is None or counter.current == micro_batch
+        buffers = buffers_of(kept.chunks)
+        try:
+            kept.forward()
+        finally:
+            counter.remove()
+            if capture is not None:
+                capture.detach()
+            restore_buffers(buffers)
+        if capture is None:
+            return None
+        call = capture.chosen_call()
+        if call is None:
+            return None
+        frames = [frame.to_json() for frame in seen.frames[:seen.frames.index(origin) + 1]][-self.config.max_frames:]
+        written = self._captures.write_call(self._clock.current(), capture, call, {
+            "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch, "frames": frames})
+        return None if written is None else written["_path"]
+
+    def _keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
+        """The failing micro-batch as this rank's data iterator gave it, where it gave one."""
+        items = kept.micro_batches()
+        if micro_batch is None or micro_batch >= len(items) or not self._recording():
+            return None
+        tensors, left_out = batch_tensors(items[micro_batch], self.config.max_batch_bytes)
+        if not tensors:
+            return None
+        return self._writer.batch(self._clock.current(), micro_batch, tensors, left_out)
+
+    def _report(self, trigger: str, role: str, frame: Optional[Frame], seen: PassResult,
+                micro_batch: Optional[int], verdict: str, bundle: Optional[str],
+                batch: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        coords = self._writer.coords()
+        if not self._recording() or (role == "clean" and batch is None and coords.get("global_rank") != 0):
+            return None
+        highs = [value[1] for name, value in zip(frame.names, frame.values)
+                 if name.startswith("output") and value is not None] if frame is not None else []
+        record = self._writer.record("rerun", self._clock.current(), [], {
+            "trigger": trigger, "role": role, "conclusion": verdict, "micro_batch": micro_batch,
+            "module": frame.module if frame is not None else None,
+            "class": frame.cls if frame is not None else None,
+            "call": frame.call if frame is not None else None,
+            "output_abs_max": largest(highs),
+            "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch})
+        self._log(record)
+        return record
+
+    def _log(self, record: Dict[str, Any]) -> None:
+        verdict, role = record["conclusion"], record["role"]
+        tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
+                if record["bundle"] else "")
+        if role == "origin":
+            logger.error("%s, run again in place: a forward value first went non-finite in %s (%s) on %s,"
+                         " micro-batch %s; %s%s", when(record), record["module"], record["class"], where(record),
+                         record["micro_batch"], _VERDICT_TEXT[verdict], tail)
+        elif role == "receiver":
+            logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
+                        " receiver, not the origin)", when(record), record["module"], where(record))
+        elif verdict != "reproducible":
+            logger.warning("%s, run again in place on every rank: %s", when(record), _VERDICT_TEXT[verdict])
+
+
+_VERDICT_TEXT = {
+    "reproducible": "it fails again with the same micro-batches and RNG state: data or numerics, not the device",
+    "transient": "the forward pass was finite this time with the same micro-batches and RNG state, although"
+                 " the loss was not: a transient fault; suspect the device of the ranks that reported"
+                 " (gradnan selftest)",
+    "backward": "the forward pass was finite in both passes: the non-finite values arose in the backward pass",
+    "not_reproduced": "the forward pass was finite this time with the same micro-batches and RNG state",
+}

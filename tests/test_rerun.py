@@ -1,0 +1,119 @@
+"""Issue 14: the failing step itself, run again in place on real megatron-core (gloo, 2 processes). At the
+first incident every rank runs the step's forward pass again over the same micro-batches from the same
+RNG state; the module where a value first went non-finite is named on its rank (tensor-parallel peers
+that only received it are receivers), captured into a bundle whose replay reproduces it, and the failing
+micro-batch is kept; a fault the rerun does not meet again is called transient, a forward pass clean
+in both passes points at backward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradnan.offline.read import read_run
+from gradnan.offline.replay import replay_bundle
+from gradnan.offline.report import build_report, format_text
+from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+
+from .helpers import records_by_rank
+
+ATTENTION = "decoder.layers.1.self_attention"
+QKV = f"{ATTENTION}.linear_qkv.weight"
+CORE = f"{ATTENTION}.core_attention"
+BASE = TinyGPTJob(world_size=2, steps=3, micro_batches=2, quiet=True)
+
+SCENARIOS = {
+    # a batch drives layer 1's attention scores past bf16's range on rank 1 at step 2, once
+    "bf16_one_off_dp2": BASE.with_(dtype="bf16", injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    # the same overflow in fp16 on tensor-parallel rank 1, persistent: skips from step 2, escalation at 4
+    "fp16_persistent_tp2": BASE.with_(tp=2, dtype="fp16", steps=4, injections=(
+        Injection(1, 2, QKV, "300", where="scale_to"),)),
+    "bf16_second_stage_pp2": BASE.with_(pp=2, dtype="bf16", num_layers=2, injections=(
+        Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    "bf16_transient_dp2": BASE.with_(dtype="bf16", injections=(
+        Injection(1, 2, f"{ATTENTION}.core_attention", "inf", where="forward", transient=True),)),
+    "bf16_gradient_nan_dp2": BASE.with_(dtype="bf16", injections=(
+        Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rerun")
+    jobs = [job.with_(gradnan={"out_dir": str(root / name)}) for name, job in SCENARIOS.items()]
+    launch_many(jobs)
+    return {name: root / name for name in SCENARIOS}
+
+
+def reruns(run_dir):
+    """rank -> its rerun record."""
+    found = {}
+    for rank, records in records_by_rank(run_dir).items():
+        mine = [r for r in records if r["kind"] == "rerun"]
+        assert len(mine) <= 1, "one rerun per run"
+        if mine:
+            found[rank] = mine[0]
+    return found
+
+
+def test_a_one_off_bf16_overflow_is_named_at_the_failing_step_with_its_bundle_and_batch(runs):
+    found = reruns(runs["bf16_one_off_dp2"])
+    origin = found[1]
+    assert (origin["step"], origin["role"], origin["module"], origin["micro_batch"]) == (2, "origin", CORE, 0)
+    assert origin["conclusion"] == "reproducible" and origin["trigger"] == "nonfinite_grad_norm"
+    assert found[0]["role"] == "clean" and found[0]["conclusion"] == "reproducible"
+    manifest = json.loads((runs["bf16_one_off_dp2"] / "bundles").glob("*/*/manifest.json").__next__().read_text())
+    assert origin["bundle"].endswith("step0000002_" + CORE)
+    assert (manifest["step"], manifest["trigger"], manifest["micro_batch"]) == (2, "rerun", 0)
+    batch = torch.load(origin["batch"]["path"], weights_only=True)
+    assert sorted(batch) == ["attention_mask", "labels", "position_ids", "tokens"]
+    assert batch["tokens"].shape == (2, 16)
+
+
+def test_the_failing_steps_bundle_replays_and_names_the_first_operator(runs):
+    origin = reruns(runs["bf16_one_off_dp2"])[1]
+    result = replay_bundle(Path(origin["bundle"]))
+    assert result["verdict"] == "precision" and result["reproduces"]
+    assert result["runs"]["captured"]["first_nonfinite"]["op"].startswith("aten.baddbmm")
+
+
+def test_fp16_persistent_overflow_origin_on_tp1_and_tp0_is_a_receiver(runs):
+    found = reruns(runs["fp16_persistent_tp2"])
+    assert found[1]["role"] == "origin" and found[1]["module"] == CORE
+    assert found[1]["trigger"] == "loss_scale_overflow" and found[1]["step"] == 4  # the escalation step
+    assert found[0]["role"] == "receiver" and found[0]["module"] != CORE
+    assert found[1]["bundle"] and not found[0]["bundle"]
+    bundles = sorted(p.parent.name for p in (runs["fp16_persistent_tp2"] / "bundles").glob("*/*/manifest.json"))
+    assert bundles == ["step0000004_" + CORE]  # no later capture of what tp0 only received
+
+
+def test_an_overflow_on_the_second_pipeline_stage_is_named_there(runs):
+    found = reruns(runs["bf16_second_stage_pp2"])
+    assert found[1]["role"] == "origin" and found[1]["module"] == CORE and found[1]["micro_batch"] == 0
+    assert found[0]["role"] == "clean"
+    assert found[0]["batch"]["micro_batch"] == 0  # the first stage holds the data: it keeps the batch
+
+
+def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
+    found = reruns(runs["bf16_transient_dp2"])
+    assert {record["conclusion"] for record in found.values()} == {"transient"}
+    assert all(record["role"] == "clean" for record in found.values())
+
+
+def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):
+    found = reruns(runs["bf16_gradient_nan_dp2"])
+    assert {record["conclusion"] for record in found.values()} == {"backward"}
+
+
+def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):
+    report = build_report(read_run(runs["fp16_persistent_tp2"]))
+    rerun = report["incident"]["rerun"]
+    assert (rerun["module"], rerun["global_rank"], rerun["micro_batch"]) == (CORE, 1, 0)
+    assert [r["global_rank"] for r in rerun["receivers"]] == [0]
+    text = format_text(report)
+    headline = text.splitlines()[:6]
+    assert any(CORE in line and "rank 1" in line and "micro-batch 0" in line for line in headline), text
+    assert any("reproducible" in line for line in headline), text
