@@ -42,6 +42,10 @@ def runs(tmp_path_factory):
     jobs = [
         TinyGPTJob(tp=2, dtype="fp16", steps=4, gradnan={"out_dir": str(root / "overflow"), "skip_warn_after": 1},
                    injections=(Injection(1, 2, OVERFLOW_WEIGHT, "60000", where="scale_to"),)),
+        # the same without the rerun: the finder watches later steps and captures on both TP ranks
+        TinyGPTJob(tp=2, dtype="fp16", steps=4, gradnan={"out_dir": str(root / "overflow_no_rerun"),
+                                                         "skip_warn_after": 1, "rerun": "off"},
+                   injections=(Injection(1, 2, OVERFLOW_WEIGHT, "60000", where="scale_to"),)),
         TinyGPTJob(tp=2, dtype="fp32", steps=3,
                    gradnan={"out_dir": str(root / "one_off"), "capture_modules": CORRUPTED_MODULE,
                             "capture_retain": True, "capture_ranks": "1"},
@@ -151,9 +155,16 @@ def test_an_armed_capture_whose_failure_does_not_recur_stops_watching(make_runti
     assert not module._forward_hooks
 
 
+def test_the_rerun_captures_only_the_origin_not_its_tensor_parallel_peer(runs):
+    assert _bundles(runs / "overflow", 1) and not _bundles(runs / "overflow", 0)
+    manifest = json.loads((_bundles(runs / "overflow", 1)[0] / "manifest.json").read_text())
+    assert (manifest["trigger"], manifest["step"]) == ("rerun", 2)  # the failing step itself
+
+
 def test_a_tensor_parallel_peer_that_received_the_overflow_is_not_blamed(runs):
-    """Rank 0's fc2 got the Inf through the row-parallel all-reduce: its own computation is finite."""
-    bundles = [b for b in _bundles(runs / "overflow", 0) if "linear_fc2" in b.name]
+    """Without the rerun, rank 0's fc2 is captured at a later step: it got the Inf through the
+    row-parallel all-reduce, and replay finds its own computation finite."""
+    bundles = [b for b in _bundles(runs / "overflow_no_rerun", 0) if "linear_fc2" in b.name]
     assert bundles
     replayed = json.loads(_replay(bundles[0], "--json").stdout)
     assert replayed["verdict"] == "not_reproduced"

@@ -114,6 +114,8 @@ def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(ru
     assert (rerun["module"], rerun["global_rank"], rerun["micro_batch"]) == (CORE, 1, 0)
     assert [r["global_rank"] for r in rerun["receivers"]] == [0]
     text = format_text(report)
-    headline = text.splitlines()[:6]
-    assert any(CORE in line and "rank 1" in line and "micro-batch 0" in line for line in headline), text
-    assert any("reproducible" in line for line in headline), text
+    headline = "\n".join(text.splitlines()[:6])
+    assert f"Forward origin (step 4 run again in place): {CORE}" in headline, text
+    assert "on rank 1 (tp1 pp0 dp0)" in headline and "micro-batch 0: REPRODUCIBLE" in headline, text
+    assert "received it from there (not origins): rank(s) 0" in headline, text
+    assert [entry["global_rank"] for entry in report["incident"]["origin"]] == [1]

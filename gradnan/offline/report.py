@@ -180,12 +180,87 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
                         "clean before the collective")
     else:
         cause = "data_or_numerics"
-        scope = "every data-parallel replica" if len(replicas) == dp_size else f"replica(s) {replicas}"
+        scope = ("the only data-parallel replica" if dp_size == 1 else "every data-parallel replica"
+                 if len(replicas) == dp_size else f"replica(s) {replicas}")
         summary = (f"{scope} went non-finite"
                    + (" in the forward pass" if pattern["pass"] == "forward" else "")
                    + (": overflow" if overflow else "")
                    + "; points at the data or the numerics, not one device")
     return {"cause": cause, "summary": summary, "evidence": evidence}
+
+
+def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """What the in-place rerun of the failing step found (``rerun`` records, one step per run): the
+    forward origin (the earliest non-finite call on its tensor-parallel group, several only on a tie),
+    the ranks that only received it, the conclusion every rank agreed on."""
+    reruns = [r for r in records if r.get("kind") == "rerun"]
+    if not reruns:
+        return None
+    step = min(r["step"] for r in reruns)
+    at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
+    origins = [r for r in at_step if r["role"] == "origin"]
+    first = origins[0] if origins else None
+    batch = next((r["batch"] for r in at_step if r.get("batch")), None)
+    return {
+        "step": step, "iteration": at_step[0].get("iteration"), "trigger": at_step[0].get("trigger"),
+        "conclusion": at_step[0]["conclusion"],
+        "module": first["module"] if first else None, "class": first["class"] if first else None,
+        "global_rank": first["rank"].get("global_rank") if first else None,
+        "rank": _rank_view(first["rank"]) if first else None,
+        "micro_batch": next((r["micro_batch"] for r in at_step if r.get("micro_batch") is not None), None),
+        "output_abs_max": first.get("output_abs_max") if first else None,
+        "bundle": next((r["bundle"] for r in origins if r.get("bundle")), None),
+        "batch": batch["path"] if batch else None,
+        "origins": [{**_rank_view(r["rank"]), "module": r["module"]} for r in origins],
+        "receivers": [{**_rank_view(r["rank"]), "module": r["module"]} for r in at_step if r["role"] == "receiver"],
+    }
+
+
+_RERUN_VERDICTS = {
+    "reproducible": ("data_or_numerics", "the failing step, run again in place with the same micro-batches and RNG"
+                     " state, went non-finite again in {module} on rank {rank}, micro-batch {micro_batch}: the data"
+                     " or the numerics (an overflow), not a passing fault; `gradnan replay` of its bundle on another"
+                     " device tells a persistently faulty device apart"),
+    "transient": ("hardware", "the failing step, run again in place with the same micro-batches and RNG state,"
+                  " was finite on every rank although the loss was not: a transient fault; suspect the device of"
+                  " the ranks named below and run gradnan selftest there"),
+}
+
+
+def _weigh_rerun(incident: Dict[str, Any]) -> None:
+    """The rerun's conclusion outranks the pattern-based verdict: it saw the same step again."""
+    rerun = incident["rerun"]
+    if rerun is None:
+        return
+    verdict = incident["verdict"]
+    if rerun["conclusion"] in _RERUN_VERDICTS:
+        cause, summary = _RERUN_VERDICTS[rerun["conclusion"]]
+        if rerun["conclusion"] == "transient" or rerun["module"]:
+            verdict["evidence"].insert(0, f"pattern-based reading: {verdict['cause']}: {verdict['summary']}")
+            verdict["cause"], verdict["summary"] = cause, summary.format(
+                module=rerun["module"], rank=rerun["global_rank"], micro_batch=rerun["micro_batch"])
+    elif rerun["conclusion"] == "backward":
+        verdict["evidence"].insert(0, "the step's forward pass, run again in place, was finite on every rank, and"
+                                      " so was the loss: the non-finite values arose in the backward pass")
+    if rerun["receivers"]:
+        verdict["evidence"].append(f"rerun: {len(rerun['receivers'])} rank(s) only received the non-finite"
+                                   " values from the origin (a tensor- or pipeline-parallel collective): ranks "
+                                   + rank_ranges([r["global_rank"] for r in rerun["receivers"]]))
+    _origin_from_rerun(incident, {o["global_rank"] for o in rerun["origins"]})
+
+
+def _origin_from_rerun(incident: Dict[str, Any], rerun_origins: set) -> None:
+    """Where the rerun named the forward origin, the other ranks whose gradients went bad in the replica
+    (every one of them, after a forward-pass failure) only received it."""
+    if not rerun_origins or not any(entry["global_rank"] in rerun_origins for entry in incident["origin"]):
+        return
+    moved = [entry for entry in incident["origin"] if entry["global_rank"] not in rerun_origins]
+    incident["origin"] = [entry for entry in incident["origin"] if entry["global_rank"] in rerun_origins]
+    incident["origin_basis"] = "rerun"
+    incident["receivers"] = sorted(incident["receivers"] + [
+        {**{key: value for key, value in entry.items() if key not in ("params", "params_total", "kind")},
+         "holds_nonfinite": True, "modules": sorted({module_of(p["name"]) for p in entry["params"]})}
+        for entry in moved], key=lambda view: view["global_rank"])
 
 
 def _failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optional[int]:
@@ -330,7 +405,9 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
         "parameters": parameters,
         "pattern": pattern,
         "verdict": _verdict(origin, decision["basis"], pattern, parameters),
+        "rerun": _rerun_summary(runs.get(chosen, [])),
     }
+    _weigh_rerun(report["incident"])
     _weigh_selftests(report["incident"], report["selftests"])
     report["rerun_capture"] = _rerun_capture(report["incident"])
     later: Dict[int, set] = {}
@@ -350,6 +427,7 @@ _BASIS_TEXT = {
     "after_collective": "holds the non-finite gradients; clean before the collective",
     "unconfirmed": "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
     "none": "",
+    "rerun": "where a forward value first went non-finite when the failing step was run again in place",
 }
 
 
@@ -495,6 +573,33 @@ def _selftest_lines(result: Dict[str, Any]) -> List[str]:
     return [f"Self-test {result['time']}: {state}"]
 
 
+_CONCLUSION_TEXT = {"reproducible": "REPRODUCIBLE (same micro-batches, same RNG state)",
+                    "transient": "NOT reproduced: transient", "backward": "forward pass clean: the backward pass",
+                    "not_reproduced": "not reproduced"}
+
+
+def _rerun_lines(rerun: Optional[Dict[str, Any]]) -> List[str]:
+    """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion."""
+    if rerun is None:
+        return []
+    when = f"step {rerun['step']}" + (f" (iteration {rerun['iteration']})" if rerun.get("iteration") else "")
+    conclusion = _CONCLUSION_TEXT[rerun["conclusion"]]
+    if rerun["module"] is None:
+        return [f"Rerun of {when} in place: {conclusion}"]
+    lines = [f"Forward origin ({when} run again in place): {rerun['module']} ({rerun['class']})",
+             f"  on {_rank_label(rerun['rank'])}, micro-batch {rerun['micro_batch']}: {conclusion}"]
+    if len(rerun["origins"]) > 1:
+        lines.append("  tied with: " + ", ".join(f"{o['module']} on rank {o['global_rank']}" for o in rerun["origins"][1:]))
+    if rerun["receivers"]:
+        lines.append(f"  received it from there (not origins): rank(s) "
+                     f"{rank_ranges([r['global_rank'] for r in rerun['receivers']])}")
+    if rerun["bundle"]:
+        lines.append(f"  replay it: gradnan replay {rerun['bundle']}")
+    if rerun["batch"]:
+        lines.append(f"  the micro-batch: {rerun['batch']}")
+    return lines
+
+
 def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
     lines = [f"gradnan report for {report['run_dir']}  ({len(report['ranks_seen'])} rank(s) wrote files)"]
     if len(report["runs"]) > 1:
@@ -512,6 +617,7 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
         verdict = incident["verdict"]
         iteration = f", Megatron iteration {incident['iteration']}" if incident.get("iteration") else ""
         lines.append(f"First failing step: {incident['step']}{iteration}  ({', '.join(incident['kinds'])})")
+        lines += _rerun_lines(incident["rerun"])
         lines += textwrap.wrap(f"Verdict: {verdict['cause']}: {verdict['summary']}", WIDTH,
                                subsequent_indent="    ")
         for item in verdict["evidence"]:
