@@ -1,6 +1,8 @@
 """The kit never changes training: losses, grad norms and step outcomes are bitwise identical with and
 without it, at the defaults, with the pre-reduction check in sync mode, with capture armed on several
-modules (across activation recompute), and on a run where it detects and scans an injected NaN."""
+modules (across activation recompute), on a run where it detects and scans an injected NaN, and on runs
+whose failing step it runs again in place (the rerun), with dropout drawing from the RNG, where fp16 skips
+the step and training goes on, and where bf16 applies it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import step_trace
+from .helpers import records_by_rank, step_trace
 
 CASES = {
     "tp2_bf16": TinyGPTJob(tp=2, dtype="bf16", steps=4),
@@ -18,7 +20,15 @@ CASES = {
     "tp2_bf16_capture_armed": TinyGPTJob(tp=2, dtype="bf16", steps=4, recompute=True),
     "pp2_fp32_nan": TinyGPTJob(pp=2, dtype="fp32", steps=4, micro_batches=2, injections=(
         Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
+    # incidents the failing step is run again for (the rerun), with dropout drawing from the RNG: fp16
+    # skips steps 2-4, the rerun runs at the escalation (4), training goes on at 5 and 6 ...
+    "dp2_fp16_dropout_rerun": TinyGPTJob(dtype="fp16", steps=6, micro_batches=2, dropout=0.1, injections=tuple(
+        Injection(1, step, "decoder.layers.1.mlp", "inf", where="forward") for step in (2, 3, 4))),
+    # ... bf16 applies the failing step's update (Megatron has no loss scaler there); TP=2: Megatron's tracker
+    "tp2_bf16_dropout_rerun": TinyGPTJob(tp=2, dtype="bf16", steps=3, micro_batches=2, dropout=0.1, injections=(
+        Injection(1, 2, "decoder.layers.1.self_attention.linear_qkv.weight", "1e20", where="scale_to"),)),
 }
+RERUN_CASES = ("dp2_fp16_dropout_rerun", "tp2_bf16_dropout_rerun")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +49,16 @@ def test_bitwise_identical_with_and_without_the_kit(outcomes, name):
     without, with_kit, _ = outcomes[name]
     assert step_trace(with_kit) == step_trace(without)
     assert len(step_trace(without)[0]) == CASES[name].steps
+
+
+@pytest.mark.parametrize("name", RERUN_CASES)
+def test_the_failing_step_was_really_run_again(outcomes, name):
+    """Guards the comparison above: the rerun did run (and found the origin) in the incident cases."""
+    without, _, run_dir = outcomes[name]
+    reruns = [r for records in records_by_rank(run_dir).values() for r in records if r["kind"] == "rerun"]
+    assert [r["conclusion"] for r in reruns if r["role"] == "origin"] == ["reproducible"]
+    if name.startswith("dp2_fp16"):
+        assert [step.update_successful for step in without[0].steps] == [True, False, False, False, True, True]
 
 
 def test_the_injected_run_was_really_detected(outcomes):

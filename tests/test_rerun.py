@@ -37,6 +37,16 @@ SCENARIOS = {
         Injection(1, 2, f"{ATTENTION}.core_attention", "inf", where="forward", transient=True),)),
     "bf16_gradient_nan_dp2": BASE.with_(dtype="bf16", injections=(
         Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)),
+    # a corruption after the gradient all-reduce on one replica (a bad card): only that replica's norm is
+    # non-finite (the plain optimizer reduces it over the model-parallel group), only it reruns
+    "fp32_after_collective_dp2": BASE.with_(injections=(
+        Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="main_grad", index=3),)),
+    # Megatron's RerunStateMachine in validate_results mode (Megatron-LM's default): it reruns the step on a
+    # NaN loss and exits before the optimizer; gradnan rides on it
+    "validate_results_reproducible": BASE.with_(dtype="bf16", validate_results=True, injections=(
+        Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    "validate_results_transient": BASE.with_(dtype="bf16", validate_results=True, injections=(
+        Injection(1, 2, CORE, "inf", where="forward", transient=True),)),
 }
 
 
@@ -64,7 +74,8 @@ def test_a_one_off_bf16_overflow_is_named_at_the_failing_step_with_its_bundle_an
     origin = found[1]
     assert (origin["step"], origin["role"], origin["module"], origin["micro_batch"]) == (2, "origin", CORE, 0)
     assert origin["conclusion"] == "reproducible" and origin["trigger"] == "nonfinite_grad_norm"
-    assert found[0]["role"] == "clean" and found[0]["conclusion"] == "reproducible"
+    # rank 0 (the other replica) was clean and so were its own gradients: they came in through the all-reduce
+    assert found[0]["role"] == "clean" and found[0]["conclusion"] == "after_collective"
     manifest = json.loads((runs["bf16_one_off_dp2"] / "bundles").glob("*/*/manifest.json").__next__().read_text())
     assert origin["bundle"].endswith("step0000002_" + CORE)
     assert (manifest["step"], manifest["trigger"], manifest["micro_batch"]) == (2, "rerun", 0)
@@ -99,13 +110,36 @@ def test_an_overflow_on_the_second_pipeline_stage_is_named_there(runs):
 
 def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
     found = reruns(runs["bf16_transient_dp2"])
-    assert {record["conclusion"] for record in found.values()} == {"transient"}
     assert all(record["role"] == "clean" for record in found.values())
+    assert (found[1]["conclusion"], found[0]["conclusion"]) == ("transient", "after_collective")
+    report = build_report(read_run(runs["bf16_transient_dp2"]))
+    assert report["incident"]["rerun"]["conclusion"] == "transient"
+    assert report["incident"]["verdict"]["cause"] == "hardware"
 
 
 def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):
     found = reruns(runs["bf16_gradient_nan_dp2"])
-    assert {record["conclusion"] for record in found.values()} == {"backward"}
+    assert (found[1]["conclusion"], found[0]["conclusion"]) == ("backward", "after_collective")
+    report = build_report(read_run(runs["bf16_gradient_nan_dp2"]))
+    assert report["incident"]["rerun"]["conclusion"] == "backward"
+    assert "arose in the backward pass" in report["incident"]["verdict"]["evidence"][0]
+
+
+def test_riding_on_megatrons_own_rerun_in_validate_results_mode(runs):
+    found = reruns(runs["validate_results_reproducible"])
+    assert (found[1]["trigger"], found[1]["megatron"], found[1]["conclusion"]) == (
+        "megatron_validation", "reproducible", "reproducible")
+    assert (found[1]["role"], found[1]["module"], found[1]["step"]) == ("origin", CORE, 2)
+    assert found[1]["bundle"]
+    transient = reruns(runs["validate_results_transient"])
+    assert {(r["megatron"], r["conclusion"]) for r in transient.values()} == {("transient", "transient")}
+
+
+def test_a_corruption_on_one_replica_reruns_that_replica_alone(runs):
+    found = reruns(runs["fp32_after_collective_dp2"])
+    assert (found[1]["step"], found[1]["conclusion"]) == (2, "after_collective")
+    # rank 0's replica first failed at step 3 (rank 1's NaN update reached it through the all-reduce)
+    assert (found[0]["step"], found[0]["conclusion"]) == (3, "after_collective")
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):

@@ -92,13 +92,13 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
 
 
 RERUN_ROLES = ("origin", "receiver", "clean")
-RERUN_CONCLUSIONS = ("reproducible", "transient", "backward", "not_reproduced")
+RERUN_CONCLUSIONS = ("reproducible", "transient", "backward", "after_collective", "not_reproduced")  # strongest first
 
 
 def _check_rerun(record: Dict[str, Any], where: str) -> None:
     batch = record.get("batch")
     if (record.get("role") not in RERUN_ROLES or record.get("conclusion") not in RERUN_CONCLUSIONS
-            or not all(optional(record.get(key), is_text) for key in ("trigger", "module", "class", "bundle"))
+            or not all(optional(record.get(key), is_text) for key in ("trigger", "megatron", "module", "class", "bundle"))
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.layout import AXES, rank_label, shown_axes
-from ..formats.records import FORWARD_SHARE
+from ..formats.records import FORWARD_SHARE, RERUN_CONCLUSIONS
 from ..formats.schema import Schema, nonfinite_counts
 from .frames_view import frames_summary, probes_summary, summary_lines
 from .read import RunFiles
@@ -192,7 +192,8 @@ def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
 def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """What the in-place rerun of the failing step found (``rerun`` records, one step per run): the
     forward origin (the earliest non-finite call on its tensor-parallel group, several only on a tie),
-    the ranks that only received it, the conclusion every rank agreed on."""
+    the ranks that only received it, and the conclusion: each record gives its data-parallel replica's,
+    the strongest one is the job's (a replica that failed again outweighs one that was clean)."""
     reruns = [r for r in records if r.get("kind") == "rerun"]
     if not reruns:
         return None
@@ -203,7 +204,7 @@ def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     batch = next((r["batch"] for r in at_step if r.get("batch")), None)
     return {
         "step": step, "iteration": at_step[0].get("iteration"), "trigger": at_step[0].get("trigger"),
-        "conclusion": at_step[0]["conclusion"],
+        "conclusion": min((r["conclusion"] for r in at_step), key=RERUN_CONCLUSIONS.index),
         "module": first["module"] if first else None, "class": first["class"] if first else None,
         "global_rank": first["rank"].get("global_rank") if first else None,
         "rank": _rank_view(first["rank"]) if first else None,
@@ -575,6 +576,7 @@ def _selftest_lines(result: Dict[str, Any]) -> List[str]:
 
 _CONCLUSION_TEXT = {"reproducible": "REPRODUCIBLE (same micro-batches, same RNG state)",
                     "transient": "NOT reproduced: transient", "backward": "forward pass clean: the backward pass",
+                    "after_collective": "forward pass and local gradients clean: it arose at or after the data-parallel collective",
                     "not_reproduced": "not reproduced"}
 
 

@@ -8,6 +8,7 @@ pipeline schedules); only CUDA is replaced by the CPU shim. Faults are injected 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -86,6 +87,9 @@ class TinyGPTJob:
     norm_as_tensor: bool = False  # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
     dropout: float = 0.0  # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
+    # Megatron's RerunStateMachine in "validate_results" mode, as Megatron-LM's train_step drives it: a NaN
+    # loss is run again in place, then the job checkpoints and exits (here: stops training) before the update
+    validate_results: bool = False
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -106,6 +110,7 @@ class WorkerResult:
     steps: List[StepResult] = field(default_factory=list)
     injected: List[Dict[str, Any]] = field(default_factory=list)
     bucket_groups: int = 0
+    exit_code: Optional[int] = None  # Megatron's result validation asked the job to exit (validate_results)
 
 
 class JobFailed(RuntimeError):
@@ -200,7 +205,7 @@ def _batches(job: TinyGPTJob, dp_rank: int):
         }
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, validate: bool = False):
     batch = next(data_iterator)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
@@ -208,6 +213,12 @@ def _forward_step(data_iterator, model):
 
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()
+        if validate:  # as Megatron-LM's pretrain_gpt.py checks its loss
+            from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+            get_rerun_state_machine().validate_result(result=loss, rejection_func=torch.isnan,
+                                                      message="found NaN in local forward loss calculation",
+                                                      tolerance=0.0, fatal=True)
         return loss, {"lm loss": loss.detach()}
 
     return output, loss_func
@@ -309,6 +320,44 @@ def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> N
         result.injected.append({**dataclasses.asdict(injection), "index": index})
 
 
+class _ResultValidation:
+    """Megatron's ``RerunStateMachine`` in "validate_results" mode, driven as Megatron-LM's ``train_step``
+    drives it: data through ``RerunDataIterator``s (rewound for the rerun), RNG state saved and restored."""
+
+    def __init__(self, batches: List[Iterator[Any]]) -> None:
+        from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode, initialize_rerun_state_machine
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        def save():
+            return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+        def restore(state):
+            torch.set_rng_state(state["cpu"])
+            get_cuda_rng_tracker().set_states(state["tracker"])
+
+        initialize_rerun_state_machine(state_save_func=save, state_restore_func=restore,
+                                       mode=RerunMode.VALIDATE_RESULTS)
+        self.iterators = [RerunDataIterator(batch) for batch in batches]
+        self.exit_code: Optional[int] = None
+
+    def run(self, forward_backward) -> Any:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine, losses = get_rerun_state_machine(), None
+        while machine.should_run_forward_backward(self.iterators):
+            losses = forward_backward()
+        _, should_exit, exit_code = machine.should_checkpoint_and_exit()
+        if should_exit:
+            self.exit_code = exit_code
+        return losses
+
+    @staticmethod
+    def close() -> None:
+        from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+        destroy_rerun_state_machine()
+
+
 class TinyGPT:
     """The model, optimizer and data of a job on this (already initialised) process group.
 
@@ -354,6 +403,9 @@ class TinyGPT:
         config.grad_scale_func = self.optimizer.scale_loss
         # one iterator per chunk (the interleaved schedule takes a list), each drawing the same micro-batches
         self.batches = [_batches(job, parallel_state.get_data_parallel_rank()) for _ in self.chunks]
+        self.validation = _ResultValidation(self.batches) if job.validate_results else None
+        if self.validation is not None:
+            self.batches = self.validation.iterators
         self.forward_backward = get_forward_backward_func()
         self.result = WorkerResult(rank=rank, bucket_groups=sum(
             len(chunk.bucket_groups) + len(chunk.expert_parallel_bucket_groups) for chunk in self.chunks))
@@ -373,27 +425,38 @@ class TinyGPT:
         outcome.host_syncs = counter.total
         return outcome
 
+    def _forward_backward(self):
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self.forward_backward(
+            forward_step_func=functools.partial(_forward_step, validate=self.validation is not None),
+            data_iterator=self.batches if len(self.chunks) > 1 else self.batches[0],
+            model=self.chunks,
+            num_microbatches=self.job.micro_batches,
+            seq_length=self.job.seq_length,
+            micro_batch_size=self.job.micro_batch_size,
+            forward_only=False,
+        )
+
     def _step(self) -> StepResult:
         job, rank, chunks, optimizer = self.job, self.rank, self.chunks, self.optimizer
         step = len(self.result.steps) + 1
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
         _apply_scale_injections(job, rank, step, chunks, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
-        losses = self.forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=self.batches if len(chunks) > 1 else self.batches[0],
-            model=chunks,
-            num_microbatches=job.micro_batches,
-            seq_length=job.seq_length,
-            micro_batch_size=job.micro_batch_size,
-            forward_only=False,
-        )
-        _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
-        update_successful, grad_norm, _ = optimizer.step()
-        for hook in hooks:  # after the step: a rerun of its forward pass meets the same faults
-            hook.remove()
+        try:  # the faults stay until the step is over: a rerun of its forward pass meets them again
+            if self.validation is None:
+                losses = self._forward_backward()
+            else:
+                losses = self.validation.run(self._forward_backward)
+                if self.validation.exit_code is not None:  # Megatron-LM checkpoints and exits here
+                    self.result.exit_code = self.validation.exit_code
+                    return StepResult(step, None, None, False)
+            _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
+            update_successful, grad_norm, _ = optimizer.step()
+        finally:
+            for hook in hooks:
+                hook.remove()
         loss = float(sum(item["lm loss"] for item in losses) / len(losses)) if losses else None
         grad_norm = float(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
         outcome = StepResult(step, loss, grad_norm, bool(update_successful))
@@ -442,8 +505,14 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
             stack.enter_context(_grad_norm_as_tensor())
         model = TinyGPT(job, rank, install=(lambda: gradnan.install(**{"strict": True, **job.gradnan}))
                         if job.gradnan is not None else None)
-        for _ in range(job.steps):
-            model.step()
+        try:
+            for _ in range(job.steps):
+                model.step()
+                if model.result.exit_code is not None:
+                    break
+        finally:
+            if model.validation is not None:
+                model.validation.close()
         return model.result
 
 

@@ -53,6 +53,7 @@ class Detections:
         self._pre_reduction_found = False
         self._pre_reduction_logged = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.last_pre_reduction: Optional[str] = None  # the last record's: were this rank's own gradients bad?
 
     def optimizer(self, optimizer: Any) -> Tuple[OptimizerState, bool]:
         """The state of ``optimizer``, and whether it was seen for the first time."""
@@ -137,6 +138,7 @@ class Detections:
                 extra: Dict[str, Any]) -> Dict[str, Any]:
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
         pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm" else logging.DEBUG)
+        self.last_pre_reduction = pre_reduction
         state, _ = self.optimizer(optimizer)
         return self._writer.record(kind, self._clock.current(optimizer), offending_params(slots, grads), {
             "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra})

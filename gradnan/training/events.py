@@ -70,11 +70,15 @@ class RerunnableStep(Protocol):
     def micro_batches(self) -> List[Any]:
         """What the data iterator yielded for each micro-batch of the step (empty without one)."""
 
-    def fp8(self) -> bool:
-        """Whether a second forward pass would change state (FP8 scaling history)."""
+    def cannot_rerun(self, job_wide: bool) -> Optional[str]:
+        """Why the forward pass cannot run again (FP8 state; peers outside this model-parallel group while
+        not ``job_wide``), or None."""
+
+    def leads_replica(self) -> bool:
+        """Whether this rank is the first of its model-parallel group."""
 
     def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
-        """``values`` reduced ("max"/"min") over "world", "tensor" (tensor-parallel) or "model" (the
+        """``values`` reduced ("max"/"min") over "tensor" (the tensor-parallel group) or "model" (the
         model-parallel group: one data-parallel replica)."""
 
 
@@ -107,6 +111,8 @@ class Events(Protocol):
     def keeps_steps(self) -> bool: ...
 
     def step_kept(self, kept: RerunnableStep) -> None: ...
+
+    def megatron_reran(self, conclusion: str) -> None: ...
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None: ...
 

@@ -4,14 +4,18 @@ state the step started with, no gradients) with every watched module traced, to 
 went non-finite; a second pass captures that module's call into a bundle. Then whether it reproduced:
 the same batch failing again is data or numerics, a clean rerun of a failing step a transient fault.
 
-All ranks see the same non-finite grad norm (or the same fp16 overflow) and so enter together; every
-decision that follows is taken from all-reduced values, so no rank waits alone in a collective. Training
+The ranks a grad norm (or an fp16 overflow flag) was reduced over see the same value and so enter
+together: at least a whole model-parallel group (one data-parallel replica; the whole job with the
+distributed optimizer). Every decision that follows is taken from values all-reduced over that group,
+so no rank waits alone in a collective; a forward pass that needs ranks of other replicas (expert or
+context parallelism) is not run again unless Megatron's own validation brought the whole job here. Training
 is unchanged: the passes compute no gradient, and the RNG state (restored by the kept step) and the
 model's buffers are put back as they were.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,20 +33,6 @@ from .messages import when, where
 from .writer import Writer
 
 NONE = math.inf  # "no such micro-batch / call" in a MIN all-reduce
-
-
-def reduce(kept: Optional[RerunnableStep], values: Sequence[float], op: str, group: str = "world") -> List[float]:
-    """``values`` reduced over ``group`` through the kept step's process groups; over the world without
-    one (a rank that kept nothing still takes part), unchanged without torch.distributed."""
-    if kept is not None:
-        return kept.all_reduce(values, op, group)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
-    torch.distributed.all_reduce(tensor, op=reduce_op)
-    return tensor.tolist()
 
 
 class MicroBatchCounter:
@@ -150,14 +140,21 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-def conclusion(reproduced: bool, original_loss: float) -> str:
-    """``original_loss``: the all-reduced loss state of the failing pass (1 non-finite somewhere, 0 finite
-    everywhere it was seen, -1 seen nowhere)."""
+def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str], own_gradients: float) -> str:
+    """One model-parallel group's conclusion. ``original_loss``: the loss of the failing pass (1 non-finite
+    somewhere, 0 finite everywhere it was seen, -1 seen nowhere). ``megatron``: the conclusion of
+    Megatron's own rerun of the step (forward and backward), which the kept pass then is: finite there is
+    transient, failing again with a clean forward pass is the backward pass. ``own_gradients``: the
+    group's gradients before the data-parallel collective (1 non-finite, 0 clean, -1 unchecked)."""
     if reproduced:
         return "reproducible"
+    if megatron is not None:
+        return "transient" if megatron == "transient" else "backward"
     if original_loss > 0:
         return "transient"
-    return "backward" if original_loss == 0 else "not_reproduced"
+    if original_loss < 0:
+        return "not_reproduced"
+    return "after_collective" if own_gradients == 0 else "backward"
 
 
 class StepRerun:
@@ -181,19 +178,28 @@ class StepRerun:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""
         return self.keeps_steps() and self._kept is not None
 
-    def incident(self, trigger: str) -> Optional[Dict[str, Any]]:
-        """The first incident: run the kept step again on every rank; this rank's ``rerun`` record."""
+    def incident(self, trigger: str, megatron: Optional[str] = None,
+                 local_gradients: Optional[str] = None) -> Optional[Dict[str, Any]]:
+        """The first incident: run the kept step again on every rank; this rank's ``rerun`` record.
+        ``megatron``: Megatron's own rerun of the step concluded this ("reproducible"/"transient").
+        ``local_gradients``: this rank's own gradients before the data-parallel collective, as the
+        pre-reduction check saw them ("nonfinite", "clean", "unchecked"; None: not known)."""
         if not self.keeps_steps():
             return None
         self.done = True
         kept, self._kept = self._kept, None
-        usable = kept is not None and not kept.fp8()
-        if not reduce(kept, [1.0 if usable else 0.0], "min")[0]:
-            logger.info("step %d: no rerun of the failing step (%s)", self._clock.current(),
-                        "FP8 keeps scaling history a second pass would change" if kept is not None and kept.fp8()
-                        else "a rank's step was not run by megatron-core's pipeline schedules")
+        if kept is None:
+            logger.info("step %d: no rerun of the failing step: it was not run by megatron-core's pipeline"
+                        " schedules", self._clock.current())
             return None
-        return self._rerun(kept, trigger)
+        # Megatron's result validation decides for every rank of the job; a grad norm only for the ranks
+        # it was reduced over (at least this model-parallel group)
+        reason = kept.cannot_rerun(job_wide=megatron is not None)
+        if not kept.all_reduce([0.0 if reason else 1.0], "min", "model")[0]:
+            logger.info("step %d: no rerun of the failing step: %s", self._clock.current(),
+                        reason or "not possible on another rank of this model-parallel group")
+            return None
+        return self._rerun(kept, trigger, megatron, local_gradients)
 
     def _watched(self) -> NamedModules:
         return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
@@ -212,9 +218,10 @@ class StepRerun:
             restore_buffers(buffers)
         return PassResult(frames, counter.of_frame)
 
-    def _rerun(self, kept: RerunnableStep, trigger: str) -> Dict[str, Any]:
+    def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[str],
+               local_gradients: Optional[str]) -> Optional[Dict[str, Any]]:
         seen = self._traced_pass(kept)
-        earliest = reduce(kept, [seen.key(seen.candidate)], "min", "tensor")[0]
+        earliest = kept.all_reduce([seen.key(seen.candidate)], "min", "tensor")[0]
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
             role, module = "origin", seen.candidate
         else:
@@ -222,15 +229,19 @@ class StepRerun:
         loss_finite, loss_micro_batch = kept.original_losses()
         loss_state = -1.0 if loss_finite is None else (0.0 if loss_finite else 1.0)
         found_mb = seen.micro_batch() if role != "clean" else None
-        reproduced, original_loss = reduce(kept, [0.0 if role == "clean" else 1.0, loss_state], "max")
-        micro_batch = reduce(kept, [NONE if found_mb is None else found_mb,
-                                    NONE if loss_micro_batch is None else loss_micro_batch], "min", "model")
+        gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
+        reproduced, original_loss, own_gradients = kept.all_reduce(
+            [0.0 if role == "clean" else 1.0, loss_state, gradients], "max", "model")
+        micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
+                                       NONE if loss_micro_batch is None else loss_micro_batch], "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
-        verdict = conclusion(bool(reproduced), original_loss)
+        verdict = conclusion(bool(reproduced), original_loss, megatron, own_gradients)
         bundle = self._capture_pass(kept, seen, module if role == "origin" else None, failing_mb) \
             if reproduced else None
         batch = self._keep_batch(kept, failing_mb)
-        return self._report(trigger, role, module, seen, failing_mb, verdict, bundle, batch)
+        if role == "clean" and batch is None and not kept.leads_replica():
+            return None
+        return self._report(trigger, megatron, role, module, seen, failing_mb, verdict, bundle, batch)
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
                       micro_batch: Optional[int]) -> Optional[str]:
@@ -271,16 +282,15 @@ class StepRerun:
             return None
         return self._writer.batch(self._clock.current(), micro_batch, tensors, left_out)
 
-    def _report(self, trigger: str, role: str, frame: Optional[Frame], seen: PassResult,
+    def _report(self, trigger: str, megatron: Optional[str], role: str, frame: Optional[Frame], seen: PassResult,
                 micro_batch: Optional[int], verdict: str, bundle: Optional[str],
                 batch: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        coords = self._writer.coords()
-        if not self._recording() or (role == "clean" and batch is None and coords.get("global_rank") != 0):
+        if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
         record = self._writer.record("rerun", self._clock.current(), [], {
-            "trigger": trigger, "role": role, "conclusion": verdict, "micro_batch": micro_batch,
+            "trigger": trigger, "megatron": megatron, "role": role, "conclusion": verdict, "micro_batch": micro_batch,
             "module": frame.module if frame is not None else None,
             "class": frame.cls if frame is not None else None,
             "call": frame.call if frame is not None else None,
@@ -301,7 +311,9 @@ class StepRerun:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
         elif verdict != "reproducible":
-            logger.warning("%s, run again in place on every rank: %s", when(record), _VERDICT_TEXT[verdict])
+            logger.log(logging.WARNING if verdict == "transient" else logging.INFO,
+                       "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
+                       where(record), _VERDICT_TEXT[verdict])
 
 
 _VERDICT_TEXT = {
@@ -310,5 +322,8 @@ _VERDICT_TEXT = {
                  " the loss was not: a transient fault; suspect the device of the ranks that reported"
                  " (gradnan selftest)",
     "backward": "the forward pass was finite in both passes: the non-finite values arose in the backward pass",
+    "after_collective": "this replica's forward pass, loss and own gradients before the data-parallel collective"
+                        " were finite: the non-finite values arose at or after that collective (from another"
+                        " replica, or a corruption after it)",
     "not_reproduced": "the forward pass was finite this time with the same micro-batches and RNG state",
 }

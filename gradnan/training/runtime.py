@@ -123,21 +123,28 @@ class Runtime:
         self.norms.settle(wait=True)
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
+        self.detections.last_pre_reduction = None
         stop = self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording() else None
         self._incident("nonfinite_grad_norm", stop)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
                             slots: Sequence[ParamSlot], grads: Grads) -> None:
         incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
+        self.detections.last_pre_reduction = None
         stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
                 if self.window.recording() else None)
         if incident:
             self._incident("loss_scale_overflow", stop)
 
-    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]]) -> None:
+    def megatron_reran(self, conclusion: str) -> None:
+        """Megatron's result validation has just run the step again ("reproducible" or "transient")."""
+        self.detections.last_pre_reduction = None
+        self._incident("megatron_validation", None, conclusion)
+
+    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]], megatron: Optional[str] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
         then the run stops if asked to."""
-        self.guarded("rerun", self.rerun.incident, trigger)
+        self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
 

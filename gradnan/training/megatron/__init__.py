@@ -11,6 +11,7 @@ from .grad_zeroing import GradZeroingInstrumentor
 from .loss_scale import LossScaleInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
+from .result_validation import ResultValidationInstrumentor
 from .schedule import ScheduleInstrumentor
 
 __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
@@ -18,4 +19,5 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
-            GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor()]
+            GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor(),
+            ResultValidationInstrumentor()]

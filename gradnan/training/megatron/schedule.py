@@ -175,18 +175,34 @@ class KeptStep:
         finally:
             set_rng_states(before)
 
-    def fp8(self) -> bool:
-        """Transformer Engine's FP8 keeps scaling history that every forward updates: no second pass then."""
+    def cannot_rerun(self, job_wide: bool) -> Optional[str]:
+        """Why the forward pass cannot run again here, or None. ``job_wide``: every rank of the job is
+        rerunning (else only this model-parallel group may be)."""
+        from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
-        return bool(getattr(get_model_config(self.chunks[0]), "fp8", None))
+        if getattr(get_model_config(self.chunks[0]), "fp8", None):
+            return "FP8 keeps scaling history that a second forward pass would change"
+        outside = [name for name, size in (("expert", parallel_state.get_expert_model_parallel_world_size()),
+                                           ("context", parallel_state.get_context_parallel_world_size()))
+                   if size > 1]
+        if outside and not job_wide:
+            return (f"{' and '.join(outside)} parallelism: the forward pass needs ranks of other data-parallel"
+                    " replicas, which did not all see this incident")
+        return None
 
-    def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
-        """``values`` reduced ("max" or "min") over the world, the tensor-parallel group ("tensor") or
-        the model-parallel group ("model", one data-parallel replica)."""
+    def leads_replica(self) -> bool:
+        """Whether this rank is the first of its model-parallel group (one data-parallel replica)."""
         from megatron.core import parallel_state
 
-        groups = {"world": lambda: None, "tensor": parallel_state.get_tensor_model_parallel_group,
+        return parallel_state.get_model_parallel_group().rank() == 0
+
+    def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
+        """``values`` reduced ("max" or "min") over the tensor-parallel group ("tensor") or the
+        model-parallel group ("model": one data-parallel replica)."""
+        from megatron.core import parallel_state
+
+        groups = {"tensor": parallel_state.get_tensor_model_parallel_group,
                   "model": parallel_state.get_model_parallel_group}
         tensor = torch.tensor(list(values), dtype=torch.float64, device=_device())
         reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
