@@ -220,8 +220,9 @@ class GradnanConfig:
                               " needs trace_steps, and trace_steps needs frames='trace'")
         if self.max_frames < 1 or self.abort_after_step < 0:
             raise ConfigError("gradnan config field 'max_frames' must be >= 1 and 'abort_after_step' >= 0")
-        if self.max_bundles < 0 or self.max_bundle_bytes < 0:
-            raise ConfigError("gradnan config fields 'max_bundles' and 'max_bundle_bytes' must be >= 0")
+        if self.max_bundles < 0 or self.max_bundle_bytes < 0 or self.max_batch_bytes < 0:
+            raise ConfigError("gradnan config fields 'max_bundles', 'max_bundle_bytes' and 'max_batch_bytes' must"
+                              " be >= 0")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gradnan.testing.demo import DEMO_PARAM, DEMO_RANK, DEMO_STEP
+from gradnan.testing.demo import DEMO_MODULE, DEMO_PARAM, DEMO_RANK, DEMO_STEP
 from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan
@@ -28,35 +28,49 @@ def demo(tmp_path_factory):
     return out, result
 
 
-def test_demo_names_the_injected_rank_and_parameter(demo):
+def test_demo_names_the_module_rank_and_micro_batch_of_the_failing_step(demo):
     out, result = demo
-    assert f"First failing step: {DEMO_STEP}" in result.stdout
+    lines = result.stdout.split("gradnan report for ")[1].splitlines()
+    assert lines[1].startswith(f"First failing step: {DEMO_STEP}")
+    assert lines[2] == f"Forward origin (step {DEMO_STEP} run again in place): {DEMO_MODULE} (DotProductAttention)"
+    assert lines[3].startswith(f"  on rank {DEMO_RANK} (tp1 pp0 dp0)")
+    assert lines[3].endswith("micro-batch 0: REPRODUCIBLE (same micro-batches, same RNG state)")
+    assert lines[4] == "  received it from there (not origins): rank(s) 0"
     holders = result.stdout.split("Origin (")[1].split("Received it")[0]
-    assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in holders
-    assert "rank 0 " not in holders
-    assert DEMO_PARAM.rsplit(".", 1)[0] in result.stdout
+    assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in holders and "rank 0 " not in holders
     assert str(out / "maps") in result.stdout and str(out / "records") in result.stdout
 
 
-def test_report_json_names_the_parameter(demo):
+def test_the_demos_bundle_is_the_failing_step_and_replays_the_overflow(demo):
+    out, result = demo
+    [command] = [line.split() for line in result.stdout.splitlines() if line.startswith("  replay it: ")]
+    assert command[2:4] == ["gradnan", "replay"] and f"step{DEMO_STEP:07d}_{DEMO_MODULE}" in command[4]
+    replayed = subprocess.run([sys.executable, "-m", "gradnan", "replay", command[4]], capture_output=True,
+                              text=True, timeout=300)
+    assert replayed.returncode == 0, replayed.stderr
+    assert "Verdict: precision" in replayed.stdout and "aten.baddbmm" in replayed.stdout
+
+
+def test_report_json_names_the_module_and_the_receiver(demo):
     out, _ = demo
     result = gradnan("report", out, "--json")
-    report = json.loads(result.stdout)
-    [origin] = report["incident"]["origin"]
-    assert origin["global_rank"] == DEMO_RANK
-    assert [p["name"] for p in origin["params"]] == [DEMO_PARAM]
-    assert [r["global_rank"] for r in report["incident"]["receivers"]] == [0]
-    assert report["incident"]["origin_basis"] == "before_collective"
+    incident = json.loads(result.stdout)["incident"]
+    assert [origin["global_rank"] for origin in incident["origin"]] == [DEMO_RANK]
+    assert [r["global_rank"] for r in incident["receivers"]] == [0]
+    assert incident["origin_basis"] == "rerun"
+    rerun = incident["rerun"]
+    assert (rerun["module"], rerun["global_rank"], rerun["micro_batch"], rerun["conclusion"]) == (
+        DEMO_MODULE, DEMO_RANK, 0, "reproducible")
 
 
 def test_maps_resolves_the_reported_id(demo):
     out, _ = demo
     report = json.loads(gradnan("report", out, "--json").stdout)
-    param_id = report["incident"]["origin"][0]["params"][0]["id"]
+    reported = next(p for p in report["incident"]["origin"][0]["params"] if p["name"] == DEMO_PARAM)
     for rank in (str(DEMO_RANK), "tp1,pp0,dp0"):
-        result = gradnan("maps", out, "--rank", rank, "--id", param_id)
+        result = gradnan("maps", out, "--rank", rank, "--id", reported["id"])
         assert result.returncode == 0
-        assert result.stdout.strip().endswith(f"{DEMO_PARAM} [64, 32] torch.bfloat16")
+        assert result.stdout.strip().endswith(f"{DEMO_PARAM} [48, 32] torch.bfloat16")
 
 
 def test_demo_refuses_to_write_into_an_existing_run(demo):

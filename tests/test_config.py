@@ -31,6 +31,8 @@ def test_defaults_match_the_documented_values():
         "capture_retain": False,
         "max_bundles": 4,
         "max_bundle_bytes": 256 << 20,
+        "rerun": "auto",
+        "max_batch_bytes": 64 << 20,
         "ranks": "",
         "steps": "",
         "modules": "",

@@ -1,8 +1,11 @@
 """``gradnan demo``: the main job on an embedded default.
 
 A tiny Megatron-Core GPT trains on CPU in 2 gloo processes (tensor parallel 2, bf16), gradnan installed.
-At step 2 a NaN is injected into one element of ``decoder.layers.1.mlp.linear_fc1.weight``'s gradient on
-rank 1, as a bad card would produce it during backward. gradnan names the rank and the parameter.
+At step 2, layer 1's query/key/value weight shard on rank 1 is scaled up so that its attention scores
+overflow bf16, the most common real incident (an outlier batch or a diverging weight does the same): the
+loss goes NaN and every gradient with it. gradnan runs the failing step again in place, names the
+attention module on rank 1 (rank 0 only received the Inf through the tensor-parallel all-reduce),
+captures it into a bundle whose replay names the overflowing operator, and keeps the micro-batch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from ..offline.read import read_run
 from ..offline.report import build_report, format_text
 from .toy import Injection, JobFailed, TinyGPTJob, launch
 
-DEMO_PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
+DEMO_PARAM = "decoder.layers.1.self_attention.linear_qkv.weight"
+DEMO_MODULE = "decoder.layers.1.self_attention.core_attention"
 DEMO_RANK = 1
 DEMO_STEP = 2
 
@@ -24,7 +28,7 @@ DEMO_STEP = 2
 def demo_job(out_dir: Path) -> TinyGPTJob:
     return TinyGPTJob(
         world_size=2, tp=2, dtype="bf16", steps=3, quiet=True,
-        injections=(Injection(DEMO_RANK, DEMO_STEP, DEMO_PARAM, "nan", where="backward", index=37),),
+        injections=(Injection(DEMO_RANK, DEMO_STEP, DEMO_PARAM, "1e20", where="scale_to"),),
         gradnan={"out_dir": str(out_dir), "log_level": "WARNING"},
     )
 
@@ -35,8 +39,8 @@ def run_demo(out_dir: Path) -> str:
     if (out_dir / MAPS_DIR).exists() or (out_dir / RECORDS_DIR).exists():
         raise UsageError(f"{out_dir}: already holds a gradnan run; pass another --out or remove it")
     print(f"Training a tiny Megatron-Core GPT on CPU: 2 processes, TP=2, bf16, 3 steps.\n"
-          f"Injecting a NaN into {DEMO_PARAM}'s gradient on rank {DEMO_RANK} at step {DEMO_STEP}.\n",
-          flush=True)
+          f"At step {DEMO_STEP}, scaling {DEMO_PARAM} on rank {DEMO_RANK} up so that layer 1's attention"
+          f" overflows bf16.\n", flush=True)
     try:
         launch(demo_job(out_dir))
     except JobFailed as failure:
