@@ -132,8 +132,8 @@ def test_from_report_to_replay_in_two_commands(runs):
     report = subprocess.run([sys.executable, "-m", "gradnan", "report", str(runs / "overflow")],
                             capture_output=True, text=True, timeout=120)
     lines = report.stdout.splitlines()
-    [command] = [lines[i + 1].split() for i, line in enumerate(lines[:-1])
-                 if "on rank 1," in line and lines[i + 1].strip().startswith("gradnan replay ")]
+    assert "on rank 1 (tp1 pp0 dp0)" in lines[3]  # the forward origin, at the top
+    [command] = [line.split()[2:] for line in lines if line.startswith("  replay it: gradnan replay ")]
     replayed = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr
     assert "Verdict: precision" in replayed.stdout and "decoder.layers.1.mlp" in replayed.stdout
@@ -164,6 +164,9 @@ def test_the_rerun_captures_only_the_origin_not_its_tensor_parallel_peer(runs):
 def test_a_tensor_parallel_peer_that_received_the_overflow_is_not_blamed(runs):
     """Without the rerun, rank 0's fc2 is captured at a later step: it got the Inf through the
     row-parallel all-reduce, and replay finds its own computation finite."""
+    records = [json.loads(line) for path in (runs / "overflow_no_rerun" / "records").glob("*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert records and not [r for r in records if r["kind"] == "rerun"]  # rerun="off"
     bundles = [b for b in _bundles(runs / "overflow_no_rerun", 0) if "linear_fc2" in b.name]
     assert bundles
     replayed = json.loads(_replay(bundles[0], "--json").stdout)

@@ -18,7 +18,7 @@ from gradnan.offline.replay import replay_bundle
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import records_by_rank
+from .helpers import records_by_rank, step_trace
 
 ATTENTION = "decoder.layers.1.self_attention"
 QKV = f"{ATTENTION}.linear_qkv.weight"
@@ -50,12 +50,19 @@ SCENARIOS = {
 }
 
 
+# the rerun itself fails on rank 1 (its forward pass raises without gradients): logged, training unchanged
+FAILING_RERUN = BASE.with_(dtype="bf16", injections=(
+    Injection(1, 2, QKV, "1e20", where="scale_to"),
+    Injection(1, 2, f"{ATTENTION}.linear_proj", "0", where="fails_without_grad")))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rerun")
     jobs = [job.with_(gradnan={"out_dir": str(root / name)}) for name, job in SCENARIOS.items()]
-    launch_many(jobs)
-    return {name: root / name for name in SCENARIOS}
+    jobs += [FAILING_RERUN, FAILING_RERUN.with_(gradnan={"out_dir": str(root / "failing_rerun"), "strict": False})]
+    results = launch_many(jobs)
+    return {**{name: root / name for name in SCENARIOS}, "failing_rerun": (root / "failing_rerun", results[-2:])}
 
 
 def reruns(run_dir):
@@ -140,6 +147,14 @@ def test_a_corruption_on_one_replica_reruns_that_replica_alone(runs):
     assert (found[1]["step"], found[1]["conclusion"]) == (2, "after_collective")
     # rank 0's replica first failed at step 3 (rank 1's NaN update reached it through the all-reduce)
     assert (found[0]["step"], found[0]["conclusion"]) == (3, "after_collective")
+
+
+def test_a_rerun_that_fails_is_logged_and_training_goes_on_unchanged(runs):
+    run_dir, (without, with_kit) = runs["failing_rerun"]
+    assert step_trace(with_kit) == step_trace(without)
+    assert 1 not in reruns(run_dir)  # nothing concluded from a pass that did not finish
+    assert [r["kind"] for r in records_by_rank(run_dir)[1] if r["step"] == 2] == [
+        "pre_reduction", "nonfinite_grad_norm"]
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):

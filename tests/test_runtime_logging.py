@@ -92,7 +92,8 @@ def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog, make_runtim
             runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
             runtime.end_step(optimizer, skipped=False)
     levels = [r.levelname for r in caplog.records]
-    assert levels == ["ERROR", "WARNING", "WARNING"]  # step 1, then 2 and 4 consecutive
+    assert levels == ["ERROR", "INFO", "WARNING", "WARNING"]  # step 1, then 2 and 4 consecutive
+    assert "no rerun of the failing step: it was not run by megatron-core's pipeline schedules" in caplog.records[1].message
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -204,6 +204,7 @@ def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     batch = next((r["batch"] for r in at_step if r.get("batch")), None)
     return {
         "step": step, "iteration": at_step[0].get("iteration"), "trigger": at_step[0].get("trigger"),
+        "megatron": at_step[0].get("megatron"),
         "conclusion": min((r["conclusion"] for r in at_step), key=RERUN_CONCLUSIONS.index),
         "module": first["module"] if first else None, "class": first["class"] if first else None,
         "global_rank": first["rank"].get("global_rank") if first else None,
@@ -219,7 +220,8 @@ def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 _RERUN_VERDICTS = {
     "reproducible": ("data_or_numerics", "the failing step, run again in place with the same micro-batches and RNG"
-                     " state, went non-finite again in {module} on rank {rank}, micro-batch {micro_batch}: the data"
+                     " state, went non-finite again in the forward pass, in {module} on rank {rank}, micro-batch"
+                     " {micro_batch}: the data"
                      " or the numerics (an overflow), not a passing fault; `gradnan replay` of its bundle on another"
                      " device tells a persistently faulty device apart"),
     "transient": ("hardware", "the failing step, run again in place with the same micro-batches and RNG state,"
@@ -237,16 +239,14 @@ def _weigh_rerun(incident: Dict[str, Any]) -> None:
     if rerun["conclusion"] in _RERUN_VERDICTS:
         cause, summary = _RERUN_VERDICTS[rerun["conclusion"]]
         if rerun["conclusion"] == "transient" or rerun["module"]:
-            verdict["evidence"].insert(0, f"pattern-based reading: {verdict['cause']}: {verdict['summary']}")
+            # the pattern-based reading (and its evidence, taken from the gradients) gives way to what the
+            # rerun saw; it stays as one line
+            verdict["evidence"] = [f"pattern-based reading: {verdict['cause']}: {verdict['summary']}"]
             verdict["cause"], verdict["summary"] = cause, summary.format(
                 module=rerun["module"], rank=rerun["global_rank"], micro_batch=rerun["micro_batch"])
     elif rerun["conclusion"] == "backward":
         verdict["evidence"].insert(0, "the step's forward pass, run again in place, was finite on every rank, and"
                                       " so was the loss: the non-finite values arose in the backward pass")
-    if rerun["receivers"]:
-        verdict["evidence"].append(f"rerun: {len(rerun['receivers'])} rank(s) only received the non-finite"
-                                   " values from the origin (a tensor- or pipeline-parallel collective): ranks "
-                                   + rank_ranges([r["global_rank"] for r in rerun["receivers"]]))
     _origin_from_rerun(incident, {o["global_rank"] for o in rerun["origins"]})
 
 
@@ -584,14 +584,20 @@ def _rerun_lines(rerun: Optional[Dict[str, Any]]) -> List[str]:
     """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion."""
     if rerun is None:
         return []
-    when = f"step {rerun['step']}" + (f" (iteration {rerun['iteration']})" if rerun.get("iteration") else "")
+    when = f"iteration {rerun['iteration']}" if rerun.get("iteration") else f"step {rerun['step']}"
     conclusion = _CONCLUSION_TEXT[rerun["conclusion"]]
+    megatron = [f"  Megatron's own rerun of it (validate_results): {rerun['megatron']}"] if rerun.get("megatron") else []
     if rerun["module"] is None:
-        return [f"Rerun of {when} in place: {conclusion}"]
+        return [f"Rerun of {when} in place: {conclusion}"] + megatron
     lines = [f"Forward origin ({when} run again in place): {rerun['module']} ({rerun['class']})",
              f"  on {_rank_label(rerun['rank'])}, micro-batch {rerun['micro_batch']}: {conclusion}"]
-    if len(rerun["origins"]) > 1:
-        lines.append("  tied with: " + ", ".join(f"{o['module']} on rank {o['global_rank']}" for o in rerun["origins"][1:]))
+    lines += megatron
+    ties = rerun["origins"][1:]
+    if ties:
+        same = all(o["module"] == rerun["module"] for o in ties)
+        lines.append(f"  the same on rank(s) {rank_ranges([o['global_rank'] for o in ties])} (a tie: each went non-finite"
+                     " there first)" if same else "  tied with: " + ", ".join(
+                         f"{o['module']} on rank {o['global_rank']}" for o in ties[:MAX_LISTED]))
     if rerun["receivers"]:
         lines.append(f"  received it from there (not origins): rank(s) "
                      f"{rank_ranges([r['global_rank'] for r in rerun['receivers']])}")
@@ -641,9 +647,11 @@ def format_text(report: Dict[str, Any], max_modules: int = 10) -> str:
             lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in steps[:8])}"
                          + (" ..." if len(steps) > 8 else ""))
     lines += summary_lines(report["run_dir"], report.get("frames", []), report.get("probes", []))
-    if report.get("bundles"):
-        lines.append("Captured for replay:")
-        lines += _listed(report["bundles"], lambda bundle: [
+    shown = (report["incident"] or {}).get("rerun") or {}
+    others = [bundle for bundle in report.get("bundles", []) if bundle["path"] != shown.get("bundle")]
+    if others:
+        lines.append("Captured for replay:" if not shown.get("bundle") else "Also captured for replay:")
+        lines += _listed(others, lambda bundle: [
             f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
             f"    gradnan replay {bundle['path']}"], "bundle(s)")
     if report.get("rerun_capture"):

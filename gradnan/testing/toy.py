@@ -36,7 +36,9 @@ class Injection:
       gradient computed from it (that module's and all earlier layers') is poisoned;
     - ``"forward"``: into the output of module ``target`` in the forward pass (an activation overflow);
     - ``"scale_to"``: rescale parameter ``target`` so its largest magnitude is ``value`` (a number), once,
-      before the step's forward: drives a later operator to overflow for as long as the weight stays.
+      before the step's forward: drives a later operator to overflow for as long as the weight stays;
+    - ``"fails_without_grad"``: module ``target`` raises in any forward pass made without gradients (as
+      the rerun of a failing step is): shows that a rerun that fails leaves training as it was.
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     ``transient``: a ``"forward"`` fault that fires in the step's first forward pass only, as a glitch
     would: a rerun of the same step (``gradnan``'s ``rerun``) does not meet it again.
@@ -265,6 +267,11 @@ def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
     return param, index
 
 
+def _fails_without_grad(module, args):
+    if not torch.is_grad_enabled():
+        raise RuntimeError("injected failure in a forward pass without gradients")
+
+
 def _forward_fault(index: int, value: float, transient: bool):
     fired = []
 
@@ -285,6 +292,10 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
         value = injection.number()
         handles.append(param.register_hook(lambda grad, index=index, value=value: _poisoned(grad, index, value)))
         result.injected.append({**dataclasses.asdict(injection), "index": index})
+    for injection in _due(job, rank, step, "fails_without_grad"):
+        module = _module_by_global_name(chunks, injection.target)
+        handles.append(module.register_forward_pre_hook(_fails_without_grad))
+        result.injected.append(dataclasses.asdict(injection))
     for where in ("module_backward", "forward"):
         for injection in _due(job, rank, step, where):
             module = _module_by_global_name(chunks, injection.target)

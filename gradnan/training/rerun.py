@@ -176,7 +176,7 @@ class StepRerun:
 
     def expected(self) -> bool:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""
-        return self.keeps_steps() and self._kept is not None
+        return self.keeps_steps() and self._kept is not None and self._kept.cannot_rerun(job_wide=False) is None
 
     def incident(self, trigger: str, megatron: Optional[str] = None,
                  local_gradients: Optional[str] = None) -> Optional[Dict[str, Any]]:
