@@ -4,8 +4,8 @@
     python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
-1. Step time, interleaved round by round (off, defaults, pre-reduction sync, capture armed on one MLP
-   with retention, i.e. its every call traced; each mode installed, one untimed step, then one timed
+1. Step time, interleaved round by round (off, defaults, defaults without the rerun's kept step
+   (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced; each mode installed, one untimed step, then one timed
    step), reported as medians and the median of the per-round ratios.
 2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
@@ -38,7 +38,7 @@ SIZES = {
     "10m": dict(hidden_size=384, num_layers=5, num_heads=6),
     "50m": dict(hidden_size=768, num_layers=7, num_heads=12),
 }
-MODES = {"off": None, "defaults": {}, "pre_reduction_sync": {"pre_reduction": "sync"},
+MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"}, "pre_reduction_sync": {"pre_reduction": "sync"},
          "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True}}
 
 
