@@ -39,6 +39,9 @@ SCENARIOS = {
         Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)),
     # a corruption after the gradient all-reduce on one replica (a bad card): only that replica's norm is
     # non-finite (the plain optimizer reduces it over the model-parallel group), only it reruns
+    # a grad norm returned as a device tensor (core 0.18+ with TE) is read after the update: no rerun
+    "bf16_norm_as_tensor_dp2": BASE.with_(dtype="bf16", norm_as_tensor=True, injections=(
+        Injection(1, 2, QKV, "1e20", where="scale_to"),)),
     "fp32_after_collective_dp2": BASE.with_(injections=(
         Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="main_grad", index=3),)),
     # Megatron's RerunStateMachine in validate_results mode (Megatron-LM's default): it reruns the step on a
@@ -155,6 +158,12 @@ def test_a_rerun_that_fails_is_logged_and_training_goes_on_unchanged(runs):
     assert 1 not in reruns(run_dir)  # nothing concluded from a pass that did not finish
     assert [r["kind"] for r in records_by_rank(run_dir)[1] if r["step"] == 2] == [
         "pre_reduction", "nonfinite_grad_norm"]
+
+
+def test_a_norm_read_after_the_update_is_not_rerun(runs):
+    records = [r for rs in records_by_rank(runs["bf16_norm_as_tensor_dp2"]).values() for r in rs]
+    assert any(r["kind"] == "nonfinite_grad_norm" and r["step"] == 2 for r in records)
+    assert not [r for r in records if r["kind"] == "rerun"]
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):

@@ -201,6 +201,13 @@ class StepRerun:
             return None
         return self._rerun(kept, trigger, megatron, local_gradients)
 
+    def too_late(self, trigger: str) -> None:
+        """The incident was seen after its step's update was applied: no rerun, now or later (said once)."""
+        if self.keeps_steps():
+            self.done, self._kept = True, None
+            logger.info("step %d: no rerun of the failing step: its %s was read after the update (a grad norm"
+                        " returned as a device tensor)", self._clock.current(), trigger)
+
     def _watched(self) -> NamedModules:
         return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
 

@@ -143,8 +143,12 @@ class Runtime:
 
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]], megatron: Optional[str] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
-        then the run stops if asked to."""
-        self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction)
+        then the run stops if asked to. A norm read after its step (one Megatron returned as a device
+        tensor) comes after the update: that step can no longer be run again as it was."""
+        if megatron is not None or self.clock.stepping() is not None:
+            self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction)
+        else:
+            self.rerun.too_late(trigger)
         if stop is not None:
             stop_if_asked(self.config, stop)
 
