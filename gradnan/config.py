@@ -45,6 +45,13 @@ class PreReduction(str, enum.Enum):
     OFF = "off"
 
 
+class RerunMode(str, enum.Enum):
+    """Whether the first incident's step is re-executed in place to find where it went non-finite."""
+
+    AUTO = "auto"
+    OFF = "off"
+
+
 class OnNonfinite(str, enum.Enum):
     """What happens to training after a non-finite grad norm is recorded."""
 
@@ -58,13 +65,6 @@ class FramesMode(str, enum.Enum):
     OFF = "off"
     DETECT = "detect"
     TRACE = "trace"
-
-
-class RerunMode(str, enum.Enum):
-    """Whether the first incident's step is re-executed in place to find where it went non-finite."""
-
-    AUTO = "auto"
-    OFF = "off"
 
 
 class Ranges:
