@@ -33,6 +33,9 @@ SCENARIOS = {
         Injection(1, 2, QKV, "300", where="scale_to"),)),
     "bf16_second_stage_pp2": BASE.with_(pp=2, dtype="bf16", num_layers=2, injections=(
         Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    # the interleaved schedule: rank 1 holds layers 1 and 3 (two model chunks)
+    "bf16_interleaved_pp2": BASE.with_(pp=2, vpp=2, dtype="bf16", num_layers=4, injections=(
+        Injection(1, 2, "decoder.layers.3.self_attention.linear_qkv.weight", "1e20", where="scale_to"),)),
     "bf16_transient_dp2": BASE.with_(dtype="bf16", injections=(
         Injection(1, 2, f"{ATTENTION}.core_attention", "inf", where="forward", transient=True),)),
     "bf16_gradient_nan_dp2": BASE.with_(dtype="bf16", injections=(
@@ -42,6 +45,10 @@ SCENARIOS = {
     # a grad norm returned as a device tensor (core 0.18+ with TE) is read after the update: no rerun
     "bf16_norm_as_tensor_dp2": BASE.with_(dtype="bf16", norm_as_tensor=True, injections=(
         Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    # MoE with expert parallelism: the experts' all-to-all spans the data-parallel replicas, which need
+    # not all have failed: no rerun; the forward-origin finder watches the next steps instead
+    "moe_ep2_not_rerun": BASE.with_(dtype="bf16", experts=4, ep=2, injections=(
+        Injection(1, 2, "decoder.layers.1.self_attention", "inf", where="forward"),)),
     "fp32_after_collective_dp2": BASE.with_(injections=(
         Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="main_grad", index=3),)),
     # Megatron's RerunStateMachine in validate_results mode (Megatron-LM's default): it reruns the step on a
@@ -118,6 +125,13 @@ def test_an_overflow_on_the_second_pipeline_stage_is_named_there(runs):
     assert found[0]["batch"]["micro_batch"] == 0  # the first stage holds the data: it keeps the batch
 
 
+def test_the_interleaved_schedule_is_run_again_too(runs):
+    found = reruns(runs["bf16_interleaved_pp2"])
+    assert (found[1]["role"], found[1]["module"], found[1]["micro_batch"]) == (
+        "origin", "decoder.layers.3.self_attention.core_attention", 0)
+    assert found[1]["bundle"]
+
+
 def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
     found = reruns(runs["bf16_transient_dp2"])
     assert all(record["role"] == "clean" for record in found.values())
@@ -164,6 +178,14 @@ def test_a_norm_read_after_the_update_is_not_rerun(runs):
     records = [r for rs in records_by_rank(runs["bf16_norm_as_tensor_dp2"]).values() for r in rs]
     assert any(r["kind"] == "nonfinite_grad_norm" and r["step"] == 2 for r in records)
     assert not [r for r in records if r["kind"] == "rerun"]
+
+
+def test_expert_parallelism_is_not_rerun_and_the_finder_takes_over(runs):
+    records = [r for rs in records_by_rank(runs["moe_ep2_not_rerun"]).values() for r in rs]
+    assert any(r["kind"] == "nonfinite_grad_norm" and r["step"] == 2 for r in records)
+    assert not [r for r in records if r["kind"] == "rerun"]
+    bundles = list((runs["moe_ep2_not_rerun"] / "bundles").glob("*/*/manifest.json"))
+    assert bundles and all(json.loads(path.read_text())["trigger"] == "on_nonfinite" for path in bundles)
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):
