@@ -202,10 +202,12 @@ def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     origins = [r for r in at_step if r["role"] == "origin"]
     first = origins[0] if origins else None
     batch = next((r["batch"] for r in at_step if r.get("batch")), None)
+    conclusion = min((r["conclusion"] for r in at_step), key=RERUN_CONCLUSIONS.index)
     return {
         "step": step, "iteration": at_step[0].get("iteration"), "trigger": at_step[0].get("trigger"),
         "megatron": at_step[0].get("megatron"),
-        "conclusion": min((r["conclusion"] for r in at_step), key=RERUN_CONCLUSIONS.index),
+        "conclusion": conclusion,
+        "concluded_by": [r["rank"].get("global_rank") for r in at_step if r["conclusion"] == conclusion],
         "module": first["module"] if first else None, "class": first["class"] if first else None,
         "global_rank": first["rank"].get("global_rank") if first else None,
         "rank": _rank_view(first["rank"]) if first else None,
@@ -588,7 +590,8 @@ def _rerun_lines(rerun: Optional[Dict[str, Any]]) -> List[str]:
     conclusion = _CONCLUSION_TEXT[rerun["conclusion"]]
     megatron = [f"  Megatron's own rerun of it (validate_results): {rerun['megatron']}"] if rerun.get("megatron") else []
     if rerun["module"] is None:
-        return [f"Rerun of {when} in place: {conclusion}"] + megatron
+        return [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
+                f" {rank_ranges(rerun['concluded_by'])}"] + megatron
     lines = [f"Forward origin ({when} run again in place): {rerun['module']} ({rerun['class']})",
              f"  on {_rank_label(rerun['rank'])}, micro-batch {rerun['micro_batch']}: {conclusion}"]
     lines += megatron
