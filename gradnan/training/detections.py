@@ -116,9 +116,9 @@ class Detections:
             self._pre_reduction_found = True
             first, self._pre_reduction_logged = not self._pre_reduction_logged, True
         logger.log(level if first else logging.DEBUG,
-                   "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s;"
-                   " this rank produced it; record: %s", when(record), where(record),
-                   describe_params(record), record["_path"])
+                   "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s; produced in this"
+                   " data-parallel replica, not received through that collective; record: %s", when(record),
+                   where(record), describe_params(record), record["_path"])
         return True
 
     def _flush_deferred(self, level: int) -> str:
