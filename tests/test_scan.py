@@ -7,8 +7,11 @@ import math
 import numpy
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gradnan.training.scan import NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices, unravel
+from gradnan.training.scan import (SCRATCH_BYTES, NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices,
+                                   unravel)
 
 NAN = float("nan")
 INF = float("inf")
@@ -209,6 +212,99 @@ def test_locate_does_not_modify_input_or_track_grad():
     locate(tensor)
     assert torch.equal(tensor.detach().isnan(), before.isnan())
     assert tensor.grad is None
+
+
+def locate_by_definition(tensor):
+    """What ``locate`` must return, elementwise and in float64: the reference for the properties below."""
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    bad = ~torch.isfinite(flat)
+    if not bad.any():
+        return None
+    finite = flat[~bad].abs()
+    return NonFinite(nan=int(flat.isnan().sum()), pos_inf=int(flat.isposinf().sum()),
+                     neg_inf=int(flat.isneginf().sum()), first_bad=int(bad.nonzero()[0]),
+                     abs_max_finite=float(finite.max()) if finite.numel() else 0.0)
+
+
+def edge_values(dtype):
+    """NaN, both infinities, both zeros, the largest finite values, the smallest normal and subnormal ones."""
+    info = torch.finfo(dtype)
+    return [NAN, INF, -INF, 0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal / 4,
+            -info.smallest_normal / 4, 1.0, -2.5]
+
+
+@st.composite
+def tensors_with_edge_values(draw):
+    """A 1-D tensor of one float dtype: edge values at drawn places among ordinary ones, possibly strided."""
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    size = draw(st.integers(1, 300))
+    values = draw(st.lists(st.one_of(st.sampled_from(edge_values(dtype)), st.floats(-100, 100)),
+                           min_size=size, max_size=size))
+    tensor = tensor_with(values, dtype)
+    return tensor[::2] if draw(st.booleans()) else tensor
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor=tensors_with_edge_values(), chunk_elements=st.integers(1, 64))
+def test_locate_matches_the_definition_for_every_dtype_and_chunk(tensor, chunk_elements):
+    assert locate(tensor, chunk_elements=chunk_elements) == locate_by_definition(tensor)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_locate_tells_a_nonfinite_value_from_the_largest_finite_one(dtype, bad):
+    """The largest finite magnitude's bit pattern is one below +Inf's: a row holding only it is finite and
+    reports it; a row holding the bad value is the one examined."""
+    largest = torch.finfo(dtype).max
+    values = [1.0] * 12
+    values[2], values[5], values[9] = -largest, largest, bad
+    result = locate(tensor_with(values, dtype), chunk_elements=4)
+    assert (result.nan + result.inf, result.first_bad, result.abs_max_finite) == (1, 9, largest)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_abs_max_of_negative_zero_and_subnormals(dtype):
+    """-0.0 is a magnitude of 0, a subnormal a magnitude above 0: their sign bits do not count."""
+    subnormal = torch.finfo(dtype).smallest_normal / 4
+    values = [-0.0] * 8 + [-subnormal, 0.0, subnormal / 2, NAN]
+    result = locate(tensor_with(values, dtype), chunk_elements=4)
+    assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=11, abs_max_finite=subnormal)
+    assert result.abs_max_finite > 0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
+    """More rows than one scratch block holds: the largest magnitude sits in a finite row of a later block
+    and the NaN in an earlier one; both are found."""
+    chunk = 1024
+    rows_per_block = SCRATCH_BYTES // (chunk * tensor_with([], dtype).element_size())
+    tensor = torch.ones((3 * rows_per_block + 1) * chunk + 5, dtype=dtype)
+    tensor[chunk + 3] = NAN
+    tensor[2 * rows_per_block * chunk + 7] = -1000.0
+    tensor[-1] = 250.0
+    result = locate(tensor, chunk_elements=chunk)
+    assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=chunk + 3, abs_max_finite=1000.0)
+
+
+def test_locate_scratch_is_bounded_by_the_block_not_the_tensor():
+    """A tensor of 64 MiB scanned in rows of 1024 elements: the scan's temporaries stay within one scratch
+    block (and the row results), measured by the allocations torch's profiler records."""
+    tensor = torch.zeros(1 << 24)
+    tensor[-1] = INF
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert locate(tensor, chunk_elements=1024).pos_inf == 1
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert SCRATCH_BYTES <= largest <= SCRATCH_BYTES + (1 << 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_locate_tensors_that_cannot_hold_nan_are_none(dtype):
+    assert locate(torch.ones(5000, dtype=dtype), chunk_elements=100) is None
+
+
+def test_locate_dtype_without_a_scan_is_a_clear_error():
+    with pytest.raises(TypeError, match="no NaN/Inf scan for torch.complex64"):
+        locate(torch.ones(5000, dtype=torch.complex64), chunk_elements=100)
 
 
 # --- NonFinite --------------------------------------------------------------------------------

@@ -23,6 +23,15 @@ import torch
 CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
+SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's cache
+
+# Per float dtype: the integer type of the same width, and the bit pattern of +Inf (exponent all ones).
+_BITS = {
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
+    torch.float32: (torch.int32, 0x7F80_0000),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+}
 
 
 def chunk_elements_for(total_elements: int) -> int:
@@ -165,26 +174,46 @@ def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
     return views
 
 
+def _abs_bits_row_maxima(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per ``chunk``-element row, the largest bit pattern with the sign bit cleared: one integer pass.
+
+    The sign bit cleared, IEEE floats order as integers do: a row holds a NaN or an Inf exactly when its
+    maximum is at least +Inf's pattern, and a finite row's maximum is the pattern of its largest magnitude.
+    The cleared bits go to a scratch buffer of whole rows, at most ``SCRATCH_BYTES`` (one row when a row is
+    larger), reused block after block: it stays in cache on CPU and never grows with the tensor."""
+    bits = flat.view(_BITS[flat.dtype][0])
+    rows_per_block = max(1, SCRATCH_BYTES // (chunk * flat.element_size()))
+    scratch = torch.empty(min(rows_per_block * chunk, flat.numel()), dtype=bits.dtype, device=bits.device)
+    sign_cleared = torch.iinfo(bits.dtype).max
+    maxima = []
+    for view in _rows(bits, chunk):
+        for first in range(0, view.shape[0], rows_per_block):
+            block = view[first:first + rows_per_block]
+            cleared = torch.bitwise_and(block, sign_cleared, out=scratch[:block.numel()].view(block.shape))
+            maxima.append(cleared.amax(dim=1))
+    return torch.cat(maxima)
+
+
 def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Optional[NonFinite]:
     """Exact NaN/Inf statistics of ``tensor``, or None when every element is finite.
 
-    Per row: a min and a max (NaN propagates into both, an Inf shows in one; the finite rows' abs max),
-    two reads of the tensor in all; the exact counts only for the rows where either is not finite. Two host
-    reads (one for a tensor of at most one row)."""
+    One integer pass finds the rows that hold a NaN or an Inf and the finite rows' abs max
+    (``_abs_bits_row_maxima``); the exact counts only for the rows that hold one. Two host reads (one for a
+    tensor of at most one row). Integer tensors hold neither: None."""
     flat = _flat(tensor)
-    if flat.numel() == 0:
+    if flat.numel() == 0 or not (flat.is_floating_point() or flat.is_complex()):
         return None
+    if flat.dtype not in _BITS:
+        raise TypeError(f"locate: no NaN/Inf scan for {flat.dtype} (only {', '.join(map(str, _BITS))})")
     chunk = chunk_elements or chunk_elements_for(flat.numel())
     if flat.numel() <= chunk:
         nan, pos_inf, neg_inf, first_bad, abs_max_finite = _row_stats(flat, 0).tolist()
         if nan + pos_inf + neg_inf == 0:
             return None
         return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
-    views = _rows(flat, chunk)
-    lows = torch.cat([view.amin(dim=1) for view in views])
-    highs = torch.cat([view.amax(dim=1) for view in views])
-    finite = torch.isfinite(lows) & torch.isfinite(highs)
-    good_abs_max = torch.where(finite, torch.maximum(-lows, highs), 0).amax().to(torch.float64)
+    maxima = _abs_bits_row_maxima(flat, chunk)
+    finite = maxima < _BITS[flat.dtype][1]
+    good_abs_max = torch.where(finite, maxima, 0).amax().view(flat.dtype).to(torch.float64)
     bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
     if not bad_rows:
         return None
@@ -192,8 +221,6 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
     summary = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:4].amin(dim=0),
                          torch.maximum(stats[:, 4].amax(), good_abs_max).reshape(1)])
     nan, pos_inf, neg_inf, first_bad, abs_max_finite = summary.tolist()
-    if nan + pos_inf + neg_inf == 0:
-        return None
     return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
 
 
