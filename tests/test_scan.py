@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradnan.training.scan import (SCRATCH_BYTES, NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices,
-                                   unravel)
+from gradnan.training import scan
+from gradnan.training.scan import (PACK_BELOW, SCRATCH_BYTES, NonFinite, find_nonfinite, finite_flag, locate,
+                                   nonfinite_indices, unravel)
 
 NAN = float("nan")
 INF = float("inf")
@@ -305,6 +306,90 @@ def test_locate_tensors_that_cannot_hold_nan_are_none(dtype):
 def test_locate_dtype_without_a_scan_is_a_clear_error():
     with pytest.raises(TypeError, match="no NaN/Inf scan for torch.complex64"):
         locate(torch.ones(5000, dtype=torch.complex64), chunk_elements=100)
+
+
+# --- small CPU tensors: copied into packs -----------------------------------------------------
+
+
+def found_by_definition(tensors):
+    return [(index, result) for index, result in
+            ((index, locate_by_definition(tensor)) for index, tensor in enumerate(tensors) if tensor is not None)
+            if result is not None]
+
+
+@st.composite
+def gradient_lists(draw):
+    """Gradients as optimizers hold them: None, empty, 0-dim, 1-D and 2-D (some transposed or strided),
+    views into one shared buffer among separate tensors, of every float dtype, edge values anywhere."""
+    shared = torch.zeros(64, dtype=draw(st.sampled_from(FLOAT_DTYPES)))
+    tensors = []
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["none", "empty", "scalar", "flat", "matrix", "transposed", "strided",
+                                     "view"]))
+        dtype = draw(st.sampled_from(FLOAT_DTYPES))
+        size = draw(st.integers(1, 40))
+        values = torch.tensor(draw(st.lists(st.one_of(st.sampled_from(edge_values(dtype)), st.floats(-9, 9)),
+                                            min_size=2 * size, max_size=2 * size)), dtype=dtype)
+        start = draw(st.integers(0, 32))
+        shared[start:start + size // 2] = values[:size // 2].to(shared.dtype)
+        tensors.append({"none": None, "empty": values[:0], "scalar": values[0], "flat": values[:size],
+                        "matrix": values.view(2, size), "transposed": values.view(2, size).t(),
+                        "strided": values[::2], "view": shared[start:start + size // 2 + 1]}[kind])
+    return tensors
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensors=gradient_lists(), pack_below=st.integers(1, 48), scratch_bytes=st.integers(1, 96),
+       pack_row=st.integers(1, 16))
+def test_find_nonfinite_matches_the_definition_however_tensors_are_packed(tensors, pack_below, scratch_bytes,
+                                                                         pack_row):
+    """Packs and their rows shrunk to a few elements, so the examples cross many pack and row boundaries:
+    every tensor that holds a NaN or Inf is found, with its exact statistics, and no other."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan, "PACK_BELOW", pack_below)
+        patch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
+        patch.setattr(scan, "PACK_ROW", pack_row)
+        assert find_nonfinite(tensors) == found_by_definition(tensors)
+
+
+def test_nonfinite_indices_across_packs_at_their_real_size():
+    """Tensors of 1,000 elements, more than two 4 MiB packs' worth: a NaN in the last tensor of the first
+    pack, an Inf in the first of the second, one in the last tensor of all; rows of 1,024 elements
+    straddle tensors, so the finite neighbours are cleared by the second read."""
+    per_pack = SCRATCH_BYTES // 4 // 1000
+    tensors = [torch.ones(1000) for _ in range(2 * per_pack + 10)]
+    tensors[per_pack - 1][999] = NAN
+    tensors[per_pack][0] = -INF
+    tensors[-1][500] = INF
+    assert nonfinite_indices(tensors) == [per_pack - 1, per_pack, len(tensors) - 1]
+
+
+def test_a_small_view_and_a_large_view_of_one_buffer():
+    """The small view is packed, the large one read in its span (with the small one's bytes in between):
+    each is found for what it holds, not for its neighbour's."""
+    buffer = torch.zeros(3 * PACK_BELOW)
+    small, large = buffer[PACK_BELOW:PACK_BELOW + 10], buffer[PACK_BELOW + 10:]
+    other_large = buffer[:PACK_BELOW]
+    small[3] = NAN
+    assert nonfinite_indices([large, small, other_large]) == [1]
+    large[-1] = INF
+    assert [index for index, _ in find_nonfinite([large, small, other_large])] == [0, 1]
+
+
+def test_packing_ignores_autograd():
+    """Parameters that require grad pack as gradients do (the copy is no autograd operation)."""
+    weights = [torch.ones(5, requires_grad=True), torch.tensor([1.0, NAN], requires_grad=True)]
+    assert nonfinite_indices(weights) == [1]
+
+
+def test_packs_are_bounded_by_the_scratch_not_the_list():
+    """64 MiB of small tensors: the scan's largest allocation is one scratch pack."""
+    tensors = [torch.zeros(4096) for _ in range(4096)]
+    tensors[-1][-1] = NAN
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert nonfinite_indices(tensors) == [4095]
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert SCRATCH_BYTES <= largest <= SCRATCH_BYTES + (1 << 16)
 
 
 # --- NonFinite --------------------------------------------------------------------------------

@@ -3,20 +3,26 @@
 Two levels, in the manner of ``torch.nn.utils.clip_grad``:
 - ``finite_flag`` / ``nonfinite_indices``: sums. Any NaN or Inf makes a sum non-finite, so there are no
   false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
-  Fused fast path: tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into
-  the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each; other
-  tensors (fp16/bf16 main copies, distributed-optimizer shards) by dtype and device, one
-  ``torch._foreach_norm`` call per group.
+  Tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into the DDP grad
+  buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each. Small CPU tensors
+  (below ``PACK_BELOW`` elements) are copied back to back into a reused scratch pack and summed in rows:
+  on CPU a kernel per tensor costs more than their bytes. Every other tensor (fp16/bf16 main copies,
+  distributed-optimizer shards on a GPU, large separate tensors) by dtype and device, one
+  ``torch._foreach_norm`` call per group (a fused multi-tensor kernel on CUDA).
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
-  finite values), computed only on the rows whose min or max is non-finite.
-Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), never the
-size of the input; results stay on the device until one host read per level.
-"""
+  finite values): one integer pass over the bit pattern finds the rows holding a NaN or an Inf, the
+  exact counts only for those.
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) or the
+scratch size (``SCRATCH_BYTES``), never the size of the input; results stay on the device until one host
+read per level."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from itertools import accumulate
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +30,12 @@ CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
 SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's cache
+PACK_BELOW = 1 << 15  # elements: a smaller CPU tensor is copied into a pack, a larger one read where it is
+PACK_ROW = 1024  # elements summed together in a pack: a bad row suspects the one or two tensors it overlaps
+
+# Row sums over one flat range (a span, a pack), the row length, and which positions ``[low, high)`` covers.
+_Rows = Tuple[torch.Tensor, int, Callable[[int, int], List[int]]]
+_Pack = Tuple[List[int], List[torch.Tensor], List[int]]  # positions, flat views, numels
 
 # Per float dtype: the integer type of the same width, and the bit pattern of +Inf (exponent all ones).
 _BITS = {
@@ -61,15 +73,36 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]],
-                                                               List[int]]:
+def _partition(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[Dict[torch.dtype, _Pack], List[int]]:
+    """Non-empty tensors two ways. Small CPU float tensors by dtype, as ``(positions, flat views, numels)``:
+    on CPU a kernel per tensor costs more than their bytes, so they are copied back to back and summed
+    together (``_packed``). The positions of the others: views of one storage summed as spans, the rest
+    checked one by one."""
+    packs: Dict[torch.dtype, _Pack] = {}
+    others = []
+    for index, tensor in enumerate(tensors):
+        numel = 0 if tensor is None else tensor.numel()
+        if not numel:
+            continue
+        dtype = tensor.dtype
+        if numel < PACK_BELOW and dtype in _BITS and tensor.is_cpu:
+            positions, flats, numels = packs.setdefault(dtype, ([], [], []))
+            positions.append(index)
+            flats.append(tensor if tensor.ndim == 1 else tensor.reshape(-1))
+            numels.append(numel)
+        else:
+            others.append(index)
+    return packs, others
+
+
+def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
+        List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]], List[int]]:
     """Contiguous views of one storage grouped into one flat span: ``(span, [(index, start, end)])`` with
-    offsets inside the span; and the positions of every other (non-empty) tensor, checked one by one."""
+    offsets inside the span; and the positions of every other tensor, checked one by one."""
     groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
     separate = []
-    for index, tensor in enumerate(tensors):
-        if tensor is None or tensor.numel() == 0:
-            continue
+    for index in positions:
+        tensor = tensors[index]
         if tensor.is_contiguous():
             offset = tensor.storage_offset()
             key = (tensor.data_ptr() - offset * tensor.element_size(), tensor.dtype, tensor.device)
@@ -103,26 +136,64 @@ def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> to
     return flags
 
 
+def _in_span(members: List[Tuple[int, int, int]], low: int, high: int) -> List[int]:
+    """The positions of the span's tensors that overlap its elements ``[low, high)``."""
+    return [index for index, start, end in members if start < high and end > low]
+
+
+def _in_pack(positions: List[int], ends: List[int], base: int, low: int, high: int) -> List[int]:
+    """The positions of the packed tensors that overlap the pack's elements ``[low, high)``: tensor ``i``
+    ends at ``ends[i] - base``, where tensor ``i + 1`` starts."""
+    return positions[bisect_right(ends, base + low):bisect_left(ends, base + high) + 1]
+
+
+def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int]) -> Iterator[_Rows]:
+    """Small flat tensors of one dtype copied back to back into one scratch buffer of at most
+    ``SCRATCH_BYTES`` (reused pack after pack: on CPU it stays in cache), each pack summed in rows of
+    ``PACK_ROW``."""
+    ends = list(accumulate(numels))
+    capacity = max(SCRATCH_BYTES // flats[0].element_size(), PACK_BELOW)
+    scratch = torch.empty(min(capacity, ends[-1]), dtype=flats[0].dtype)
+    first, base = 0, 0
+    while first < len(positions):
+        last = bisect_right(ends, base + capacity, lo=first)
+        pack = torch.cat(flats[first:last], out=scratch[:ends[last - 1] - base])
+        yield _row_sums(pack, PACK_ROW), PACK_ROW, partial(_in_pack, positions[first:last], ends[first:last], base)
+        first, base = last, ends[last - 1]
+
+
+def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> set:
+    """The positions named by the non-finite flags ``bad``, numbered over every row of ``rows`` in turn,
+    then one per ``separate`` tensor."""
+    row_ends = list(accumulate(len(sums) for sums, _, _ in rows))
+    suspects = set()
+    for flag in bad:
+        which = bisect_right(row_ends, flag)
+        if which == len(rows):
+            suspects.add(separate[flag - (row_ends[-1] if rows else 0)])
+            continue
+        _, length, covering = rows[which]
+        row = flag - (row_ends[which - 1] if which else 0)
+        suspects.update(covering(row * length, (row + 1) * length))
+    return suspects
+
+
+@torch.no_grad()
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read in all."""
-    shared, separate = _spans(tensors)
-    if not shared and not separate:
-        return []
+    packed, others = _partition(tensors)
+    shared, separate = _spans(tensors, others)
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
-    row_sums = [_row_sums(span, chunk) for span, _ in shared]
-    device = shared[0][0].device if shared else tensors[separate[0]].device
-    parts = [sums.to(device, torch.float32) for sums in row_sums]
-    finite_rows = torch.isfinite(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.bool, device=device)
-    flags = _separate_flags([tensors[i] for i in separate], device) if separate else finite_rows[:0]
-    finite = torch.cat([finite_rows, flags]).tolist()
-    suspects = {index for index, ok in zip(separate, finite[len(finite_rows):]) if not ok}
-    position = 0
-    for (span, members), sums in zip(shared, row_sums):
-        bad_rows = [row for row in range(len(sums)) if not finite[position + row]]
-        position += len(sums)
-        for row in bad_rows:
-            low, high = row * chunk, min((row + 1) * chunk, span.numel())
-            suspects.update(index for index, start, end in members if start < high and end > low)
+    rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members)) for span, members in shared]
+    for group in packed.values():
+        rows.extend(_packed(*group))
+    if not rows and not separate:
+        return []
+    device = rows[0][0].device if rows else tensors[separate[0]].device
+    flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
+    if separate:
+        flags.append(_separate_flags([tensors[i] for i in separate], device))
+    suspects = _suspects(torch.nonzero(~torch.cat(flags)).flatten().tolist(), rows, separate)
     if len(suspects) <= 1:
         return sorted(suspects)
     candidates = sorted(suspects)  # several tensors shared a bad row: one more read tells them apart
@@ -226,10 +297,9 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
 
 def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int, NonFinite]]:
     """``(position, NonFinite)`` for every tensor that holds a NaN or Inf, in input order."""
-    chunk = chunk_elements_for(sum(t.numel() for t in tensors if t is not None))
     found = []
-    for index in nonfinite_indices(tensors, chunk):
-        result = locate(tensors[index], chunk)
+    for index in nonfinite_indices(tensors):
+        result = locate(tensors[index])
         if result is not None:
             found.append((index, result))
     return found
