@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradnan.training import scan
-from gradnan.training.scan import (PACK_BELOW, SCRATCH_BYTES, NonFinite, find_nonfinite, finite_flag, locate,
-                                   nonfinite_indices, unravel)
+from gradnan.training.scan import (PACK_BELOW, SCRATCH_SHARE, NonFinite, find_nonfinite, finite_flag, locate,
+                                   nonfinite_indices, scratch_elements_for, unravel)
 
 NAN = float("nan")
 INF = float("inf")
@@ -278,8 +278,10 @@ def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
     """More rows than one scratch block holds: the largest magnitude sits in a finite row of a later block
     and the NaN in an earlier one; both are found."""
     chunk = 1024
-    rows_per_block = SCRATCH_BYTES // (chunk * tensor_with([], dtype).element_size())
-    tensor = torch.ones((3 * rows_per_block + 1) * chunk + 5, dtype=dtype)
+    numel = 1 << 22
+    rows_per_block = scratch_elements_for(numel, tensor_with([], dtype).element_size()) // chunk
+    assert 3 * rows_per_block + 1 < numel // chunk
+    tensor = torch.ones(numel, dtype=dtype)
     tensor[chunk + 3] = NAN
     tensor[2 * rows_per_block * chunk + 7] = -1000.0
     tensor[-1] = 250.0
@@ -287,15 +289,25 @@ def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
     assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=chunk + 3, abs_max_finite=1000.0)
 
 
-def test_locate_scratch_is_bounded_by_the_block_not_the_tensor():
-    """A tensor of 64 MiB scanned in rows of 1024 elements: the scan's temporaries stay within one scratch
-    block (and the row results), measured by the allocations torch's profiler records."""
+def largest_allocation(fn):
+    """The largest single allocation (bytes) ``fn`` makes on CPU, as torch's profiler records them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(event.cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("scratch_bytes", [None, 1 << 17])
+def test_locate_scratch_is_bounded_by_its_share_and_its_size(scratch_bytes, monkeypatch):
+    """A tensor of 64 MiB scanned in rows of 4,096 elements: no temporary over 1/128 of it (512 KiB), nor
+    over the scratch size where that is less (128 KiB here)."""
+    if scratch_bytes:
+        monkeypatch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
     tensor = torch.zeros(1 << 24)
     tensor[-1] = INF
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        assert locate(tensor, chunk_elements=1024).pos_inf == 1
-    largest = max(event.cpu_memory_usage for event in prof.events())
-    assert SCRATCH_BYTES <= largest <= SCRATCH_BYTES + (1 << 16)
+    found = []
+    largest = largest_allocation(lambda: found.append(locate(tensor, chunk_elements=4096)))
+    assert found[0].pos_inf == 1
+    assert largest == min(scratch_bytes or (1 << 26), (1 << 26) // SCRATCH_SHARE)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
@@ -348,16 +360,18 @@ def test_find_nonfinite_matches_the_definition_however_tensors_are_packed(tensor
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(scan, "PACK_BELOW", pack_below)
         patch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
+        patch.setattr(scan, "SCRATCH_SHARE", 1)
         patch.setattr(scan, "PACK_ROW", pack_row)
         assert find_nonfinite(tensors) == found_by_definition(tensors)
 
 
 def test_nonfinite_indices_across_packs_at_their_real_size():
-    """Tensors of 1,000 elements, more than two 4 MiB packs' worth: a NaN in the last tensor of the first
-    pack, an Inf in the first of the second, one in the last tensor of all; rows of 1,024 elements
-    straddle tensors, so the finite neighbours are cleared by the second read."""
-    per_pack = SCRATCH_BYTES // 4 // 1000
-    tensors = [torch.ones(1000) for _ in range(2 * per_pack + 10)]
+    """3,000 tensors of 1,000 elements, packs of 23: a NaN in the last tensor of the first pack, an Inf in
+    the first of the second, one in the last tensor of all; rows of 1,024 elements straddle tensors, so
+    the finite neighbours are cleared by the second read."""
+    per_pack = scratch_elements_for(3000 * 1000, 4) // 1000
+    assert per_pack == 23
+    tensors = [torch.ones(1000) for _ in range(3000)]
     tensors[per_pack - 1][999] = NAN
     tensors[per_pack][0] = -INF
     tensors[-1][500] = INF
@@ -383,13 +397,13 @@ def test_packing_ignores_autograd():
 
 
 def test_packs_are_bounded_by_the_scratch_not_the_list():
-    """64 MiB of small tensors: the scan's largest allocation is one scratch pack."""
+    """64 MiB of small tensors: the scan's largest allocation is one pack, 1/128 of them."""
     tensors = [torch.zeros(4096) for _ in range(4096)]
     tensors[-1][-1] = NAN
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        assert nonfinite_indices(tensors) == [4095]
-    largest = max(event.cpu_memory_usage for event in prof.events())
-    assert SCRATCH_BYTES <= largest <= SCRATCH_BYTES + (1 << 16)
+    found = []
+    largest = largest_allocation(lambda: found.append(nonfinite_indices(tensors)))
+    assert found == [[4095]]
+    assert largest == (1 << 26) // SCRATCH_SHARE
 
 
 # --- NonFinite --------------------------------------------------------------------------------

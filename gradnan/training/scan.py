@@ -5,16 +5,16 @@ Two levels, in the manner of ``torch.nn.utils.clip_grad``:
   false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
   Tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into the DDP grad
   buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each. Small CPU tensors
-  (below ``PACK_BELOW`` elements) are copied back to back into a reused scratch pack and summed in rows:
-  on CPU a kernel per tensor costs more than their bytes. Every other tensor (fp16/bf16 main copies,
-  distributed-optimizer shards on a GPU, large separate tensors) by dtype and device, one
-  ``torch._foreach_norm`` call per group (a fused multi-tensor kernel on CUDA).
+  (under ``PACK_BELOW`` elements, fewer in a small scan) are copied back to back into a reused scratch
+  pack and summed in rows: on CPU a kernel per tensor costs more than their bytes. Every other tensor
+  (fp16/bf16 main copies, distributed-optimizer shards on a GPU, large separate tensors) by dtype and
+  device, one ``torch._foreach_norm`` call per group (a fused multi-tensor kernel on CUDA).
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
   finite values): one integer pass over the bit pattern finds the rows holding a NaN or an Inf, the
   exact counts only for those.
-Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) or the
-scratch size (``SCRATCH_BYTES``), never the size of the input; results stay on the device until one host
-read per level."""
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) and the
+scratch size (``scratch_elements_for``: 4 MiB, at most 1/128 of what is scanned), never the size of the
+input; results stay on the device until one host read per level."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
 SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's cache
+SCRATCH_SHARE = 128  # and is at most 1/128 of what is scanned (the overhead target: under 1% extra memory)
 PACK_BELOW = 1 << 15  # elements: a smaller CPU tensor is copied into a pack, a larger one read where it is
 PACK_ROW = 1024  # elements summed together in a pack: a bad row suspects the one or two tensors it overlaps
 
@@ -48,6 +49,10 @@ _BITS = {
 
 def chunk_elements_for(total_elements: int) -> int:
     return min(CHUNK_MAX, max(CHUNK_MIN, total_elements // CHUNKS_PER_SCAN))
+
+
+def scratch_elements_for(scanned_elements: int, element_size: int) -> int:
+    return min(SCRATCH_BYTES // element_size, scanned_elements // SCRATCH_SHARE)
 
 
 def _sum(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -73,19 +78,19 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _partition(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[Dict[torch.dtype, _Pack], List[int]]:
-    """Non-empty tensors two ways. Small CPU float tensors by dtype, as ``(positions, flat views, numels)``:
-    on CPU a kernel per tensor costs more than their bytes, so they are copied back to back and summed
-    together (``_packed``). The positions of the others: views of one storage summed as spans, the rest
-    checked one by one."""
+def _partition(tensors: Sequence[Optional[torch.Tensor]], numels: Sequence[int],
+               pack_below: int) -> Tuple[Dict[torch.dtype, _Pack], List[int]]:
+    """Non-empty tensors two ways. CPU float tensors under ``pack_below`` elements by dtype, as
+    ``(positions, flat views, numels)``: on CPU a kernel per tensor costs more than their bytes, so they
+    are copied back to back and summed together (``_packed``). The positions of the others: views of one
+    storage summed as spans, the rest checked one by one."""
     packs: Dict[torch.dtype, _Pack] = {}
     others = []
-    for index, tensor in enumerate(tensors):
-        numel = 0 if tensor is None else tensor.numel()
+    for index, (tensor, numel) in enumerate(zip(tensors, numels)):
         if not numel:
             continue
         dtype = tensor.dtype
-        if numel < PACK_BELOW and dtype in _BITS and tensor.is_cpu:
+        if numel < pack_below and dtype in _BITS and tensor.is_cpu:
             positions, flats, numels = packs.setdefault(dtype, ([], [], []))
             positions.append(index)
             flats.append(tensor if tensor.ndim == 1 else tensor.reshape(-1))
@@ -147,12 +152,12 @@ def _in_pack(positions: List[int], ends: List[int], base: int, low: int, high: i
     return positions[bisect_right(ends, base + low):bisect_left(ends, base + high) + 1]
 
 
-def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int]) -> Iterator[_Rows]:
-    """Small flat tensors of one dtype copied back to back into one scratch buffer of at most
-    ``SCRATCH_BYTES`` (reused pack after pack: on CPU it stays in cache), each pack summed in rows of
-    ``PACK_ROW``."""
+def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int], scanned: int) -> Iterator[_Rows]:
+    """Small flat tensors of one dtype copied back to back into one scratch buffer (``scratch_elements_for``
+    the ``scanned`` elements; reused pack after pack: on CPU it stays in cache), each pack summed in rows
+    of ``PACK_ROW``. Every tensor is under ``_pack_below(scanned)`` elements, so it fits."""
     ends = list(accumulate(numels))
-    capacity = max(SCRATCH_BYTES // flats[0].element_size(), PACK_BELOW)
+    capacity = scratch_elements_for(scanned, flats[0].element_size())
     scratch = torch.empty(min(capacity, ends[-1]), dtype=flats[0].dtype)
     first, base = 0, 0
     while first < len(positions):
@@ -178,22 +183,30 @@ def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> set:
     return suspects
 
 
+def _pack_below(scanned: int) -> int:
+    """Tensors under this many elements are packed: ``PACK_BELOW``, less where the scratch is smaller."""
+    return min(PACK_BELOW, scratch_elements_for(scanned, max(dtype.itemsize for dtype in _BITS)))
+
+
 @torch.no_grad()
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read in all."""
-    packed, others = _partition(tensors)
+    numels = [0 if tensor is None else tensor.numel() for tensor in tensors]
+    scanned = sum(numels)
+    packed, others = _partition(tensors, numels, _pack_below(scanned))
     shared, separate = _spans(tensors, others)
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
     rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members)) for span, members in shared]
     for group in packed.values():
-        rows.extend(_packed(*group))
+        rows.extend(_packed(*group, scanned))
     if not rows and not separate:
         return []
     device = rows[0][0].device if rows else tensors[separate[0]].device
     flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
     if separate:
         flags.append(_separate_flags([tensors[i] for i in separate], device))
-    suspects = _suspects(torch.nonzero(~torch.cat(flags)).flatten().tolist(), rows, separate)
+    bad = torch.nonzero(~torch.cat(flags).cpu()).flatten().tolist()  # the flags read once, then found here
+    suspects = _suspects(bad, rows, separate)
     if len(suspects) <= 1:
         return sorted(suspects)
     candidates = sorted(suspects)  # several tensors shared a bad row: one more read tells them apart
@@ -250,10 +263,10 @@ def _abs_bits_row_maxima(flat: torch.Tensor, chunk: int) -> torch.Tensor:
 
     The sign bit cleared, IEEE floats order as integers do: a row holds a NaN or an Inf exactly when its
     maximum is at least +Inf's pattern, and a finite row's maximum is the pattern of its largest magnitude.
-    The cleared bits go to a scratch buffer of whole rows, at most ``SCRATCH_BYTES`` (one row when a row is
-    larger), reused block after block: it stays in cache on CPU and never grows with the tensor."""
+    The cleared bits go to a scratch buffer of whole rows, at most ``scratch_elements_for`` the tensor (one
+    row when a row is larger), reused block after block: it stays in cache on CPU and never grows with the tensor."""
     bits = flat.view(_BITS[flat.dtype][0])
-    rows_per_block = max(1, SCRATCH_BYTES // (chunk * flat.element_size()))
+    rows_per_block = max(1, scratch_elements_for(flat.numel(), flat.element_size()) // chunk)
     scratch = torch.empty(min(rows_per_block * chunk, flat.numel()), dtype=bits.dtype, device=bits.device)
     sign_cleared = torch.iinfo(bits.dtype).max
     maxima = []
