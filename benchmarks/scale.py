@@ -185,7 +185,8 @@ def main(argv: List[str] = None) -> None:
             print(f"\n## a map of {args.tensors} tensors (medians of {args.reps})\n")
             print(table([map_figures(args.tensors, args.reps, root)]), flush=True)
         if "scan" in parts:
-            print(f"\n## failing-path scan over separate tensors vs one pass over the same bytes (medians of {args.reps})\n")
+            print("\n## failing-path scan over separate tensors vs one pass over the same bytes"
+                  f" (medians of {args.reps})\n")
             shapes = [shape.split("x") for shape in args.scan_shapes.split(",")]
             print(table([scan_figures(int(count), int(numel), args.reps) for count, numel in shapes]), flush=True)
         if "locate" in parts:

@@ -68,7 +68,11 @@ def test_maps_of_one_rank_read_one_table(large_job):
     """Choosing a rank sees every map without its table; only the chosen one is read whole."""
     run_dir, origin, _ = large_job
     seen = []
-    chosen = read_maps(run_dir, lambda header: seen.append(header) or header["rank"]["global_rank"] == origin)
+    def wanted(header):
+        seen.append(header)
+        return header["rank"]["global_rank"] == origin
+
+    chosen = read_maps(run_dir, wanted)
     assert len(seen) == WORLD and not any("params" in header for header in seen)
     [document] = chosen
     assert document["rank"]["global_rank"] == origin and len(document["params"]) == document["params_count"] > 0

@@ -92,10 +92,10 @@ def _partition(tensors: Sequence[Optional[torch.Tensor]], numels: Sequence[int],
             continue
         dtype = tensor.dtype
         if numel < pack_below and dtype in _BITS and tensor.is_cpu:
-            positions, flats, numels = packs.setdefault(dtype, ([], [], []))
+            positions, flats, sizes = packs.setdefault(dtype, ([], [], []))
             positions.append(index)
             flats.append(tensor if tensor.ndim == 1 else tensor.reshape(-1))
-            numels.append(numel)
+            sizes.append(numel)
         else:
             others.append(index)
     return packs, others
@@ -138,10 +138,8 @@ def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> to
     flags = torch.empty(len(tensors), dtype=torch.bool, device=device)
     for (dtype, where), positions in groups.items():
         group = [tensors[p] for p in positions]
-        if where.type == "cpu":
-            values = [_sum(tensor) for tensor in group]
-        else:
-            values = torch._foreach_norm(group, 1, dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else None)
+        wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        values = [_sum(tensor) for tensor in group] if where.type == "cpu" else torch._foreach_norm(group, 1, dtype=wider)
         flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(values)).to(device)
     return flags
 
@@ -269,7 +267,8 @@ def _abs_bits_row_maxima(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     The sign bit cleared, IEEE floats order as integers do: a row holds a NaN or an Inf exactly when its
     maximum is at least +Inf's pattern, and a finite row's maximum is the pattern of its largest magnitude.
     The cleared bits go to a scratch buffer of whole rows, at most ``scratch_elements_for`` the tensor (one
-    row when a row is larger), reused block after block: it stays in cache on CPU and never grows with the tensor."""
+    row when a row is larger), reused block after block: it stays in cache on CPU and never grows with the
+    tensor."""
     bits = flat.view(_BITS[flat.dtype][0])
     rows_per_block = max(1, scratch_elements_for(flat.numel(), flat.element_size()) // chunk)
     scratch = torch.empty(min(rows_per_block * chunk, flat.numel()), dtype=bits.dtype, device=bits.device)
