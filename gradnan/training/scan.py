@@ -139,7 +139,8 @@ def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> to
     for (dtype, where), positions in groups.items():
         group = [tensors[p] for p in positions]
         wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-        values = [_sum(tensor) for tensor in group] if where.type == "cpu" else torch._foreach_norm(group, 1, dtype=wider)
+        on_cpu = where.type == "cpu"
+        values = [_sum(tensor) for tensor in group] if on_cpu else torch._foreach_norm(group, 1, dtype=wider)
         flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(values)).to(device)
     return flags
 
