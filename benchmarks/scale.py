@@ -1,19 +1,23 @@
-"""gradnan at real scale: the report over thousands of ranks, maps of 50,000 tensors, the failing-path scan.
+"""gradnan at real scale: the report and maps over thousands of ranks, maps of 50,000 tensors, the scans.
 
     python benchmarks/scale.py                        # 64, 512, 4096 ranks (about 3 minutes on 2 cores)
     python benchmarks/scale.py --ranks 64,512,4096,16384 --records-mb 200
+    python benchmarks/scale.py --parts scan,locate --reps 9    # the scans only (under a minute)
 
-1. ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own writers
-   (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one origin):
-   CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether the
-   origin is the first rank it names, and the text of the largest; then one rank
-   whose records file holds ``--records-mb`` MB. Each run directory is deleted after it is measured.
-2. A map of 50,000 tensors: building the slots (``param_slots`` over a torch optimizer and a model named
-   as an MoE model is, 100 layers) and ``maps.to_json`` + ``maps.write``, as the training side does at the
-   first step; and ``param_slots`` again for the same optimizer, as at a later failing step.
-3. The failing-path scan over 50,000 separate tensors (``find_nonfinite``, one NaN) against the floor:
-   one pass (a sum) over the same bytes as one flat tensor; and ``locate`` over one large tensor against
-   the same floor, in fp32 and bf16. Medians of ``--reps`` and their ratios.
+1. ``runs``: ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own
+   writers (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one
+   origin): CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether
+   the origin is the first rank it names, and the text of the largest; ``gradnan maps`` on the same
+   directory as the report sends a user to it (the origin's whole map with ``--rank``; one parameter with
+   ``--rank --id``), CPU time and peak RSS; then one rank whose records file holds ``--records-mb`` MB.
+   Each run directory is deleted after it is measured.
+2. ``map``: a map of 50,000 tensors: building the slots (``param_slots`` over a torch optimizer and a
+   model named as an MoE model is, 100 layers) and ``maps.to_json`` + ``maps.write``, as the training side
+   does at the first step; and ``param_slots`` again for the same optimizer, as at a later failing step.
+3. ``scan``: the failing-path scan over separate tensors (``find_nonfinite``, one NaN; 50,000 of 1,000
+   elements and 5,000 of 10,000) against the floor: one pass (a sum) over the same bytes as one flat
+   tensor. ``locate``: over one large tensor against the same floor, in fp32, bf16, fp16 and fp64. Medians
+   of ``--reps`` and their ratios, one thread (``torch.set_num_threads(1)``) for both sides.
 """
 
 from __future__ import annotations
@@ -32,24 +36,37 @@ from typing import Callable, Dict, List
 import torch
 
 from gradnan.formats import maps
-from gradnan.testing.synthetic import TorchOptimizer, many_tensor_model, write_long_records, write_run_dir
+from gradnan.testing.synthetic import (TorchOptimizer, coords_of, many_tensor_model, stage_slots, write_long_records,
+                                       write_run_dir)
 from gradnan.training.megatron.optimizer_params import param_slots
 from gradnan.training.scan import find_nonfinite, locate
 
 
-def measure_report(run_dir: Path) -> Dict[str, float]:
-    """``gradnan report RUN_DIR`` in its own process: CPU seconds, peak RSS (MB), lines of text."""
+def measure_command(*args: str) -> Dict[str, float]:
+    """``gradnan ARGS`` in its own process: CPU seconds, peak RSS (MB), lines of text."""
     with tempfile.TemporaryFile() as output:
-        process = subprocess.Popen([sys.executable, "-m", "gradnan", "report", str(run_dir)], stdout=output,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen([sys.executable, "-m", "gradnan", *args], stdout=output, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
         output.seek(0)
         text = output.read().decode()
     if process.returncode != 0:
-        raise SystemExit(f"gradnan report {run_dir} failed ({process.returncode}): {text[-500:]}")
+        raise SystemExit(f"gradnan {' '.join(args)} failed ({process.returncode}): {text[-500:]}")
     return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
             "lines": len(text.splitlines()), "text": text}
+
+
+def measure_report(run_dir: Path) -> Dict[str, float]:
+    return measure_command("report", str(run_dir))
+
+
+def measure_maps(run_dir: Path, origin: int, world_size: int) -> Dict[str, float]:
+    """``gradnan maps`` as the report sends a user to it: one rank's whole map, and one id on that rank."""
+    param_id = stage_slots(coords_of(origin, world_size)["pp"])[-1].id
+    rank = measure_command("maps", str(run_dir), "--rank", str(origin))
+    one = measure_command("maps", str(run_dir), "--rank", str(origin), "--id", str(param_id))
+    return {"maps_rank_cpu_s": rank["cpu_s"], "maps_rank_peak_mb": rank["peak_mb"], "maps_rank_lines": rank["lines"],
+            "maps_id_cpu_s": one["cpu_s"], "maps_id_peak_mb": one["peak_mb"]}
 
 
 def names_the_origin(text: str, origin: int) -> bool:
@@ -67,7 +84,7 @@ def report_at(root: Path, world_size: int) -> Dict[str, float]:
     try:
         figures = measure_report(run_dir)
         return {"ranks": world_size, "write_s": written, **figures,
-                "origin_named": names_the_origin(figures["text"], origin)}
+                "origin_named": names_the_origin(figures["text"], origin), **measure_maps(run_dir, origin, world_size)}
     finally:
         shutil.rmtree(run_dir)
 
@@ -136,32 +153,46 @@ def table(rows: List[Dict[str, float]]) -> str:
                                                                                   for c in cells])
 
 
+PARTS = ("runs", "map", "scan", "locate")
+
+
 def main(argv: List[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS), help="which of %(default)s to measure")
     parser.add_argument("--ranks", default="64,512,4096", help="world sizes, comma-separated")
     parser.add_argument("--records-mb", type=int, default=200, help="size of the one long records file (0: skip)")
-    parser.add_argument("--tensors", type=int, default=50_000)
-    parser.add_argument("--scan-numel", type=int, default=1_000, help="elements of each separate tensor")
+    parser.add_argument("--tensors", type=int, default=50_000, help="tensors in the map")
+    parser.add_argument("--scan-shapes", default="50000x1000,5000x10000",
+                        help="separate tensors x elements of each, comma-separated (default: %(default)s)")
     parser.add_argument("--locate-numel", type=int, default=100_000_000)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts: choose from {','.join(PARTS)}")
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="gradnan_scale_"))
     try:
-        print("## gradnan report over synthetic run directories\n")
-        reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
-        print(table(reports), flush=True)
-        print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)
-        if args.records_mb:
-            print("\n## one rank's long records file\n")
-            print(table([report_long_records(root, args.records_mb)]), flush=True)
-        print(f"\n## a map of {args.tensors} tensors (medians of {args.reps})\n")
-        print(table([map_figures(args.tensors, args.reps, root)]), flush=True)
-        print(f"\n## failing-path scan over {args.tensors} separate tensors vs one pass over the same bytes\n")
-        print(table([scan_figures(args.tensors, args.scan_numel, args.reps)]), flush=True)
-        print("\n## locate over one large tensor vs one pass over it\n")
-        print(table([locate_figures(args.locate_numel, dtype, args.reps)
-                     for dtype in (torch.float32, torch.bfloat16)]))
+        if "runs" in parts:
+            print("## gradnan report and gradnan maps over synthetic run directories\n")
+            reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
+            print(table(reports), flush=True)
+            print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)
+            if args.records_mb:
+                print("\n## one rank's long records file\n")
+                print(table([report_long_records(root, args.records_mb)]), flush=True)
+        if "map" in parts:
+            print(f"\n## a map of {args.tensors} tensors (medians of {args.reps})\n")
+            print(table([map_figures(args.tensors, args.reps, root)]), flush=True)
+        if "scan" in parts:
+            print("\n## failing-path scan over separate tensors vs one pass over the same bytes"
+                  f" (medians of {args.reps})\n")
+            shapes = [shape.split("x") for shape in args.scan_shapes.split(",")]
+            print(table([scan_figures(int(count), int(numel), args.reps) for count, numel in shapes]), flush=True)
+        if "locate" in parts:
+            print(f"\n## locate over one large tensor vs one pass over it (medians of {args.reps})\n")
+            print(table([locate_figures(args.locate_numel, dtype, args.reps)
+                         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

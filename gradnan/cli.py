@@ -14,7 +14,7 @@ from . import selftest
 from .commandline import OneLineParser, bad_input, positive, say
 from .errors import GradnanError, InputError
 from .offline.frames_view import format_frames
-from .offline.read import read_run
+from .offline.read import read_maps, read_run
 from .offline.report import build_report, format_text
 
 
@@ -64,8 +64,7 @@ def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
 
 
 def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    files = read_run(args.run_dir)
-    documents = [doc for doc in files.maps.values() if args.rank is None or _matches_rank(doc["rank"], args.rank)]
+    documents = read_maps(args.run_dir, lambda header: args.rank is None or _matches_rank(header["rank"], args.rank))
     if not documents:
         raise InputError(f"{args.run_dir}: no map for rank {args.rank!r}")
     rows = []

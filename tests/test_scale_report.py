@@ -1,5 +1,6 @@
-"""The report of a large job fits one screen: a synthetic run directory of 512 ranks (TP=8, PP=8, DP=8),
-written with the kit's own writers. benchmarks/scale.py shows 4,096 and 16,384 ranks."""
+"""The report of a large job fits one screen, and ``gradnan maps`` reads one rank's table: a synthetic run
+directory of 512 ranks (TP=8, PP=8, DP=8), written with the kit's own writers. benchmarks/scale.py shows
+4,096 and 16,384 ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from gradnan.cli import main
 from gradnan.offline.plot import MAX_RANKS, incident_grid
-from gradnan.offline.read import read_run
+from gradnan.offline.read import read_maps, read_run
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
@@ -53,6 +54,28 @@ def test_the_table_and_the_plot_are_centred_on_the_origin(large_job):
     peers = {rank for rank in range(WORLD) if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
     assert len(peers & set(ranks)) == MAX_RANKS - 1 - len(holders), "the other columns: its model-parallel peers"
     assert any(2 in row for row in grid) and any(1 in row for row in grid), "origin and received cells drawn"
+
+
+def test_maps_looks_up_the_reported_parameter(large_job, capsys):
+    """What the report sends a user to: ``gradnan maps RUN --rank ORIGIN --id N`` prints that parameter."""
+    run_dir, origin, report = large_job
+    [offender, *_] = report["incident"]["origin"][0]["params"]
+    assert main(["maps", str(run_dir), "--rank", str(origin), "--id", str(offender["id"])]) == 0
+    assert capsys.readouterr().out.startswith(f"rank {origin} id {offender['id']}: {offender['name']} ")
+
+
+def test_maps_of_one_rank_read_one_table(large_job):
+    """Choosing a rank sees every map without its table; only the chosen one is read whole."""
+    run_dir, origin, _ = large_job
+    seen = []
+    def wanted(header):
+        seen.append(header)
+        return header["rank"]["global_rank"] == origin
+
+    chosen = read_maps(run_dir, wanted)
+    assert len(seen) == WORLD and not any("params" in header for header in seen)
+    [document] = chosen
+    assert document["rank"]["global_rank"] == origin and len(document["params"]) == document["params_count"] > 0
 
 
 @pytest.mark.parametrize("ranks, text", [

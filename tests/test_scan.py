@@ -7,8 +7,12 @@ import math
 import numpy
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gradnan.training.scan import NonFinite, find_nonfinite, finite_flag, locate, nonfinite_indices, unravel
+from gradnan.training import scan
+from gradnan.training.scan import (PACK_BELOW, SCRATCH_SHARE, NonFinite, find_nonfinite, finite_flag, locate,
+                                   nonfinite_indices, scratch_elements_for, unravel)
 
 NAN = float("nan")
 INF = float("inf")
@@ -209,6 +213,197 @@ def test_locate_does_not_modify_input_or_track_grad():
     locate(tensor)
     assert torch.equal(tensor.detach().isnan(), before.isnan())
     assert tensor.grad is None
+
+
+def locate_by_definition(tensor):
+    """What ``locate`` must return, elementwise and in float64: the reference for the properties below."""
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    bad = ~torch.isfinite(flat)
+    if not bad.any():
+        return None
+    finite = flat[~bad].abs()
+    return NonFinite(nan=int(flat.isnan().sum()), pos_inf=int(flat.isposinf().sum()),
+                     neg_inf=int(flat.isneginf().sum()), first_bad=int(bad.nonzero()[0]),
+                     abs_max_finite=float(finite.max()) if finite.numel() else 0.0)
+
+
+def edge_values(dtype):
+    """NaN, both infinities, both zeros, the largest finite values, the smallest normal and subnormal ones."""
+    info = torch.finfo(dtype)
+    return [NAN, INF, -INF, 0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal / 4,
+            -info.smallest_normal / 4, 1.0, -2.5]
+
+
+@st.composite
+def tensors_with_edge_values(draw):
+    """A 1-D tensor of one float dtype: edge values at drawn places among ordinary ones, possibly strided."""
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    size = draw(st.integers(1, 300))
+    values = draw(st.lists(st.one_of(st.sampled_from(edge_values(dtype)), st.floats(-100, 100)),
+                           min_size=size, max_size=size))
+    tensor = tensor_with(values, dtype)
+    return tensor[::2] if draw(st.booleans()) else tensor
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor=tensors_with_edge_values(), chunk_elements=st.integers(1, 64))
+def test_locate_matches_the_definition_for_every_dtype_and_chunk(tensor, chunk_elements):
+    assert locate(tensor, chunk_elements=chunk_elements) == locate_by_definition(tensor)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_locate_tells_a_nonfinite_value_from_the_largest_finite_one(dtype, bad):
+    """The largest finite magnitude's bit pattern is one below +Inf's: a row holding only it is finite and
+    reports it; a row holding the bad value is the one examined."""
+    largest = torch.finfo(dtype).max
+    values = [1.0] * 12
+    values[2], values[5], values[9] = -largest, largest, bad
+    result = locate(tensor_with(values, dtype), chunk_elements=4)
+    assert (result.nan + result.inf, result.first_bad, result.abs_max_finite) == (1, 9, largest)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_abs_max_of_negative_zero_and_subnormals(dtype):
+    """-0.0 is a magnitude of 0, a subnormal a magnitude above 0: their sign bits do not count."""
+    subnormal = torch.finfo(dtype).smallest_normal / 4
+    values = [-0.0] * 8 + [-subnormal, 0.0, subnormal / 2, NAN]
+    result = locate(tensor_with(values, dtype), chunk_elements=4)
+    assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=11, abs_max_finite=subnormal)
+    assert result.abs_max_finite > 0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
+    """More rows than one scratch block holds: the largest magnitude sits in a finite row of a later block
+    and the NaN in an earlier one; both are found."""
+    chunk = 1024
+    numel = 1 << 22
+    rows_per_block = scratch_elements_for(numel, tensor_with([], dtype).element_size()) // chunk
+    assert 3 * rows_per_block + 1 < numel // chunk
+    tensor = torch.ones(numel, dtype=dtype)
+    tensor[chunk + 3] = NAN
+    tensor[2 * rows_per_block * chunk + 7] = -1000.0
+    tensor[-1] = 250.0
+    result = locate(tensor, chunk_elements=chunk)
+    assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=chunk + 3, abs_max_finite=1000.0)
+
+
+def largest_allocation(fn):
+    """The largest single allocation (bytes) ``fn`` makes on CPU, as torch's profiler records them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(event.cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("scratch_bytes", [None, 1 << 17])
+def test_locate_scratch_is_bounded_by_its_share_and_its_size(scratch_bytes, monkeypatch):
+    """A tensor of 64 MiB scanned in rows of 4,096 elements: no temporary over 1/128 of it (512 KiB), nor
+    over the scratch size where that is less (128 KiB here)."""
+    if scratch_bytes:
+        monkeypatch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
+    tensor = torch.zeros(1 << 24)
+    tensor[-1] = INF
+    found = []
+    largest = largest_allocation(lambda: found.append(locate(tensor, chunk_elements=4096)))
+    assert found[0].pos_inf == 1
+    assert largest == min(scratch_bytes or (1 << 26), (1 << 26) // SCRATCH_SHARE)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_locate_tensors_that_cannot_hold_nan_are_none(dtype):
+    assert locate(torch.ones(5000, dtype=dtype), chunk_elements=100) is None
+
+
+def test_locate_dtype_without_a_scan_is_a_clear_error():
+    with pytest.raises(TypeError, match="no NaN/Inf scan for torch.complex64"):
+        locate(torch.ones(5000, dtype=torch.complex64), chunk_elements=100)
+
+
+# --- small CPU tensors: copied into packs -----------------------------------------------------
+
+
+def found_by_definition(tensors):
+    return [(index, result) for index, result in
+            ((index, locate_by_definition(tensor)) for index, tensor in enumerate(tensors) if tensor is not None)
+            if result is not None]
+
+
+@st.composite
+def gradient_lists(draw):
+    """Gradients as optimizers hold them: None, empty, 0-dim, 1-D and 2-D (some transposed or strided),
+    views into one shared buffer among separate tensors, of every float dtype, edge values anywhere."""
+    shared = torch.zeros(64, dtype=draw(st.sampled_from(FLOAT_DTYPES)))
+    tensors = []
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["none", "empty", "scalar", "flat", "matrix", "transposed", "strided",
+                                     "view"]))
+        dtype = draw(st.sampled_from(FLOAT_DTYPES))
+        size = draw(st.integers(1, 40))
+        values = torch.tensor(draw(st.lists(st.one_of(st.sampled_from(edge_values(dtype)), st.floats(-9, 9)),
+                                            min_size=2 * size, max_size=2 * size)), dtype=dtype)
+        start = draw(st.integers(0, 32))
+        shared[start:start + size // 2] = values[:size // 2].to(shared.dtype)
+        tensors.append({"none": None, "empty": values[:0], "scalar": values[0], "flat": values[:size],
+                        "matrix": values.view(2, size), "transposed": values.view(2, size).t(),
+                        "strided": values[::2], "view": shared[start:start + size // 2 + 1]}[kind])
+    return tensors
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensors=gradient_lists(), pack_below=st.integers(1, 48), scratch_bytes=st.integers(1, 96),
+       pack_row=st.integers(1, 16))
+def test_find_nonfinite_matches_the_definition_however_tensors_are_packed(tensors, pack_below, scratch_bytes,
+                                                                         pack_row):
+    """Packs and their rows shrunk to a few elements, so the examples cross many pack and row boundaries:
+    every tensor that holds a NaN or Inf is found, with its exact statistics, and no other."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan, "PACK_BELOW", pack_below)
+        patch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
+        patch.setattr(scan, "SCRATCH_SHARE", 1)
+        patch.setattr(scan, "PACK_ROW", pack_row)
+        assert find_nonfinite(tensors) == found_by_definition(tensors)
+
+
+def test_nonfinite_indices_across_packs_at_their_real_size():
+    """3,000 tensors of 1,000 elements, packs of 23: a NaN in the last tensor of the first pack, an Inf in
+    the first of the second, one in the last tensor of all; rows of 1,024 elements straddle tensors, so
+    the finite neighbours are cleared by the second read."""
+    per_pack = scratch_elements_for(3000 * 1000, 4) // 1000
+    assert per_pack == 23
+    tensors = [torch.ones(1000) for _ in range(3000)]
+    tensors[per_pack - 1][999] = NAN
+    tensors[per_pack][0] = -INF
+    tensors[-1][500] = INF
+    assert nonfinite_indices(tensors) == [per_pack - 1, per_pack, len(tensors) - 1]
+
+
+def test_a_small_view_and_a_large_view_of_one_buffer():
+    """The small view is packed, the large one read in its span (with the small one's bytes in between):
+    each is found for what it holds, not for its neighbour's."""
+    buffer = torch.zeros(3 * PACK_BELOW)
+    small, large = buffer[PACK_BELOW:PACK_BELOW + 10], buffer[PACK_BELOW + 10:]
+    other_large = buffer[:PACK_BELOW]
+    small[3] = NAN
+    assert nonfinite_indices([large, small, other_large]) == [1]
+    large[-1] = INF
+    assert [index for index, _ in find_nonfinite([large, small, other_large])] == [0, 1]
+
+
+def test_packing_ignores_autograd():
+    """Parameters that require grad pack as gradients do (the copy is no autograd operation)."""
+    weights = [torch.ones(5, requires_grad=True), torch.tensor([1.0, NAN], requires_grad=True)]
+    assert nonfinite_indices(weights) == [1]
+
+
+def test_packs_are_bounded_by_the_scratch_not_the_list():
+    """64 MiB of small tensors: the scan's largest allocation is one pack, 1/128 of them."""
+    tensors = [torch.zeros(4096) for _ in range(4096)]
+    tensors[-1][-1] = NAN
+    found = []
+    largest = largest_allocation(lambda: found.append(nonfinite_indices(tensors)))
+    assert found == [[4095]]
+    assert largest == (1 << 26) // SCRATCH_SHARE
 
 
 # --- NonFinite --------------------------------------------------------------------------------

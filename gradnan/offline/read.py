@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from ..errors import InputError
 from ..formats import bundle, maps, records, selftest
@@ -77,8 +77,9 @@ def _bundle_manifests(run_dir: Path, problems: List[str]) -> List[Path]:
             for bundle in _listed(rank, "", problems) if (bundle / MANIFEST).exists()]
 
 
-def read_run(run_dir: Path, params: bool = True) -> RunFiles:
-    run_dir = Path(run_dir)
+def _listing(run_dir: Path) -> Tuple[List[Path], List[Path], List[Path], List[str]]:
+    """The map, records and self-test files of a run directory, and what could not be listed; InputError
+    for a directory that is missing or holds none of them."""
     if not run_dir.exists():
         raise InputError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
@@ -92,6 +93,26 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     if not map_files and not record_files and not selftest_files:
         raise InputError(f"{run_dir}: no gradnan maps or records here (expected {MAPS_DIR}/ and"
                          f" {RECORDS_DIR}/ as written by gradnan.install(out_dir=...))")
+    return map_files, record_files, selftest_files, listing
+
+
+def read_maps(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool]) -> List[Dict[str, Any]]:
+    """The whole maps of the ranks ``wanted`` accepts, given a map without its parameters (its ``rank``):
+    every map is read for that (a version 2 table is not parsed), the chosen ones again whole, so one
+    rank of 16,000 costs one table. A map that cannot be read is left out, as ``read_run`` leaves it."""
+    chosen = []
+    for path in _listing(Path(run_dir))[0]:
+        try:
+            if wanted(maps.load(path, params=False)):
+                chosen.append(maps.load(path))
+        except InputError:
+            continue
+    return chosen
+
+
+def read_run(run_dir: Path, params: bool = True) -> RunFiles:
+    run_dir = Path(run_dir)
+    map_files, record_files, selftest_files, listing = _listing(run_dir)
     files = RunFiles(run_dir, problems=listing)
     for path in map_files:
         try:

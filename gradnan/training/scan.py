@@ -3,30 +3,57 @@
 Two levels, in the manner of ``torch.nn.utils.clip_grad``:
 - ``finite_flag`` / ``nonfinite_indices``: sums. Any NaN or Inf makes a sum non-finite, so there are no
   false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
-  Fused fast path: tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into
-  the DDP grad buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each; other
-  tensors (fp16/bf16 main copies, distributed-optimizer shards) by dtype and device, one
-  ``torch._foreach_norm`` call per group.
+  Tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into the DDP grad
+  buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each. Small CPU tensors
+  (under ``PACK_BELOW`` elements, fewer in a small scan) are copied back to back into a reused scratch
+  pack and summed in rows: on CPU a kernel per tensor costs more than their bytes. Every other tensor
+  (fp16/bf16 main copies, distributed-optimizer shards on a GPU, large separate tensors) by dtype and
+  device: one ``torch._foreach_norm`` call per group on CUDA (a fused multi-tensor kernel), a sum each
+  on CPU.
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
-  finite values), computed only on the rows whose min or max is non-finite.
-Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), never the
-size of the input; results stay on the device until one host read per level.
-"""
+  finite values): one integer pass over the bit pattern finds the rows holding a NaN or an Inf, the
+  exact counts only for those.
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) and the
+scratch size (``scratch_elements_for``: 4 MiB, at most 1/128 of what is scanned), never the size of the
+input; results stay on the device until one host read per level."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from itertools import accumulate
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
+SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's cache
+SCRATCH_SHARE = 128  # and is at most 1/128 of what is scanned (the overhead target: under 1% extra memory)
+PACK_BELOW = 1 << 15  # elements: a smaller CPU tensor is copied into a pack, a larger one read where it is
+PACK_ROW = 1024  # elements summed together in a pack: a bad row suspects the one or two tensors it overlaps
+
+# Row sums over one flat range (a span, a pack), the row length, and which positions ``[low, high)`` covers.
+_Rows = Tuple[torch.Tensor, int, Callable[[int, int], List[int]]]
+_Pack = Tuple[List[int], List[torch.Tensor], List[int]]  # positions, flat views, numels
+
+# Per float dtype: the integer type of the same width, and the bit pattern of +Inf (exponent all ones).
+_BITS = {
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000),
+    torch.float32: (torch.int32, 0x7F80_0000),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+}
 
 
 def chunk_elements_for(total_elements: int) -> int:
     return min(CHUNK_MAX, max(CHUNK_MIN, total_elements // CHUNKS_PER_SCAN))
+
+
+def scratch_elements_for(scanned_elements: int, element_size: int) -> int:
+    return min(SCRATCH_BYTES // element_size, scanned_elements // SCRATCH_SHARE)
 
 
 def _sum(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -52,15 +79,36 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]],
-                                                               List[int]]:
+def _partition(tensors: Sequence[Optional[torch.Tensor]], numels: Sequence[int],
+               pack_below: int) -> Tuple[Dict[torch.dtype, _Pack], List[int]]:
+    """Non-empty tensors two ways. CPU float tensors under ``pack_below`` elements by dtype, as
+    ``(positions, flat views, numels)``: on CPU a kernel per tensor costs more than their bytes, so they
+    are copied back to back and summed together (``_packed``). The positions of the others: views of one
+    storage summed as spans, the rest checked one by one."""
+    packs: Dict[torch.dtype, _Pack] = {}
+    others = []
+    for index, (tensor, numel) in enumerate(zip(tensors, numels)):
+        if not numel:
+            continue
+        dtype = tensor.dtype
+        if numel < pack_below and dtype in _BITS and tensor.is_cpu:
+            positions, flats, sizes = packs.setdefault(dtype, ([], [], []))
+            positions.append(index)
+            flats.append(tensor if tensor.ndim == 1 else tensor.reshape(-1))
+            sizes.append(numel)
+        else:
+            others.append(index)
+    return packs, others
+
+
+def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
+        List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]], List[int]]:
     """Contiguous views of one storage grouped into one flat span: ``(span, [(index, start, end)])`` with
-    offsets inside the span; and the positions of every other (non-empty) tensor, checked one by one."""
+    offsets inside the span; and the positions of every other tensor, checked one by one."""
     groups: Dict[tuple, List[Tuple[int, int, int]]] = {}
     separate = []
-    for index, tensor in enumerate(tensors):
-        if tensor is None or tensor.numel() == 0:
-            continue
+    for index in positions:
+        tensor = tensors[index]
         if tensor.is_contiguous():
             offset = tensor.storage_offset()
             key = (tensor.data_ptr() - offset * tensor.element_size(), tensor.dtype, tensor.device)
@@ -81,39 +129,88 @@ def _spans(tensors: Sequence[Optional[torch.Tensor]]) -> Tuple[List[Tuple[torch.
 
 
 def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One finite flag per tensor, grouped by dtype and device: an L1 norm each (fp16/bf16 accumulated in fp32), by
-    ``torch._foreach_norm`` (one fused pass over a group on CUDA; one call, not a Python loop, on CPU)."""
+    """One finite flag per tensor, grouped by dtype and device. On CUDA an L1 norm each (fp16/bf16
+    accumulated in fp32) by ``torch._foreach_norm``, one fused pass over a group; on CPU, where that is one
+    norm kernel per tensor (4x slower than a sum), a sum each."""
     groups: Dict[tuple, List[int]] = {}
     for position, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(position)
     flags = torch.empty(len(tensors), dtype=torch.bool, device=device)
-    for (dtype, _), positions in groups.items():
+    for (dtype, where), positions in groups.items():
+        group = [tensors[p] for p in positions]
         wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-        norms = torch._foreach_norm([tensors[p] for p in positions], 1, dtype=wider)
-        flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(norms)).to(device)
+        on_cpu = where.type == "cpu"
+        values = [_sum(tensor) for tensor in group] if on_cpu else torch._foreach_norm(group, 1, dtype=wider)
+        flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(values)).to(device)
     return flags
 
 
+def _in_span(members: List[Tuple[int, int, int]], low: int, high: int) -> List[int]:
+    """The positions of the span's tensors that overlap its elements ``[low, high)``."""
+    return [index for index, start, end in members if start < high and end > low]
+
+
+def _in_pack(positions: List[int], ends: List[int], base: int, low: int, high: int) -> List[int]:
+    """The positions of the packed tensors that overlap the pack's elements ``[low, high)``: tensor ``i``
+    ends at ``ends[i] - base``, where tensor ``i + 1`` starts."""
+    return positions[bisect_right(ends, base + low):bisect_left(ends, base + high) + 1]
+
+
+def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int], scanned: int) -> Iterator[_Rows]:
+    """Small flat tensors of one dtype copied back to back into one scratch buffer (``scratch_elements_for``
+    the ``scanned`` elements; reused pack after pack: on CPU it stays in cache), each pack summed in rows
+    of ``PACK_ROW``. Every tensor is under ``_pack_below(scanned)`` elements, so it fits."""
+    ends = list(accumulate(numels))
+    capacity = scratch_elements_for(scanned, flats[0].element_size())
+    scratch = torch.empty(min(capacity, ends[-1]), dtype=flats[0].dtype)
+    first, base = 0, 0
+    while first < len(positions):
+        last = bisect_right(ends, base + capacity, lo=first)
+        pack = torch.cat(flats[first:last], out=scratch[:ends[last - 1] - base])
+        yield _row_sums(pack, PACK_ROW), PACK_ROW, partial(_in_pack, positions[first:last], ends[first:last], base)
+        first, base = last, ends[last - 1]
+
+
+def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> set:
+    """The positions named by the non-finite flags ``bad``, numbered over every row of ``rows`` in turn,
+    then one per ``separate`` tensor."""
+    row_ends = list(accumulate(len(sums) for sums, _, _ in rows))
+    suspects = set()
+    for flag in bad:
+        which = bisect_right(row_ends, flag)
+        if which == len(rows):
+            suspects.add(separate[flag - (row_ends[-1] if rows else 0)])
+            continue
+        _, length, covering = rows[which]
+        row = flag - (row_ends[which - 1] if which else 0)
+        suspects.update(covering(row * length, (row + 1) * length))
+    return suspects
+
+
+def _pack_below(scanned: int) -> int:
+    """Tensors under this many elements are packed: ``PACK_BELOW``, less where the scratch is smaller."""
+    return min(PACK_BELOW, scratch_elements_for(scanned, max(dtype.itemsize for dtype in _BITS)))
+
+
+@torch.no_grad()
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read in all."""
-    shared, separate = _spans(tensors)
-    if not shared and not separate:
-        return []
+    numels = [0 if tensor is None else tensor.numel() for tensor in tensors]
+    scanned = sum(numels)
+    packed, others = _partition(tensors, numels, _pack_below(scanned))
+    shared, separate = _spans(tensors, others)
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
-    row_sums = [_row_sums(span, chunk) for span, _ in shared]
-    device = shared[0][0].device if shared else tensors[separate[0]].device
-    parts = [sums.to(device, torch.float32) for sums in row_sums]
-    finite_rows = torch.isfinite(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.bool, device=device)
-    flags = _separate_flags([tensors[i] for i in separate], device) if separate else finite_rows[:0]
-    finite = torch.cat([finite_rows, flags]).tolist()
-    suspects = {index for index, ok in zip(separate, finite[len(finite_rows):]) if not ok}
-    position = 0
-    for (span, members), sums in zip(shared, row_sums):
-        bad_rows = [row for row in range(len(sums)) if not finite[position + row]]
-        position += len(sums)
-        for row in bad_rows:
-            low, high = row * chunk, min((row + 1) * chunk, span.numel())
-            suspects.update(index for index, start, end in members if start < high and end > low)
+    rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members)) for span, members in shared]
+    for group in packed.values():
+        rows.extend(_packed(*group, scanned))
+    if not rows and not separate:
+        return []
+    device = rows[0][0].device if rows else tensors[separate[0]].device
+    flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
+    if separate:
+        flags.append(_separate_flags([tensors[i] for i in separate], device))
+    bad = torch.nonzero(~torch.cat(flags).cpu()).flatten().tolist()  # the flags read once, then found here
+    suspects = _suspects(bad, rows, separate)
     if len(suspects) <= 1:
         return sorted(suspects)
     candidates = sorted(suspects)  # several tensors shared a bad row: one more read tells them apart
@@ -165,26 +262,47 @@ def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
     return views
 
 
+def _abs_bits_row_maxima(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per ``chunk``-element row, the largest bit pattern with the sign bit cleared: one integer pass.
+
+    The sign bit cleared, IEEE floats order as integers do: a row holds a NaN or an Inf exactly when its
+    maximum is at least +Inf's pattern, and a finite row's maximum is the pattern of its largest magnitude.
+    The cleared bits go to a scratch buffer of whole rows, at most ``scratch_elements_for`` the tensor (one
+    row when a row is larger), reused block after block: it stays in cache on CPU and never grows with the
+    tensor."""
+    bits = flat.view(_BITS[flat.dtype][0])
+    rows_per_block = max(1, scratch_elements_for(flat.numel(), flat.element_size()) // chunk)
+    scratch = torch.empty(min(rows_per_block * chunk, flat.numel()), dtype=bits.dtype, device=bits.device)
+    sign_cleared = torch.iinfo(bits.dtype).max
+    maxima = []
+    for view in _rows(bits, chunk):
+        for first in range(0, view.shape[0], rows_per_block):
+            block = view[first:first + rows_per_block]
+            cleared = torch.bitwise_and(block, sign_cleared, out=scratch[:block.numel()].view(block.shape))
+            maxima.append(cleared.amax(dim=1))
+    return torch.cat(maxima)
+
+
 def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Optional[NonFinite]:
     """Exact NaN/Inf statistics of ``tensor``, or None when every element is finite.
 
-    Per row: a min and a max (NaN propagates into both, an Inf shows in one; the finite rows' abs max),
-    two reads of the tensor in all; the exact counts only for the rows where either is not finite. Two host
-    reads (one for a tensor of at most one row)."""
+    One integer pass finds the rows that hold a NaN or an Inf and the finite rows' abs max
+    (``_abs_bits_row_maxima``); the exact counts only for the rows that hold one. Two host reads (one for a
+    tensor of at most one row). Integer tensors hold neither: None."""
     flat = _flat(tensor)
-    if flat.numel() == 0:
+    if flat.numel() == 0 or not (flat.is_floating_point() or flat.is_complex()):
         return None
+    if flat.dtype not in _BITS:
+        raise TypeError(f"locate: no NaN/Inf scan for {flat.dtype} (only {', '.join(map(str, _BITS))})")
     chunk = chunk_elements or chunk_elements_for(flat.numel())
     if flat.numel() <= chunk:
         nan, pos_inf, neg_inf, first_bad, abs_max_finite = _row_stats(flat, 0).tolist()
         if nan + pos_inf + neg_inf == 0:
             return None
         return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
-    views = _rows(flat, chunk)
-    lows = torch.cat([view.amin(dim=1) for view in views])
-    highs = torch.cat([view.amax(dim=1) for view in views])
-    finite = torch.isfinite(lows) & torch.isfinite(highs)
-    good_abs_max = torch.where(finite, torch.maximum(-lows, highs), 0).amax().to(torch.float64)
+    maxima = _abs_bits_row_maxima(flat, chunk)
+    finite = maxima < _BITS[flat.dtype][1]
+    good_abs_max = torch.where(finite, maxima, 0).amax().view(flat.dtype).to(torch.float64)
     bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
     if not bad_rows:
         return None
@@ -192,17 +310,14 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
     summary = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:4].amin(dim=0),
                          torch.maximum(stats[:, 4].amax(), good_abs_max).reshape(1)])
     nan, pos_inf, neg_inf, first_bad, abs_max_finite = summary.tolist()
-    if nan + pos_inf + neg_inf == 0:
-        return None
     return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
 
 
 def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int, NonFinite]]:
     """``(position, NonFinite)`` for every tensor that holds a NaN or Inf, in input order."""
-    chunk = chunk_elements_for(sum(t.numel() for t in tensors if t is not None))
     found = []
-    for index in nonfinite_indices(tensors, chunk):
-        result = locate(tensors[index], chunk)
+    for index in nonfinite_indices(tensors):
+        result = locate(tensors[index])
         if result is not None:
             found.append((index, result))
     return found
