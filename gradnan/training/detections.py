@@ -132,6 +132,12 @@ class Detections:
             return "nonfinite"
         return "clean" if checked else "unchecked"
 
+    def own_gradients(self) -> str:
+        """This step's pre-reduction finding: "nonfinite", "clean" or "unchecked" (reads and records the
+        deferred bucket flags, as a detection does)."""
+        self.last_pre_reduction = self._flush_deferred(logging.ERROR)
+        return self.last_pre_reduction
+
     # -- the optimizer's findings ----------------------------------------------------------------------
 
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,

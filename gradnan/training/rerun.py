@@ -148,11 +148,9 @@ def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str], 
     group's gradients before the data-parallel collective (1 non-finite, 0 clean, -1 unchecked)."""
     if reproduced:
         return "reproducible"
-    if megatron is not None:
-        return "transient" if megatron == "transient" else "backward"
-    if original_loss > 0:
+    if megatron == "transient" or (megatron is None and original_loss > 0):
         return "transient"
-    if original_loss < 0:
+    if megatron is None and original_loss < 0:
         return "not_reproduced"
     return "after_collective" if own_gradients == 0 else "backward"
 

@@ -139,6 +139,8 @@ class Runtime:
     def megatron_reran(self, conclusion: str) -> None:
         """Megatron's result validation has just run the step again ("reproducible" or "transient")."""
         self.detections.last_pre_reduction = None
+        if self.window.recording():
+            self.detections.own_gradients()
         self._incident("megatron_validation", None, conclusion)
 
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]], megatron: Optional[str] = None) -> None:
