@@ -337,16 +337,10 @@ class _ResultValidation:
 
     def __init__(self, batches: List[Iterator[Any]]) -> None:
         from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode, initialize_rerun_state_machine
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        def save():
-            return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        from gradnan.training.megatron.schedule import rng_states, set_rng_states
 
-        def restore(state):
-            torch.set_rng_state(state["cpu"])
-            get_cuda_rng_tracker().set_states(state["tracker"])
-
-        initialize_rerun_state_machine(state_save_func=save, state_restore_func=restore,
+        initialize_rerun_state_machine(state_save_func=rng_states, state_restore_func=set_rng_states,
                                        mode=RerunMode.VALIDATE_RESULTS)
         self.iterators = [RerunDataIterator(batch) for batch in batches]
         self.exit_code: Optional[int] = None

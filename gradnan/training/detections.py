@@ -53,7 +53,7 @@ class Detections:
         self._pre_reduction_found = False
         self._pre_reduction_logged = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-        self.last_pre_reduction: Optional[str] = None  # the last record's: were this rank's own gradients bad?
+        self.last_pre_reduction: Optional[str] = None  # this step's: were this rank's own gradients bad?
 
     def optimizer(self, optimizer: Any) -> Tuple[OptimizerState, bool]:
         """The state of ``optimizer``, and whether it was seen for the first time."""
@@ -70,6 +70,7 @@ class Detections:
         with self._lock:
             self._deferred = []
             self._pre_reduction_checked = self._pre_reduction_found = False
+        self.last_pre_reduction = None
         state, _ = self.optimizer(optimizer)
         if skipped is not None:
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0

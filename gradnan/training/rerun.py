@@ -15,9 +15,10 @@ model's buffers are put back as they were.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,12 +122,11 @@ class PassResult:
         self.candidate = forward_origin(frames)
         self.micro_batch_of = micro_batch_of
 
-    def key(self, frame: Optional[Frame]) -> float:
-        """Position of a call in the step (micro-batch, then call order), comparable across tensor-parallel
-        ranks, which make the same calls in the same order."""
-        if frame is None:
-            return NONE
-        return float((self.micro_batch_of(frame.call) or 0) * (1 << 24) + frame.call)
+    @staticmethod
+    def key(frame: Optional[Frame]) -> float:
+        """Position of a call in the step, comparable across tensor-parallel ranks, which make the same
+        calls in the same order."""
+        return NONE if frame is None else float(frame.call)
 
     def micro_batch(self) -> Optional[int]:
         frame = self.candidate or self.first
@@ -209,18 +209,27 @@ class StepRerun:
     def _watched(self) -> NamedModules:
         return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _pass(kept: RerunnableStep, frames_so_far: Callable[[], int]) -> Iterator[MicroBatchCounter]:
+        """Around one pass: micro-batches counted, and the model's buffers as they were afterwards."""
+        counter = MicroBatchCounter(kept.chunks, frames_so_far)
+        buffers = buffers_of(kept.chunks)
+        try:
+            yield counter
+        finally:
+            counter.remove()
+            restore_buffers(buffers)
+
     def _traced_pass(self, kept: RerunnableStep) -> PassResult:
         step = self._clock.current()
         tracer = FrameTracer(self._watched(), lambda: step, lambda: True).attach()
-        counter = MicroBatchCounter(kept.chunks, tracer.frame_count)
-        buffers = buffers_of(kept.chunks)
         try:
-            kept.forward()
-            frames = tracer.read()
+            with self._pass(kept, tracer.frame_count) as counter:
+                kept.forward()
+                frames = tracer.read()
         finally:
-            counter.remove()
             tracer.detach()
-            restore_buffers(buffers)
         return PassResult(frames, counter.of_frame)
 
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[str],
@@ -256,17 +265,14 @@ class StepRerun:
         named = dict(self._watched())
         if origin is not None and origin.module in named and self._recording():
             capture = ModuleCapture(origin.module, named[origin.module], "always", self._guard).attach()
-        counter = MicroBatchCounter(kept.chunks, lambda: 0)
-        if capture is not None:
-            capture.only_when = lambda: micro_batch is None or counter.current == micro_batch
-        buffers = buffers_of(kept.chunks)
         try:
-            kept.forward()
+            with self._pass(kept, lambda: 0) as counter:
+                if capture is not None:
+                    capture.only_when = lambda: micro_batch is None or counter.current == micro_batch
+                kept.forward()
         finally:
-            counter.remove()
             if capture is not None:
                 capture.detach()
-            restore_buffers(buffers)
         if capture is None:
             return None
         call = capture.chosen_call()

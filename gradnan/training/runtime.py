@@ -123,14 +123,12 @@ class Runtime:
         self.norms.settle(wait=True)
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
-        self.detections.last_pre_reduction = None
         stop = self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording() else None
         self._incident("nonfinite_grad_norm", stop)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
                             slots: Sequence[ParamSlot], grads: Grads) -> None:
         incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
-        self.detections.last_pre_reduction = None
         stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
                 if self.window.recording() else None)
         if incident:
@@ -138,7 +136,6 @@ class Runtime:
 
     def megatron_reran(self, conclusion: str) -> None:
         """Megatron's result validation has just run the step again ("reproducible" or "transient")."""
-        self.detections.last_pre_reduction = None
         if self.window.recording():
             self.detections.own_gradients()
         self._incident("megatron_validation", None, conclusion)
