@@ -193,3 +193,12 @@ def test_the_log_rank_falls_back_to_slurm_before_torch_distributed_starts(monkey
     assert launcher_rank() == "5"
     monkeypatch.setenv("RANK", "3")
     assert launcher_rank() == "3"
+
+
+def test_an_origin_without_its_data_parallel_coordinate_is_still_reported():
+    """Shared files may lack a coordinate: the verdict must not compare a missing ``dp`` with a number."""
+    with_dp = _record(2, "nonfinite_grad_norm", 0, ["decoder.layers.0.mlp.linear_fc1.weight"])
+    without_dp = {**with_dp, "rank": {key: value for key, value in with_dp["rank"].items() if key != "dp"}}
+    report = build_report(_files(with_dp, without_dp))
+    assert report["first_step"] == 2 and report["incident"]["verdict"]["cause"]
+    assert "First failing step: 2" in format_text(report)

@@ -140,7 +140,7 @@ def _pattern(origin: List[Dict[str, Any]], params_per_rank: Dict[int, int]) -> D
 def _verdict(origin: List[Dict[str, Any]], basis: str, pattern: Dict[str, Any],
              parameters: List[Dict[str, Any]]) -> Dict[str, Any]:
     evidence = []
-    replicas = sorted({entry.get("dp") for entry in origin})
+    replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})  # a file may lack it
     dp_size = max((entry.get("dp_size") or 1 for entry in origin), default=1)
     overflow = any(p["near_limit"] for module in parameters for p in module["params"])
     if overflow:
@@ -211,7 +211,8 @@ def _rerun_summary(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         "module": first["module"] if first else None, "class": first["class"] if first else None,
         "global_rank": first["rank"].get("global_rank") if first else None,
         "rank": _rank_view(first["rank"]) if first else None,
-        "micro_batch": next((r["micro_batch"] for r in at_step if r.get("micro_batch") is not None), None),
+        "micro_batch": first["micro_batch"] if first else next(
+            (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None), None),
         "output_abs_max": first.get("output_abs_max") if first else None,
         "bundle": next((r["bundle"] for r in origins if r.get("bundle")), None),
         "batch": batch["path"] if batch else None,
@@ -227,8 +228,8 @@ _RERUN_VERDICTS = {
                      " or the numerics (an overflow), not a passing fault; `gradnan replay` of its bundle on another"
                      " device tells a persistently faulty device apart"),
     "transient": ("hardware", "the failing step, run again in place with the same micro-batches and RNG state,"
-                  " was finite on every rank although the loss was not: a transient fault; suspect the device of"
-                  " the ranks named below and run gradnan selftest there"),
+                  " was finite on every rank of the replica that failed, although its loss was not: a transient"
+                  " fault; suspect the device of the ranks named below and run gradnan selftest there"),
 }
 
 
@@ -247,8 +248,9 @@ def _weigh_rerun(incident: Dict[str, Any]) -> None:
             verdict["cause"], verdict["summary"] = cause, summary.format(
                 module=rerun["module"], rank=rerun["global_rank"], micro_batch=rerun["micro_batch"])
     elif rerun["conclusion"] == "backward":
-        verdict["evidence"].insert(0, "the step's forward pass, run again in place, was finite on every rank, and"
-                                      " so was the loss: the non-finite values arose in the backward pass")
+        verdict["evidence"].insert(0, "the step's forward pass, run again in place, was finite on every rank of the"
+                                      " replica(s) that failed, and so was the loss: the non-finite values arose"
+                                      " in the backward pass")
     _origin_from_rerun(incident, {o["global_rank"] for o in rerun["origins"]})
 
 
