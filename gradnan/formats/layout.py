@@ -68,13 +68,17 @@ def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
 
 
+def _when(step: int, iteration: Optional[int]) -> str:
+    """A file name's step part: Megatron-LM's iteration where its loop runs, as its log counts."""
+    return f"iter{iteration:07d}" if iteration is not None else f"step{step:07d}"
+
+
 def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: str,
                iteration: Optional[int] = None) -> Path:
     """A new, unused directory name for this rank, step and module (a suffix keeps earlier bundles). Named
     by Megatron-LM's ``iteration`` where its loop runs, as its log and the step filters count."""
     parent = Path(out_dir) / BUNDLES_DIR / rank_tag(coords)
-    when = f"iter{iteration:07d}" if iteration is not None else f"step{step:07d}"
-    stem = f"{when}_{re.sub(r'[^A-Za-z0-9_.-]', '_', module_path) or 'model'}"
+    stem = f"{_when(step, iteration)}_{re.sub(r'[^A-Za-z0-9_.-]', '_', module_path) or 'model'}"
     candidate, suffix = parent / stem, 1
     while candidate.exists():
         suffix += 1
@@ -85,8 +89,7 @@ def bundle_dir(out_dir: str, coords: Mapping[str, Any], step: int, module_path: 
 def batch_path(out_dir: str, coords: Mapping[str, Any], step: int, micro_batch: int,
                iteration: Optional[int] = None) -> Path:
     """Where the rerun keeps the failing micro-batch's tensors (``torch.save`` of a dict of tensors)."""
-    when = f"iter{iteration:07d}" if iteration is not None else f"step{step:07d}"
-    return Path(out_dir) / BATCHES_DIR / rank_tag(coords) / f"{when}_mb{micro_batch}.pt"
+    return Path(out_dir) / BATCHES_DIR / rank_tag(coords) / f"{_when(step, iteration)}_mb{micro_batch}.pt"
 
 
 def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:

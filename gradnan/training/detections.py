@@ -179,8 +179,7 @@ class Detections:
         """An fp16 overflow that is more than routine: the scale collapsed, or skips keep recurring after
         training had applied updates. The same on every rank (skips are counted whether recorded or not)."""
         state, _ = self.optimizer(optimizer)
-        collapsed = scale is not None and min_scale is not None and scale <= min_scale
-        return collapsed or (state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
+        return _collapsed(scale, min_scale) or (state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
                             slots: Sequence[ParamSlot], grads: Grads) -> Optional[Dict[str, Any]]:
@@ -188,7 +187,7 @@ class Detections:
         state, _ = self.optimizer(optimizer)
         skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
         chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
-        collapsed = scale is not None and min_scale is not None and scale <= min_scale
+        collapsed = _collapsed(scale, min_scale)
         # no update applied yet: the scale is still coming down from its initial value (Megatron-LM's is
         # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident
         warmup = not state.warmed_up
@@ -222,3 +221,7 @@ class Detections:
         arm = bool(implicated) and not (forward and self._rerun_expected())
         self._captures.on_detection(record["step"], bool(forward), first, arm=arm)
 
+
+def _collapsed(scale: Optional[float], min_scale: Optional[float]) -> bool:
+    """The fp16 loss scale has come down to its minimum: dynamic scaling cannot recover from here."""
+    return scale is not None and min_scale is not None and scale <= min_scale

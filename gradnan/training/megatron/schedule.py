@@ -171,7 +171,7 @@ class KeptStep:
         try:
             with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks):
                 self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
-                                         "forward_only": True})
+                                  "forward_only": True})
         finally:
             set_rng_states(before)
 
