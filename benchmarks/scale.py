@@ -1,13 +1,15 @@
 """gradnan at real scale: the report and maps over thousands of ranks, maps of 50,000 tensors, the scans.
 
     python benchmarks/scale.py                        # 64, 512, 4096 ranks (about 3 minutes on 2 cores)
-    python benchmarks/scale.py --ranks 64,512,4096,16384 --records-mb 200
+    python benchmarks/scale.py --ranks 64,512,4096,16384 --records-mb 200   # with the 16,384-rank target
     python benchmarks/scale.py --parts scan,locate --reps 9    # the scans only (under a minute)
 
 1. ``runs``: ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own
    writers (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one
    origin): CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether
-   the origin is the first rank it names, and the text of the largest; ``gradnan maps`` on the same
+   the origin is the first rank it names, and the text of the largest; the same report with torch and
+   megatron-core imported first (as the command ran while the package imported the training side), and
+   at 16,384 ranks the target (at most 3 s CPU and 300 MB); ``gradnan maps`` on the same
    directory as the report sends a user to it (the origin's whole map with ``--rank``; one parameter with
    ``--rank --id``), CPU time and peak RSS; then one rank whose records file holds ``--records-mb`` MB.
    Each run directory is deleted after it is measured.
@@ -42,10 +44,18 @@ from gradnan.training.megatron.optimizer_params import param_slots
 from gradnan.training.scan import find_nonfinite, locate
 
 
-def measure_command(*args: str) -> Dict[str, float]:
-    """``gradnan ARGS`` in its own process: CPU seconds, peak RSS (MB), lines of text."""
+# ``gradnan ARGS`` as the command ran before the offline side stopped importing the training side: torch and
+# megatron-core loaded first, then the same CLI
+WITH_TRAINING_SIDE = ("-c", "import sys, torch, megatron.core; from gradnan.cli import main; sys.exit(main(sys.argv[1:]))")
+REPORT_TARGET = {"ranks": 16384, "cpu_s": 3.0, "peak_mb": 300.0}  # issue 28; 5.9 s, 446 MB at commit bcdcb09
+
+
+def measure_command(*args: str, preload: bool = False) -> Dict[str, float]:
+    """``gradnan ARGS`` in its own process: CPU seconds, peak RSS (MB), lines of text. ``preload``: with
+    torch and megatron-core imported first (``WITH_TRAINING_SIDE``)."""
+    command = [sys.executable, *(WITH_TRAINING_SIDE if preload else ("-m", "gradnan")), *args]
     with tempfile.TemporaryFile() as output:
-        process = subprocess.Popen([sys.executable, "-m", "gradnan", *args], stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
         output.seek(0)
@@ -83,7 +93,9 @@ def report_at(root: Path, world_size: int) -> Dict[str, float]:
     written = time.perf_counter() - started
     try:
         figures = measure_report(run_dir)
+        loaded = measure_command("report", str(run_dir), preload=True)
         return {"ranks": world_size, "write_s": written, **figures,
+                "with_torch_cpu_s": loaded["cpu_s"], "with_torch_peak_mb": loaded["peak_mb"],
                 "origin_named": names_the_origin(figures["text"], origin), **measure_maps(run_dir, origin, world_size)}
     finally:
         shutil.rmtree(run_dir)
@@ -153,6 +165,21 @@ def table(rows: List[Dict[str, float]]) -> str:
                                                                                   for c in cells])
 
 
+def target_lines(reports: List[Dict[str, float]]) -> str:
+    """The report's target (``REPORT_TARGET``) for each world size at least its size, beside the same report
+    with the training side loaded, measured in the same run."""
+    lines = []
+    for row in reports:
+        if row["ranks"] >= REPORT_TARGET["ranks"]:
+            met = row["cpu_s"] <= REPORT_TARGET["cpu_s"] and row["peak_mb"] <= REPORT_TARGET["peak_mb"]
+            lines.append(f"\n{row['ranks']} ranks: gradnan report {row['cpu_s']:.2f} s CPU, {row['peak_mb']:.0f} MB"
+                         f" (target at most {REPORT_TARGET['cpu_s']:.0f} s and {REPORT_TARGET['peak_mb']:.0f} MB:"
+                         f" {'met' if met else 'NOT met'}); with torch and megatron-core loaded:"
+                         f" {row['with_torch_cpu_s']:.2f} s, {row['with_torch_peak_mb']:.0f} MB"
+                         f" ({row['with_torch_cpu_s'] / row['cpu_s']:.2f}x the CPU time)")
+    return "\n".join(lines)
+
+
 PARTS = ("runs", "map", "scan", "locate")
 
 
@@ -177,6 +204,7 @@ def main(argv: List[str] = None) -> None:
             print("## gradnan report and gradnan maps over synthetic run directories\n")
             reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
             print(table(reports), flush=True)
+            print(target_lines(reports), flush=True)
             print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)
             if args.records_mb:
                 print("\n## one rank's long records file\n")

@@ -15,7 +15,9 @@ from .commandline import OneLineParser, bad_input, positive, say
 from .errors import GradnanError, InputError
 from .offline.frames_view import format_frames
 from .offline.read import read_maps, read_run
-from .offline.report import build_report, format_text
+from .offline.analysis import analyze
+from .offline.report import format_text
+from .offline.runs import SERIOUS_SKIPS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
-    report.add_argument("--fp16-skips", type=positive, default=3, metavar="N",
+    report.add_argument("--fp16-skips", type=positive, default=SERIOUS_SKIPS, metavar="N",
                         help="consecutive fp16 loss-scale skips that count as a failure (default: %(default)s)")
     report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
     report.add_argument("--plot", type=Path, metavar="FILE",
@@ -113,14 +115,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             say(run_demo(Path(args.out)))
         elif args.command == "report":
-            report = build_report(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips, run=args.run)
-            if args.plot and report["incident"] is not None:
+            report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips, run=args.run)
+            if args.plot and report.incident is not None:
                 from .offline.plot import plot_incident
 
                 plot_incident(report, args.plot)
-            say(json.dumps(report, indent=1) if args.json else format_text(report))
+            say(json.dumps(report.to_json(), indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
-                say(f"Picture: {args.plot}" if report["incident"] is not None else "Nothing to plot: no failing step.")
+                say(f"Picture: {args.plot}" if report.incident is not None else "Nothing to plot: no failing step.")
         elif args.command == "replay":
             from .offline.replay import format_text as replay_text
             from .offline.replay import replay_bundle

@@ -33,6 +33,7 @@ from gradnan.formats.maps import to_json as map_document
 from gradnan.formats.records import load as load_records
 from gradnan.formats.selftest import load as load_selftest
 from gradnan.offline.read import RunFiles, read_run
+from gradnan.offline.analysis import analyze
 from gradnan.offline.report import build_report, format_text
 
 # --- a fresh directory per example ------------------------------------------------------------
@@ -389,9 +390,10 @@ def check_report(files: Dict[str, bytes]) -> None:
     with fresh_dir() as run_dir:
         result = read_run_checked(write_files(run_dir, files), files)
         if result is not None:
-            report = build_report(result)
+            analysis = analyze(result)
+            report = analysis.to_json()
             json.dumps(report)
-            assert format_text(report).startswith("gradnan report for ")
+            assert format_text(analysis).startswith("gradnan report for ")
 
 
 CLI_COMMANDS = (["report"], ["report", "--json"], ["maps"], ["maps", "--json"],
@@ -464,7 +466,7 @@ REPORT_CRASHES = [
     bug("global_rank-a-list", a_run(a_record(rank=rank_0(global_rank=[0]))),
         TypeError, "report._known_ranks", "rank.global_rank used as a dict key (unhashable list)"),
     bug("param-without-name", a_run(a_record(params=[{"id": 2}])),
-        TypeError, "report.module_of via _parameters_by_module", "a params entry without 'name'"
+        TypeError, "analysis.module_of via _parameters_by_module", "a params entry without 'name'"
         " (load_records only checks that 'params' is a list)"),
     bug("param-without-counts", a_run(a_record(params=[{"id": 2, "name": PARAM_NAMES[2]}])),
         TypeError, "report._parameters_by_module", "entry['nan'] += param['nan'] without 'nan'/'inf'"),
@@ -485,13 +487,13 @@ REPORT_CRASHES = [
         a_run(a_record(params_total="1"), parameter_map=a_map(0, PARAM_NAMES, [None] * len(PARAM_NAMES), {})),
         TypeError, "report._pattern", "params_total / the map's parameter count on a string"),
     bug("started-out-of-range", a_run(a_record(run={"id": None, "started": 1e20})),
-        OverflowError, "report.split_runs", "time.gmtime() of a start time beyond time_t"),
+        OverflowError, "runs.split_runs", "time.gmtime() of a start time beyond time_t"),
     bug("time-nan", a_run(a_record(time=float("nan"))),
-        ValueError, "report.split_runs", "time.gmtime(nan) (a record without 'run' is placed by 'time')"),
+        ValueError, "runs.split_runs", "time.gmtime(nan) (a record without 'run' is placed by 'time')"),
     bug("time-huge-integer", a_run(a_record(time=10**400)),
         OverflowError, "report._started", "float() of an integer beyond the float range"),
     bug("consecutive_skips-a-string", a_run(a_record(kind="loss_scale_overflow", consecutive_skips="3")),
-        TypeError, "report._failing_step", "(consecutive_skips or 1) >= serious_skips on a string"),
+        TypeError, "runs.failing_step", "(consecutive_skips or 1) >= serious_skips on a string"),
     bug("host-a-list", a_run(a_record(rank=rank_0(host=["node-0"]))),
         TypeError, "report._weigh_selftests", "a set of (host, device) pairs with an unhashable host"),
     bug("selftest-host-a-list",

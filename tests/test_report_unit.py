@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gradnan.offline.read import RunFiles
+from gradnan.offline.analysis import analyze
 from gradnan.offline.report import build_report, format_text
 
 
@@ -25,10 +26,11 @@ def _overflow(step, skips, collapsed=False, rank=0):
 
 
 def test_isolated_fp16_skips_are_routine_not_a_failure():
-    report = build_report(_files(_overflow(1, 1), _overflow(2, 2), _overflow(9, 1)))
+    analysis = analyze(_files(_overflow(1, 1), _overflow(2, 2), _overflow(9, 1)))
+    report = analysis.to_json()
     assert report["incident"] is None
     assert report["loss_scale_overflow_steps"] == [1, 2, 9]
-    assert "routine fp16 loss-scale overflow" in format_text(report)
+    assert "routine fp16 loss-scale overflow" in format_text(analysis)
 
 
 def test_a_run_of_skips_reaching_the_threshold_is_a_failure_from_where_it_began():
@@ -99,17 +101,19 @@ def _selftest(passed, failing=()):
 def test_a_failed_selftest_on_the_origin_device_is_evidence():
     files = _files(_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"]))
     files.selftests = {Path("/run/selftest/a.json"): _selftest(False, failing=[1])}
-    report = build_report(files)
+    analysis = analyze(files)
+    report = analysis.to_json()
     assert any("FAILED on the origin's device" in item for item in report["incident"]["verdict"]["evidence"])
-    assert "Self-test 2026-11-22T12:00:00Z: FAIL: rank 1 (h cpu)" in format_text(report)
+    assert "Self-test 2026-11-22T12:00:00Z: FAIL: rank 1 (h cpu)" in format_text(analysis)
 
 
 def test_a_passed_selftest_is_reported_with_the_incident():
     files = _files(_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"]))
     files.selftests = {Path("/run/selftest/a.json"): _selftest(True)}
-    report = build_report(files)
+    analysis = analyze(files)
+    report = analysis.to_json()
     assert any("passed on all 4 ranks" in item for item in report["incident"]["verdict"]["evidence"])
-    assert "Self-test 2026-11-22T12:00:00Z: PASS" in format_text(report)
+    assert "Self-test 2026-11-22T12:00:00Z: PASS" in format_text(analysis)
 
 
 def test_holders_without_pre_reduction_evidence_are_not_called_hardware():
@@ -131,10 +135,11 @@ def test_a_rank_with_several_bad_bucket_groups_is_one_origin_entry():
 
 def test_the_report_gives_the_settings_to_capture_the_failing_step_on_a_rerun():
     records = [_record(4, "pre_reduction", rank=3, params=["decoder.layers.1.mlp.linear_fc2.weight"])]
-    report = build_report(_files(*records))
+    analysis = analyze(_files(*records))
+    report = analysis.to_json()
     assert report["rerun_capture"] == {"GRADNAN_CAPTURE_MODULES": "decoder.layers.1.mlp.linear_fc2",
                                        "GRADNAN_CAPTURE_STEPS": "4", "GRADNAN_CAPTURE_RANKS": "3"}
-    assert "GRADNAN_CAPTURE_MODULES=decoder.layers.1.mlp.linear_fc2" in format_text(report)
+    assert "GRADNAN_CAPTURE_MODULES=decoder.layers.1.mlp.linear_fc2" in format_text(analysis)
 
 
 def test_under_megatron_lm_the_rerun_settings_name_its_iteration():
@@ -152,11 +157,12 @@ def test_frames_and_probe_records_are_summarised_with_the_command_to_list_them()
              "nan": 0, "inf": 2, "abs_min": 0.0, "abs_max": "inf", "shape": [2], "dtype": "torch.float16"}
     records = [_record(3, "frames", rank=1, mode="detect", frames=[frame], frames_total=1, first_nonfinite=0),
                _record(3, "probe", rank=1, probes=[probe])]
-    report = build_report(_files(*records))
+    analysis = analyze(_files(*records))
+    report = analysis.to_json()
     assert report["frames"][0]["first_nonfinite_module"] == "decoder.layers.1.mlp.linear_fc2"
     assert report["probes"] == [{"global_rank": 1, "step": 3, "label": "attn scores",
                                  "module": "decoder.layers.1.self_attention", "nan": 0, "inf": 2}]
-    text = format_text(report)
+    text = format_text(analysis)
     assert "first non-finite in decoder.layers.1.mlp.linear_fc2 (RowParallelLinear)" in text
     assert "gradnan frames /run --rank 1 --step 3" in text
     assert "gradnan.check('attn scores') in decoder.layers.1.self_attention: 2 Inf at step 3 on rank 1" in text
@@ -174,7 +180,7 @@ def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
 
 
 def test_two_anonymous_jobs_started_together_are_two_launches_told_apart_by_their_rendezvous():
-    from gradnan.offline.report import split_runs
+    from gradnan.offline.runs import split_runs
 
     def record(rendezvous, started):
         return {"run": {"id": None, "attempt": "0", "started": started, "rendezvous": rendezvous}}
@@ -199,6 +205,7 @@ def test_an_origin_without_its_data_parallel_coordinate_is_still_reported():
     """Shared files may lack a coordinate: the verdict must not compare a missing ``dp`` with a number."""
     with_dp = _record(2, "nonfinite_grad_norm", 0, ["decoder.layers.0.mlp.linear_fc1.weight"])
     without_dp = {**with_dp, "rank": {key: value for key, value in with_dp["rank"].items() if key != "dp"}}
-    report = build_report(_files(with_dp, without_dp))
+    analysis = analyze(_files(with_dp, without_dp))
+    report = analysis.to_json()
     assert report["first_step"] == 2 and report["incident"]["verdict"]["cause"]
-    assert "First failing step: 2" in format_text(report)
+    assert "First failing step: 2" in format_text(analysis)

@@ -15,6 +15,7 @@ import torch
 
 from gradnan.offline.read import read_run
 from gradnan.offline.replay import replay_bundle
+from gradnan.offline.analysis import analyze
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
@@ -189,11 +190,12 @@ def test_expert_parallelism_is_not_rerun_and_the_finder_takes_over(runs):
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):
-    report = build_report(read_run(runs["fp16_persistent_tp2"]))
+    analysis = analyze(read_run(runs["fp16_persistent_tp2"]))
+    report = analysis.to_json()
     rerun = report["incident"]["rerun"]
     assert (rerun["module"], rerun["global_rank"], rerun["micro_batch"]) == (CORE, 1, 0)
     assert [r["global_rank"] for r in rerun["receivers"]] == [0]
-    text = format_text(report)
+    text = format_text(analysis)
     headline = "\n".join(text.splitlines()[:6])
     assert f"Forward origin (step 4 run again in place): {CORE}" in headline, text
     assert "on rank 1 (tp1 pp0 dp0)" in headline and "micro-batch 0: REPRODUCIBLE" in headline, text

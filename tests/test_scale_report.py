@@ -9,6 +9,7 @@ import pytest
 from gradnan.cli import main
 from gradnan.offline.plot import MAX_RANKS, incident_grid
 from gradnan.offline.read import read_maps, read_run
+from gradnan.offline.analysis import analyze
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
@@ -47,8 +48,8 @@ def test_json_keeps_every_rank(large_job):
 
 
 def test_the_table_and_the_plot_are_centred_on_the_origin(large_job):
-    _, origin, report = large_job
-    _, ranks, grid = incident_grid(report["incident"])
+    run_dir, origin, report = large_job
+    _, ranks, grid = incident_grid(analyze(read_run(run_dir, params=False)).incident)
     holders = {view["global_rank"] for view in report["incident"]["receivers"] if view["holds_nonfinite"]}
     assert origin in ranks and holders <= set(ranks)
     peers = {rank for rank in range(WORLD) if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
@@ -109,8 +110,8 @@ def test_the_report_reads_maps_and_records_without_their_lists(large_job):
 
 
 def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):
-    _, origin, report = large_job
-    ranks = focus_ranks(report["incident"], 16)
+    run_dir, origin, _ = large_job
+    ranks = focus_ranks(analyze(read_run(run_dir, params=False)).incident, 16)
     position = (coords_of(origin, WORLD)["tp"], coords_of(origin, WORLD)["pp"])
     holders = [rank for rank in ranks if (coords_of(rank, WORLD)["tp"], coords_of(rank, WORLD)["pp"]) == position
                and rank != origin]

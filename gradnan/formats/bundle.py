@@ -17,9 +17,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple
 
 from ..errors import InputError
 from .layout import MANIFEST, TENSORS
@@ -28,6 +26,9 @@ from .schema import Schema, check_rank, check_run, is_int, is_number, is_text, o
 SCHEMA = Schema("gradnan.bundle", 1)
 MAX_TENSORS_BYTES = 1 << 36  # a tensors.pt larger than 64 GiB is no capture gradnan wrote
 _GRAD_OUT = re.compile(r"grad_out\.(\d{1,9})")
+
+if TYPE_CHECKING:  # torch is imported where tensors are written or loaded: reading a manifest needs none
+    import torch
 
 
 def tensors_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -72,6 +73,8 @@ def write_batch(path: Path, tensors: Mapping[str, torch.Tensor]) -> Path:
 def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """``torch.save``, its write failures (a full disk: ``enforce fail at inline_container.cc``) raised
     as the OSError they are, naming ``path``."""
+    import torch
+
     try:
         torch.save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, path)
     except RuntimeError as exc:
@@ -96,6 +99,8 @@ def manifest_from_json(document: Any, where: str) -> Dict[str, Any]:
 
 def check_replayable(manifest: Dict[str, Any], tensors: Mapping[str, torch.Tensor], where: str) -> None:
     """Everything ``gradnan replay`` uses beyond the trace, checked before anything runs."""
+    import torch
+
     module, seen = manifest["module"], manifest.get("seen", {})
     if not is_text(module.get("class")):
         raise InputError(f"{where}: 'module.class' must be text")
@@ -125,6 +130,8 @@ def load_manifest(path: Path) -> Dict[str, Any]:
 
 def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The manifest and the tensors of a bundle; InputError (one line) for anything unusable or unsafe."""
+    import torch
+
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"{path}: not a bundle directory")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
-from .schema import Schema, check_rank, is_int, is_text, parse_json, read_text, write_json_atomic
+from .schema import Schema, check_rank, is_int, is_text, parse_json, read_prefix, read_text, write_json_atomic
 
 SCHEMA = Schema("gradnan.map", 2)
 
@@ -105,16 +105,22 @@ def from_json(document: Any, where: str, params: bool = True) -> Dict[str, Any]:
     return document
 
 
-_TABLE_START = ',"param_columns":'  # a JSON string cannot hold ," unescaped: the first one is the key
+_TABLE_START = b',"param_columns":'  # a JSON string cannot hold ," unescaped: the first one is the key
+HEADER_BYTES = 1 << 16  # a version 2 map's keys before its table fit in this many bytes (a rank object, counts)
 
 
-def _header(text: str, where: str) -> Optional[Dict[str, Any]]:
-    """The keys a version 2 map writes before its table (rank, params_count, ...), parsed without the
-    table; None where the text is not laid out so (version 1, or written by other means)."""
-    cut = text.find(_TABLE_START)
+def _header(head: bytes, where: str) -> Optional[Dict[str, Any]]:
+    """The keys a version 2 map writes before its table (rank, params_count, ...), parsed from the file's
+    first bytes without the table; None where they are not laid out so (version 1, or written by other
+    means), or not within ``HEADER_BYTES``."""
+    cut = head.find(_TABLE_START)
     if cut < 0:
         return None
-    header = SCHEMA.check(parse_json(text[:cut] + "}", where), where)
+    try:
+        text = head[:cut].decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{where}: not UTF-8 text") from None
+    header = SCHEMA.check(parse_json(text + "}", where), where)
     if header["version"] < 2 or not is_int(header.get("params_count")) or not isinstance(header.get("rank"), dict):
         return None
     check_rank(header["rank"], where)
@@ -123,11 +129,11 @@ def _header(text: str, where: str) -> Optional[Dict[str, Any]]:
 
 def load(path: Path, params: bool = True) -> Dict[str, Any]:
     """``params=False``: the map without its parameters, for a reader of thousands of maps that needs
-    each rank's coordinates and ``params_count`` (a version 2 map's table is not even parsed)."""
-    text = read_text(path)
-    header = None if params else _header(text, str(path))
+    each rank's coordinates and ``params_count`` (a version 2 map's table is not even read)."""
+    header = None if params else _header(read_prefix(path, HEADER_BYTES), str(path))
     if header is not None:
         return header
+    text = read_text(path)
     return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path), params)
 
 

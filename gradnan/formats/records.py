@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-
 from ..errors import InputError
+from .incident import Conclusion, RerunRole, values
 from .schema import (
     Schema,
     check_rank,
@@ -29,8 +28,10 @@ from .schema import (
 
 SCHEMA = Schema("gradnan.record", 1)
 FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
-DTYPE_MAX = {  # the largest finite value of each floating dtype, by its name in maps and frames
-    str(dtype): torch.finfo(dtype).max for dtype in (torch.float16, torch.bfloat16, torch.float32)
+DTYPE_MAX = {  # torch.finfo(dtype).max of each floating dtype, by its name in maps and frames (readers load no torch)
+    "torch.float16": 65504.0,
+    "torch.bfloat16": 3.3895313892515355e38,
+    "torch.float32": 3.4028234663852886e38,
 }
 
 _PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
@@ -91,8 +92,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     return record
 
 
-RERUN_ROLES = ("origin", "receiver", "clean")
-RERUN_CONCLUSIONS = ("reproducible", "transient", "backward", "after_collective", "not_reproduced")  # strongest first
+RERUN_ROLES = values(RerunRole)
+RERUN_CONCLUSIONS = values(Conclusion)  # strongest first
 
 
 def _check_rerun(record: Dict[str, Any], where: str) -> None:

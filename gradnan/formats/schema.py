@@ -170,6 +170,15 @@ def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes:
     return data
 
 
+def read_prefix(path: Path, count: int) -> bytes:
+    """At most the first ``count`` bytes of a regular file (``open_regular``)."""
+    with open_regular(path) as stream:
+        try:
+            return stream.read(count)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
 def read_text(path: Path, max_bytes: int = MAX_READ_BYTES) -> str:
     """The one way gradnan reads a file it did not just write: ``read_bytes``, decoded as UTF-8."""
     try:

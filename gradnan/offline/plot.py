@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from ..errors import InputError, UsageError
-from .report import focus_ranks, module_of
+from .analysis import Incident, Report, module_of
+from .report import focus_ranks
 
 MAX_MODULES = 20
 MAX_RANKS = 32
@@ -22,19 +23,19 @@ ORIGIN, RECEIVED, CLEAN = 2, 1, 0
 FP16_MAX = 65504.0
 
 
-def incident_grid(incident: Dict[str, Any]) -> Tuple[List[str], List[int], List[List[int]]]:
+def incident_grid(incident: Incident) -> Tuple[List[str], List[int], List[List[int]]]:
     """Modules (rows, backward order), ranks (columns) and the ORIGIN/RECEIVED/CLEAN value of each cell."""
-    modules = [m["module"] for m in incident["parameters"]][:MAX_MODULES]
+    modules = [m["module"] for m in incident.parameters][:MAX_MODULES]
     cells: Dict[int, Dict[str, int]] = {}
-    for entry in incident["origin"]:
+    for entry in incident.origin:
         cells[entry["global_rank"]] = {module_of(p["name"]): ORIGIN for p in entry["params"]}
-    for view in incident["receivers"]:
+    for view in incident.receivers:
         cells[view["global_rank"]] = {module: RECEIVED for module in view["modules"]}
     ranks = focus_ranks(incident, MAX_RANKS)
     return modules, ranks, [[cells.get(rank, {}).get(module, CLEAN) for rank in ranks] for module in modules]
 
 
-def plot_incident(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
+def plot_incident(report: Report, path: Path) -> Dict[str, Any]:
     """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix); return what was drawn.
     Magnitudes near float64's limit (from a file) draw at the axis' edge, without numpy's overflow
     warnings on the terminal."""
@@ -43,7 +44,7 @@ def plot_incident(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
         return _draw(report, path)
 
 
-def _draw(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
+def _draw(report: Report, path: Path) -> Dict[str, Any]:
     try:
         import matplotlib
 
@@ -52,12 +53,12 @@ def _draw(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
         from matplotlib.colors import ListedColormap
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'gradnan[plot]'") from None
-    incident = report["incident"]
+    incident = report.incident
     if incident is None:
-        raise InputError(f"{report['run_dir']}: no failing step to plot")
+        raise InputError(f"{report.run_dir}: no failing step to plot")
     modules, ranks, grid = incident_grid(incident)
-    first_rank = incident["pattern"].get("first_rank")
-    shown = [e for e in incident["origin"] if e["global_rank"] == first_rank] or incident["origin"][:1]
+    first_rank = incident.pattern.first_rank
+    shown = [e for e in incident.origin if e["global_rank"] == first_rank] or list(incident.origin[:1])
     bars = [(p["name"], float(p["abs_max_finite"])) for entry in shown for p in entry["params"]
             if isinstance(p.get("abs_max_finite"), (int, float)) and p["abs_max_finite"] > 0][:MAX_MODULES]
     figure, (left, right) = plt.subplots(1, 2, figsize=(14, 1.6 + 0.35 * max(len(modules), len(bars), 4)),
@@ -67,7 +68,7 @@ def _draw(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
     left.set_xticks(range(len(ranks)), [f"r{rank}" for rank in ranks])
     left.set_yticks(range(len(modules)), modules, fontsize=8)
     left.set_title("rank x module (red origin, orange received, grey clean)", fontsize=9)
-    origin_ranks = {entry["global_rank"] for entry in incident["origin"]}
+    origin_ranks = {entry["global_rank"] for entry in incident.origin}
     for column, rank in enumerate(ranks):
         if rank in origin_ranks:
             left.get_xticklabels()[column].set_color("#c0392b")
@@ -84,8 +85,8 @@ def _draw(report: Dict[str, Any], path: Path) -> Dict[str, Any]:
         right.text(0.5, 0.5, "no finite value left in the offending gradients", ha="center", fontsize=9)
     rank = shown[0]["global_rank"] if shown else "?"
     right.set_title(f"largest finite |gradient| per offending parameter on rank {rank}", fontsize=9)
-    verdict = incident["verdict"]
-    figure.suptitle("\n".join(textwrap.wrap(f"step {incident['step']}: {verdict['cause']}: {verdict['summary']}",
+    verdict = incident.verdict
+    figure.suptitle("\n".join(textwrap.wrap(f"step {incident.step}: {verdict.cause.value}: {verdict.summary}",
                                             140)), fontsize=10)
     figure.tight_layout()
     try:

@@ -16,7 +16,8 @@ from ..config import resolve_config
 from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
 from ..offline.read import read_run
-from ..offline.report import build_report, format_text
+from ..offline.analysis import analyze
+from ..offline.report import format_text
 from .toy import Injection, JobFailed, TinyGPTJob, launch
 
 DEMO_PARAM = "decoder.layers.1.self_attention.linear_qkv.weight"
@@ -46,6 +47,6 @@ def run_demo(out_dir: Path) -> str:
     except JobFailed as failure:
         where, reason = next(iter(failure.errors.items()), ("a process", "it died without saying why"))
         raise UsageError(f"the demo's training failed in {where}: {reason}") from None
-    report = format_text(build_report(read_run(out_dir)))
+    report = format_text(analyze(read_run(out_dir)))
     return (f"\n{report}\n\nMaps:    {out_dir / MAPS_DIR}\nRecords: {out_dir / RECORDS_DIR}\n"
             f"Again as JSON: gradnan report {out_dir} --json")

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
+from ..formats.incident import Conclusion, RerunRole
 from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager, ModuleCapture
@@ -140,19 +141,19 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str], own_gradients: float) -> str:
+def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str], own_gradients: float) -> Conclusion:
     """One model-parallel group's conclusion. ``original_loss``: the loss of the failing pass (1 non-finite
     somewhere, 0 finite everywhere it was seen, -1 seen nowhere). ``megatron``: the conclusion of
     Megatron's own rerun of the step (forward and backward), which the kept pass then is: finite there is
     transient, failing again with a clean forward pass is the backward pass. ``own_gradients``: the
     group's gradients before the data-parallel collective (1 non-finite, 0 clean, -1 unchecked)."""
     if reproduced:
-        return "reproducible"
-    if megatron == "transient" or (megatron is None and original_loss > 0):
-        return "transient"
+        return Conclusion.REPRODUCIBLE
+    if megatron == Conclusion.TRANSIENT or (megatron is None and original_loss > 0):
+        return Conclusion.TRANSIENT
     if megatron is None and original_loss < 0:
-        return "not_reproduced"
-    return "after_collective" if own_gradients == 0 else "backward"
+        return Conclusion.NOT_REPRODUCED
+    return Conclusion.AFTER_COLLECTIVE if own_gradients == 0 else Conclusion.BACKWARD
 
 
 class StepRerun:
@@ -237,23 +238,23 @@ class StepRerun:
         seen = self._traced_pass(kept)
         earliest = kept.all_reduce([seen.key(seen.candidate)], "min", "tensor")[0]
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
-            role, module = "origin", seen.candidate
+            role, module = RerunRole.ORIGIN, seen.candidate
         else:
-            role, module = ("receiver" if seen.first is not None else "clean"), seen.first
+            role, module = (RerunRole.RECEIVER if seen.first is not None else RerunRole.CLEAN), seen.first
         loss_finite, loss_micro_batch = kept.original_losses()
         loss_state = -1.0 if loss_finite is None else (0.0 if loss_finite else 1.0)
-        found_mb = seen.micro_batch() if role != "clean" else None
+        found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
         reproduced, original_loss, own_gradients = kept.all_reduce(
-            [0.0 if role == "clean" else 1.0, loss_state, gradients], "max", "model")
+            [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients], "max", "model")
         micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
                                        NONE if loss_micro_batch is None else loss_micro_batch], "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
         verdict = conclusion(bool(reproduced), original_loss, megatron, own_gradients)
-        bundle = self._capture_pass(kept, seen, module if role == "origin" else None, failing_mb) \
+        bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
         batch = self._keep_batch(kept, failing_mb)
-        if role == "clean" and batch is None and not kept.leads_replica():
+        if role is RerunRole.CLEAN and batch is None and not kept.leads_replica():
             return None
         return self._report(trigger, megatron, role, module, seen, failing_mb, verdict, bundle, batch)
 
@@ -293,15 +294,16 @@ class StepRerun:
             return None
         return self._writer.batch(self._clock.current(), micro_batch, tensors, left_out)
 
-    def _report(self, trigger: str, megatron: Optional[str], role: str, frame: Optional[Frame], seen: PassResult,
-                micro_batch: Optional[int], verdict: str, bundle: Optional[str],
+    def _report(self, trigger: str, megatron: Optional[str], role: RerunRole, frame: Optional[Frame],
+                seen: PassResult, micro_batch: Optional[int], verdict: Conclusion, bundle: Optional[str],
                 batch: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
         record = self._writer.record("rerun", self._clock.current(), [], {
-            "trigger": trigger, "megatron": megatron, "role": role, "conclusion": verdict, "micro_batch": micro_batch,
+            "trigger": trigger, "megatron": megatron, "role": role.value, "conclusion": verdict.value,
+            "micro_batch": micro_batch,
             "module": frame.module if frame is not None else None,
             "class": frame.cls if frame is not None else None,
             "call": frame.call if frame is not None else None,
@@ -311,30 +313,18 @@ class StepRerun:
         return record
 
     def _log(self, record: Dict[str, Any]) -> None:
-        verdict, role = record["conclusion"], record["role"]
+        verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
         tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
                 if record["bundle"] else "")
-        if role == "origin":
+        if role is RerunRole.ORIGIN:
             logger.error("%s, run again in place: a forward value first went non-finite in %s (%s) on %s,"
                          " micro-batch %s; %s%s", when(record), record["module"], record["class"], where(record),
-                         record["micro_batch"], _VERDICT_TEXT[verdict], tail)
-        elif role == "receiver":
+                         record["micro_batch"], verdict.explanation, tail)
+        elif role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
-        elif verdict != "reproducible":
-            logger.log(logging.WARNING if verdict == "transient" else logging.INFO,
+        elif verdict is not Conclusion.REPRODUCIBLE:
+            logger.log(logging.WARNING if verdict is Conclusion.TRANSIENT else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
-                       where(record), _VERDICT_TEXT[verdict])
+                       where(record), verdict.explanation)
 
-
-_VERDICT_TEXT = {
-    "reproducible": "it fails again with the same micro-batches and RNG state: data or numerics, not the device",
-    "transient": "the forward pass was finite this time with the same micro-batches and RNG state, although"
-                 " the loss was not: a transient fault; suspect the device of the ranks that reported"
-                 " (gradnan selftest)",
-    "backward": "the forward pass was finite in both passes: the non-finite values arose in the backward pass",
-    "after_collective": "this replica's forward pass, loss and own gradients before the data-parallel collective"
-                        " were finite: the non-finite values arose at or after that collective (from another"
-                        " replica, or a corruption after it)",
-    "not_reproduced": "the forward pass was finite this time with the same micro-batches and RNG state",
-}

@@ -1,0 +1,472 @@
+"""One launch's incident, decided once from every rank's files (pure: ``RunFiles`` in, ``Report`` out).
+
+The first failing step is the earliest step with a failure record (``runs.failing_step``). Its origin is
+decided by evidence, best first: where the in-place rerun of that step saw a forward value first go
+non-finite; ranks whose LOCAL gradients were non-finite before the data-parallel collective
+(``pre_reduction`` records); else, where every checked rank was clean before the collective, the ranks
+holding non-finite gradients at the grad norm (the value arose after the collective); else, with no
+pre-reduction check at all, the holders, marked unconfirmed. Every other rank with a record at that step
+only received it.
+
+The verdict is decided in one place (``_decide_verdict``) from all of it: the gradients' pattern, the
+rerun's conclusion and the self-tests of the origin's devices. Nothing changes a ``Report`` afterwards:
+the text view, ``--json`` and the plot only render it (``gradnan.offline.report``, ``.plot``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import InputError
+from ..formats.incident import (
+    INCIDENT_KINDS,
+    NORM_KINDS,
+    Cause,
+    Conclusion,
+    GradientPass,
+    OriginBasis,
+    RecordKind,
+    RerunRole,
+)
+from ..formats.layout import shown_axes
+from ..formats.records import FORWARD_SHARE
+from ..formats.schema import Schema
+from .frames_view import frames_summary, probes_summary
+from .read import RunFiles
+from .runs import SERIOUS_SKIPS, failing_step, split_runs
+
+SCHEMA = Schema("gradnan.report", 1)
+View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What most likely made the step non-finite, in one line, and the evidence that says so."""
+
+    cause: Cause
+    summary: str
+    evidence: Tuple[str, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"cause": self.cause.value, "summary": self.summary, "evidence": list(self.evidence)}
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Which pass the origin's gradients point at, and the first non-finite one in backward order."""
+
+    gradient_pass: GradientPass
+    share_nonfinite: Optional[float]
+    first_in_backward: Optional[str]
+    first_rank: Optional[int]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"pass": self.gradient_pass.value, "share_nonfinite": self.share_nonfinite,
+                "first_in_backward": self.first_in_backward, "first_rank": self.first_rank}
+
+
+@dataclass(frozen=True)
+class RerunFinding:
+    """What the in-place rerun of the failing step found: the forward origin (the earliest non-finite call
+    on its tensor-parallel group; several only on a tie), the ranks that only received it, and the
+    strongest conclusion any replica reached."""
+
+    step: int
+    iteration: Optional[int]
+    trigger: Optional[str]
+    megatron: Optional[str]
+    conclusion: Conclusion
+    concluded_by: Tuple[int, ...]
+    module: Optional[str]
+    module_class: Optional[str]
+    rank: Optional[View]
+    micro_batch: Optional[int]
+    output_abs_max: Any
+    bundle: Optional[str]
+    batch: Optional[str]
+    origins: Tuple[View, ...]
+    receivers: Tuple[View, ...]
+
+    @property
+    def global_rank(self) -> Optional[int]:
+        return None if self.rank is None else self.rank["global_rank"]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger, "megatron": self.megatron,
+                "conclusion": self.conclusion.value, "concluded_by": list(self.concluded_by),
+                "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
+                "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
+                "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
+                "receivers": list(self.receivers)}
+
+
+@dataclass(frozen=True)
+class Incident:
+    """The first failing step of a launch: who produced it, who received it, and the verdict."""
+
+    step: int
+    iteration: Optional[int]
+    kinds: Tuple[str, ...]
+    origin_basis: OriginBasis
+    origin: Tuple[View, ...]  # each with ``kind``, ``params_total`` and its offending ``params``
+    receivers: Tuple[View, ...]  # each with ``holds_nonfinite`` and the ``modules`` it holds them in
+    silent: Tuple[View, ...]  # known ranks with no record at this step
+    parameters: Tuple[Dict[str, Any], ...]  # the origin's offending parameters by module, backward order
+    pattern: Pattern
+    verdict: Verdict
+    rerun: Optional[RerunFinding]
+    capture_settings: Optional[Dict[str, str]]  # GRADNAN_CAPTURE_* to capture it on a rerun from a checkpoint
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "iteration": self.iteration, "kinds": list(self.kinds),
+                "origin_basis": self.origin_basis.value, "origin": list(self.origin),
+                "receivers": list(self.receivers), "silent": list(self.silent),
+                "parameters": list(self.parameters), "pattern": self.pattern.to_json(),
+                "verdict": self.verdict.to_json(), "rerun": None if self.rerun is None else self.rerun.to_json()}
+
+
+@dataclass(frozen=True)
+class Report:
+    """One launch of a run directory: its incident (None: no failure), and what else its files hold."""
+
+    run_dir: str
+    ranks_seen: Tuple[int, ...]
+    problems: Tuple[str, ...]
+    run: Optional[str]
+    runs: Tuple[Dict[str, Any], ...]  # every launch: ``run`` key, ``first_step``, ``ranks``
+    incident: Optional[Incident]
+    later_steps: Tuple[Dict[str, Any], ...]  # later steps with failure records, and their ranks
+    loss_scale_overflow_steps: Tuple[int, ...]
+    selftests: Tuple[Dict[str, Any], ...]
+    bundles: Tuple[Dict[str, Any], ...]
+    frames: Tuple[Dict[str, Any], ...]
+    probes: Tuple[Dict[str, Any], ...]
+
+    @property
+    def first_step(self) -> Optional[int]:
+        return None if self.incident is None else self.incident.step
+
+    def to_json(self) -> Dict[str, Any]:
+        """The ``gradnan.report`` document (docs/formats.md), what ``gradnan report --json`` prints."""
+        incident = self.incident
+        return {**SCHEMA.header(), "run_dir": self.run_dir, "ranks_seen": list(self.ranks_seen),
+                "problems": list(self.problems), "first_step": self.first_step,
+                "incident": None if incident is None else incident.to_json(),
+                "later_steps": list(self.later_steps),
+                "loss_scale_overflow_steps": list(self.loss_scale_overflow_steps),
+                "selftests": list(self.selftests), "bundles": list(self.bundles),
+                "rerun_capture": None if incident is None else incident.capture_settings,
+                "frames": list(self.frames), "probes": list(self.probes), "run": self.run, "runs": list(self.runs)}
+
+
+def rank_view(coords: Dict[str, Any]) -> View:
+    view = {"global_rank": coords.get("global_rank"), "host": coords.get("host"),
+            "device": coords.get("device")}
+    for axis in shown_axes(coords):
+        view[axis] = coords.get(axis)
+    view["dp_size"] = coords.get("dp_size")
+    return view
+
+
+def module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
+    ranks: Dict[int, Dict[str, Any]] = {}
+    for document in files.maps.values():
+        ranks.setdefault(document["rank"]["global_rank"], document["rank"])
+    for record in files.all_records():
+        ranks.setdefault(record["rank"].get("global_rank"), record["rank"])
+    return ranks
+
+
+def _params_per_rank(files: RunFiles) -> Dict[int, int]:
+    counts: Dict[int, int] = {}
+    for document in files.maps.values():
+        rank = document["rank"]["global_rank"]
+        counts[rank] = counts.get(rank, 0) + document["params_count"]
+    return counts
+
+
+def _backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
+    """Later pipeline stages and later-registered parameters come first in backward."""
+    return (-(rank.get("pp") or 0), -(param.get("order") if isinstance(param.get("order"), int) else -1))
+
+
+def _param_view(param: Dict[str, Any]) -> Dict[str, Any]:
+    return {key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
+                                            "abs_max_finite", "near_limit", "order")}
+
+
+def _rank_entry(record: Dict[str, Any]) -> View:
+    params = sorted(record["params"], key=lambda p: _backward_key(record["rank"], p))
+    return {**rank_view(record["rank"]), "kind": record["kind"],
+            "params_total": record.get("params_total", len(params)),
+            "params": [_param_view(p) for p in params]}
+
+
+def _receiver(entry: View) -> View:
+    """An origin entry as a receiver: its coordinates, and the modules its own gradients went bad in."""
+    return {**{key: value for key, value in entry.items() if key not in ("params", "params_total", "kind")},
+            "holds_nonfinite": True, "modules": sorted({module_of(p["name"]) for p in entry["params"]})}
+
+
+def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
+    """Offending parameters across the given ranks, grouped by module, modules in backward order."""
+    modules: Dict[str, Dict[str, Any]] = {}
+    keyed = sorted(((_backward_key(e, p), e["global_rank"], p) for e in entries for p in e["params"]),
+                   key=lambda item: item[0])
+    for _, rank, param in keyed:
+        module = modules.setdefault(module_of(param["name"]),
+                                    {"module": module_of(param["name"]), "params": {}})
+        entry = module["params"].setdefault(param["name"], {"name": param["name"], "ranks": [], "nan": 0,
+                                                            "inf": 0, "near_limit": False})
+        entry["ranks"].append(rank)
+        entry["nan"] += param["nan"]
+        entry["inf"] += param["inf"]
+        entry["near_limit"] = entry["near_limit"] or bool(param.get("near_limit"))
+    return [{"module": m["module"], "params": list(m["params"].values())} for m in modules.values()]
+
+
+def _per_rank(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One record per rank: a rank writes one pre-reduction record per bad bucket group."""
+    merged: Dict[Any, Dict[str, Any]] = {}
+    for record in records:
+        rank = record["rank"].get("global_rank")
+        if rank not in merged:
+            merged[rank] = {**record, "params": list(record["params"]),
+                            "params_total": record.get("params_total", len(record["params"]))}
+        else:
+            merged[rank]["params"] += record["params"]
+            merged[rank]["params_total"] += record.get("params_total", len(record["params"]))
+    return list(merged.values())
+
+
+def _gradient_origin(at_step: List[Dict[str, Any]]) -> Tuple[OriginBasis, List[Dict[str, Any]]]:
+    """The origin as the gradients' records show it, and what it rests on."""
+    pre = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]]
+    norm = [r for r in at_step if r["kind"] in NORM_KINDS]
+    holders = [r for r in norm if r["params"]]
+    checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite")]
+    if pre:
+        return OriginBasis.BEFORE_COLLECTIVE, _per_rank(pre)
+    if holders and checked:
+        return OriginBasis.AFTER_COLLECTIVE, holders
+    if holders:
+        return OriginBasis.UNCONFIRMED, holders
+    return OriginBasis.NONE, []
+
+
+def _pattern(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern:
+    """Forward: (nearly) every gradient on the origin rank is bad, so the loss or an activation already
+    was. Backward: only some are; the first in backward order is where it started."""
+    shares = [entry["params_total"] / params_per_rank[entry["global_rank"]]
+              for entry in origin if params_per_rank.get(entry["global_rank"])]
+    if shares and min(shares) >= FORWARD_SHARE:
+        return Pattern(GradientPass.FORWARD, min(shares), None, None)
+    firsts = [(_backward_key(entry, entry["params"][0]), entry["params"][0]["name"], entry["global_rank"])
+              for entry in origin if entry["params"]]
+    _, first, first_rank = min(firsts) if firsts else (None, None, None)
+    return Pattern(GradientPass.BACKWARD if shares else GradientPass.UNKNOWN,
+                   min(shares) if shares else None, first, first_rank)
+
+
+def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Pattern,
+                      parameters: Sequence[Dict[str, Any]]) -> Verdict:
+    """The verdict the gradients alone give (the pattern-based reading)."""
+    evidence = []
+    replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})  # a file may lack it
+    dp_size = max((entry.get("dp_size") or 1 for entry in origin), default=1)
+    forward = pattern.gradient_pass is GradientPass.FORWARD
+    overflow = any(p["near_limit"] for module in parameters for p in module["params"])
+    if overflow:
+        evidence.append("the largest finite gradient values are near the dtype's limit (overflow)")
+    if basis is OriginBasis.UNCONFIRMED:
+        evidence.append("no pre-reduction check ran (pre_reduction=off or no Megatron DDP): the ranks "
+                        "named hold the bad values but may have received them")
+    if forward:
+        evidence.append(f"{pattern.share_nonfinite:.0%} of the origin's gradients are non-finite: "
+                        "the loss or an activation was already bad in the forward pass")
+    elif pattern.first_in_backward:
+        evidence.append(f"first non-finite gradient in backward order: {pattern.first_in_backward}"
+                        f" on rank {pattern.first_rank}")
+    if basis is OriginBasis.AFTER_COLLECTIVE:
+        evidence.append("every rank's local gradients were finite before the data-parallel collective: "
+                        "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
+    if not origin:
+        cause, summary = Cause.UNKNOWN, "no rank held a non-finite gradient (only the norm was non-finite)"
+    elif dp_size == 1 and not forward and not overflow:  # before_collective from here
+        where = ", ".join(f"rank {e['global_rank']} ({e['host']} {e['device']})" for e in origin)
+        cause = Cause.UNDETERMINED
+        summary = (f"{where} produced it; with one data-parallel replica there is no peer on other data"
+                   " to compare with: replay the step or run a self-test to tell hardware from data")
+    elif basis is not OriginBasis.BEFORE_COLLECTIVE and not forward and not overflow:
+        cause = Cause.UNDETERMINED
+        summary = ("the ranks named hold the bad values, but no check saw each rank's own gradients before"
+                   " the data-parallel collective: run with pre_reduction (the default) to tell who produced it")
+    elif dp_size > 1 and len(replicas) == 1 and not forward and not overflow:
+        first = sorted(origin, key=lambda e: e["global_rank"] != pattern.first_rank)
+        where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
+        if len(origin) > 1:
+            where += "; its model-parallel peers in the replica received it in backward"
+        cause = Cause.HARDWARE
+        summary = (f"one data-parallel replica of {dp_size} (dp{replicas[0]}) produced it while its peers, "
+                   f"on different data, did not: suspect {where}; or a batch only it saw")
+        evidence.append(f"origin: dp replica {replicas[0]} only; the other {dp_size - 1} replica(s) were "
+                        "clean before the collective")
+    else:
+        cause = Cause.DATA_OR_NUMERICS
+        scope = ("the only data-parallel replica" if dp_size == 1 else "every data-parallel replica"
+                 if len(replicas) == dp_size else f"replica(s) {replicas}")
+        summary = (f"{scope} went non-finite"
+                   + (" in the forward pass" if forward else "")
+                   + (": overflow" if overflow else "")
+                   + "; points at the data or the numerics, not one device")
+    return Verdict(cause, summary, tuple(evidence))
+
+
+def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
+    """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion."""
+    reruns = [r for r in records if r.get("kind") == RecordKind.RERUN]
+    if not reruns:
+        return None
+    step = min(r["step"] for r in reruns)
+    at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
+    origins = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
+    first = origins[0] if origins else None
+    batch = next((r["batch"] for r in at_step if r.get("batch")), None)
+    conclusion = Conclusion.strongest(r["conclusion"] for r in at_step)
+    return RerunFinding(
+        step=step, iteration=at_step[0].get("iteration"), trigger=at_step[0].get("trigger"),
+        megatron=at_step[0].get("megatron"), conclusion=conclusion,
+        concluded_by=tuple(r["rank"].get("global_rank") for r in at_step if r["conclusion"] == conclusion),
+        module=first["module"] if first else None, module_class=first["class"] if first else None,
+        rank=rank_view(first["rank"]) if first else None,
+        micro_batch=first["micro_batch"] if first else next(
+            (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None), None),
+        output_abs_max=first.get("output_abs_max") if first else None,
+        bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
+        batch=batch["path"] if batch else None,
+        origins=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in origins),
+        receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
+                        if r["role"] == RerunRole.RECEIVER))
+
+
+def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any]]) -> List[str]:
+    """What self-tests in the run directory say about the origin's devices."""
+    devices = {(entry.get("host"), entry.get("device")) for entry in origin}
+    evidence = []
+    for result in selftests:
+        failed_here = [entry for entry in result["failing_ranks"] if (entry["host"], entry["device"]) in devices]
+        if failed_here:
+            named = ", ".join(f"rank {e['rank']} ({e['host']} {e['device']})" for e in failed_here)
+            evidence.append(f"self-test {result['time']} FAILED on the origin's device: {named}")
+        elif result["pass"]:
+            evidence.append(f"self-test {result['time']} passed on all {result['world_size']} ranks: no persistent"
+                            " device fault seen (a transient one, or the data, remain)")
+    return evidence
+
+
+def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
+                    selftests: Sequence[Dict[str, Any]]) -> Verdict:
+    """The verdict, from all the evidence at once. The rerun's conclusion outranks the pattern-based
+    reading where it decides (it saw the same step again); the reading then stays as one line of
+    evidence. The self-tests of the (final) origin's devices are added as evidence."""
+    decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
+                                                                  rerun.micro_batch)
+    if decided is not None:
+        cause, summary = decided
+        evidence = [f"pattern-based reading: {reading.cause.value}: {reading.summary}"]
+    else:
+        cause, summary, evidence = reading.cause, reading.summary, list(reading.evidence)
+        if rerun is not None and rerun.conclusion.evidence:
+            evidence.insert(0, rerun.conclusion.evidence)
+    return Verdict(cause, summary, tuple(evidence + _selftest_evidence(origin, selftests)))
+
+
+def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
+                      iteration: Optional[int]) -> Optional[Dict[str, str]]:
+    """The GRADNAN_CAPTURE_* settings that capture the failing step's implicated module on the origin
+    ranks when the job is rerun from a checkpoint (step filters use Megatron-LM's iteration where its
+    loop ran, else steps count from the launch that is rerun)."""
+    if not pattern.first_in_backward or not origin:
+        return None
+    return {"GRADNAN_CAPTURE_MODULES": module_of(pattern.first_in_backward),
+            "GRADNAN_CAPTURE_STEPS": str(iteration if isinstance(iteration, int) else step),
+            "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in origin)}
+
+
+def _incident(files: RunFiles, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
+              ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
+    step = at_step[0]["step"]
+    gradient_basis, origin_records = _gradient_origin(at_step)
+    gradient_origin = [_rank_entry(r) for r in origin_records]
+    parameters = _parameters_by_module(gradient_origin)
+    pattern = _pattern(gradient_origin, _params_per_rank(files))
+    rerun = _rerun_finding(launch)
+    basis, origin, moved = gradient_basis, gradient_origin, []
+    rerun_ranks = {view["global_rank"] for view in rerun.origins} if rerun is not None else set()
+    if any(entry["global_rank"] in rerun_ranks for entry in gradient_origin):
+        # the rerun named the forward origin: the replica's other ranks whose gradients went bad received it
+        basis = OriginBasis.RERUN
+        origin = [entry for entry in gradient_origin if entry["global_rank"] in rerun_ranks]
+        moved = [_receiver(entry) for entry in gradient_origin if entry["global_rank"] not in rerun_ranks]
+    gradient_ranks = {entry["global_rank"] for entry in gradient_origin}
+    receivers = [{**rank_view(r["rank"]), "holds_nonfinite": bool(r["params"]),
+                  "modules": sorted({module_of(p["name"]) for p in r["params"]})}
+                 for r in at_step if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
+    recorded = {r["rank"].get("global_rank") for r in at_step}
+    iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)), None)
+    reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters)
+    return Incident(
+        step=step, iteration=iteration, kinds=tuple(sorted({r["kind"] for r in at_step})), origin_basis=basis,
+        origin=tuple(origin), receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
+        silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
+        parameters=tuple(parameters), pattern=pattern,
+        verdict=_decide_verdict(reading, rerun, origin, selftests),
+        rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration))
+
+
+def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[str] = None) -> Report:
+    """The report of one launch: ``run`` (a key of ``runs.split_runs``), else the latest launch with a
+    failure, else the latest launch."""
+    ranks = _known_ranks(files)
+    runs = split_runs(files.all_records())
+    if run is not None and run not in runs:
+        raise InputError(f"{files.run_dir}: no run {run!r} (runs: {', '.join(runs) or 'none'})")
+    failing = {key: failing_step([r for r in records if r.get("kind") in INCIDENT_KINDS], serious_skips)
+               for key, records in runs.items()}
+    chosen = run or next((key for key in reversed(list(runs)) if failing[key] is not None),
+                         next(reversed(list(runs)), None))
+    launch = runs.get(chosen, [])
+    incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
+    in_launch = split_runs(list(files.bundles.values()) + launch).get(chosen, [])
+    bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
+                     "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
+                    for path, doc in sorted(files.bundles.items()) if any(doc is other for other in in_launch))
+    selftests = tuple({"file": str(path), "time": doc.get("time"), "pass": doc["pass"],
+                       "world_size": doc.get("world_size"),
+                       "failing_ranks": [{key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
+                                         for entry in doc["failing_ranks"]]}
+                      for path, doc in sorted(files.selftests.items()))
+    first_step = failing_step(incidents, serious_skips)
+    incident, later = None, {}
+    if first_step is not None:
+        at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
+                         key=lambda r: (r["rank"].get("global_rank", -1), r["kind"] != RecordKind.PRE_REDUCTION))
+        incident = _incident(files, at_step, launch, ranks, selftests)
+        for record in incidents:
+            if record["step"] > first_step:
+                later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
+    return Report(
+        run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems), run=chosen,
+        runs=tuple({"run": key, "first_step": failing[key],
+                    "ranks": sorted({r["rank"].get("global_rank") for r in records})}
+                   for key, records in runs.items()),
+        incident=incident, later_steps=tuple({"step": step, "ranks": sorted(r)} for step, r in sorted(later.items())),
+        loss_scale_overflow_steps=tuple(sorted({r["step"] for r in incidents
+                                               if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW})),
+        selftests=selftests, bundles=bundles, frames=tuple(frames_summary(launch)),
+        probes=tuple(probes_summary(launch)))
