@@ -9,7 +9,6 @@ are given as text and parsed once, when the configuration is made (``config.rang
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
 import fnmatch
 import json
@@ -18,7 +17,7 @@ import re
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 try:
     import tomllib
@@ -117,6 +116,12 @@ _ENUM_FIELDS = {"pre_reduction": PreReduction, "on_nonfinite": OnNonfinite, "fra
 class GradnanConfig:
     """Everything ``gradnan.install()`` can be told.
 
+    ``resolve_config`` merges the sources, each winning over the one before: the defaults, a config file,
+    the ``GRADNAN_*`` variables, this object, keyword arguments. Of this object only the fields given to its
+    constructor count (``explicit_fields``), whatever their values: a field left out hides neither the
+    file nor the environment. ``dataclasses.replace`` gives the constructor every field, so its copy
+    counts them all.
+
     out_dir: where every rank writes its maps and records (shared by all ranks of a job).
     maps: write the per-rank parameter-id -> global-name maps when the optimizer is built.
     detect: check the grad norm (and fp16 loss-scale overflows) and localize non-finite gradients.
@@ -199,6 +204,13 @@ class GradnanConfig:
     abort_after_step: int = 0
     log_level: str = "INFO"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GradnanConfig":
+        """Remember which fields the caller gave, by position or by name, whatever their values."""
+        config = super().__new__(cls)
+        positional = [spec.name for spec in fields(cls)][:len(args)]
+        object.__setattr__(config, "_explicit_fields", frozenset(positional).union(kwargs))
+        return config
+
     def __post_init__(self) -> None:
         for spec in fields(self):
             value = getattr(self, spec.name)
@@ -229,6 +241,11 @@ class GradnanConfig:
             raise ConfigError("gradnan config field 'skip_warn_after' must be >= 1")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
+
+    @property
+    def explicit_fields(self) -> FrozenSet[str]:
+        """The fields given to the constructor: the ones ``resolve_config`` takes from this object."""
+        return self._explicit_fields
 
     def ranges(self, name: str) -> Ranges:
         """A rank/step range field, parsed (``RANGE_FIELDS``); empty means "all"."""
@@ -366,16 +383,18 @@ def resolve_config(
     **options: Any,
 ) -> GradnanConfig:
     """Defaults < config file (``config_file``, else ``GRADNAN_CONFIG``) < ``GRADNAN_*`` environment <
-    ``config`` < keyword arguments."""
+    the fields given to ``config``'s constructor < keyword arguments (``None``: not given)."""
     known = {spec.name for spec in fields(GradnanConfig)}
     for name in options:
         if name not in known:
             raise ConfigError(f"unknown gradnan option '{name}' (known: {', '.join(sorted(known))})")
+    if config is not None and not isinstance(config, GradnanConfig):
+        raise ConfigError(f"gradnan argument 'config' is a {type(config).__name__}, not a GradnanConfig")
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get(CONFIG_FILE_ENV, "").strip()
     merged: Dict[str, Any] = options_from_file(config_file) if config_file else {}
     merged.update(options_from_env(environ))
     if config is not None:
-        merged.update(dataclasses.asdict(config))
+        merged.update({name: getattr(config, name) for name in config.explicit_fields})
     merged.update({name: value for name, value in options.items() if value is not None})
     return GradnanConfig(**merged)
