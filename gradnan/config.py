@@ -180,7 +180,7 @@ class GradnanConfig:
     capture: bool = True
     """After a detection on a rank, watch the implicated module there (the one owning the first offending
     parameter in backward order; after a forward-pass incident, the first module whose output went
-    non-finite) and write a replay bundle at its next non-finite call."""
+    non-finite) and write a replay bundle at its next non-finite call (capture mode ``"incident"``)."""
 
     capture_modules: str = ""
     """Global module names or fnmatch patterns (comma-separated) to capture explicitly: at the steps in
