@@ -9,7 +9,6 @@ are given as text and parsed once, when the configuration is made (``config.rang
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
 import fnmatch
 import json
@@ -18,7 +17,7 @@ import re
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 try:
     import tomllib
@@ -38,33 +37,56 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 class PreReduction(str, enum.Enum):
-    """When each rank's own gradients are checked before the data-parallel collective."""
+    """When each rank's own gradients are checked before the data-parallel collective, to tell the rank
+    that produced a NaN from those that received it."""
 
     AUTO = "auto"
+    """One finite flag per bucket kept on the device, read only after a non-finite norm or an fp16 overflow
+    (no host sync on a healthy step); as ``SYNC`` where Megatron's ``check_for_nan_in_grad`` is on."""
     SYNC = "sync"
+    """Read at once: the record is written before the collective."""
     OFF = "off"
+    """No check before the collective."""
 
 
 class RerunMode(str, enum.Enum):
     """Whether the first incident's step is re-executed in place to find where it went non-finite."""
 
     AUTO = "auto"
+    """At the run's first incident (a non-finite grad norm, an fp16 overflow that keeps recurring), before
+    the optimizer applies anything, run the same step's forward pass again on every rank that saw it, over
+    the same micro-batches from the same RNG state, without gradients; name the module where a value
+    first went non-finite (its rank, micro-batch, tensor-parallel receivers), capture that call into a
+    bundle and keep the failing micro-batch; then say whether the failure reproduced (data or numerics)
+    or not (suspect the device). Training is unchanged: the RNG state, module buffers and gradients are
+    as they were. Costs one reference per micro-batch a step. Needs the step driven by megatron-core's
+    pipeline schedules."""
     OFF = "off"
+    """Never."""
 
 
 class OnNonfinite(str, enum.Enum):
     """What happens to training after a non-finite grad norm is recorded."""
 
     CONTINUE = "continue"
+    """Record it and go on (Megatron's behaviour)."""
     RAISE = "raise"
+    """Stop the run with ``NonFiniteGradientError`` right after the record of a non-finite grad norm (or
+    a collapsed fp16 loss scale) is on disk. Every rank of the norm's group sees the same norm, so all
+    stop. With ``frames="detect"``, also at the first non-finite forward value (DebugUnderflowOverflow's
+    behaviour), on the ranks that saw it, once its frames are on disk."""
 
 
 class FramesMode(str, enum.Enum):
-    """Forward frame tracing."""
+    """Forward frame tracing: the abs-min and abs-max of each watched module call's weights, inputs and
+    outputs, computed on the device and read once per step."""
 
     OFF = "off"
+    """No tracing."""
     DETECT = "detect"
+    """Keep the last ``max_frames`` frames and write them when a forward value first goes non-finite."""
     TRACE = "trace"
+    """Write every frame of the ``trace_steps``."""
 
 
 class Ranges:
@@ -117,87 +139,114 @@ _ENUM_FIELDS = {"pre_reduction": PreReduction, "on_nonfinite": OnNonfinite, "fra
 class GradnanConfig:
     """Everything ``gradnan.install()`` can be told.
 
-    out_dir: where every rank writes its maps and records (shared by all ranks of a job).
-    maps: write the per-rank parameter-id -> global-name maps when the optimizer is built.
-    detect: check the grad norm (and fp16 loss-scale overflows) and localize non-finite gradients.
-    pre_reduction: check each rank's local gradients before the data-parallel collective, to tell the
-        rank that produced a NaN from those that received it: "auto" (flags kept on the device, read
-        only after a non-finite norm; immediate where Megatron's check_for_nan_in_grad is on), "sync"
-        (read at once, record written before the collective), or "off".
-    max_params_per_record: offending parameters listed in full per record; the rest are only counted.
-    skip_warn_after: consecutive fp16 loss-scale skips before a warning (then at 2x, 4x, ... that many).
-    strict: let an internal gradnan error propagate instead of logging it and carrying on.
-    on_nonfinite: "continue" (Megatron's behaviour) or "raise": stop the run with
-        ``NonFiniteGradientError`` right after the record of a non-finite grad norm (or a collapsed
-        fp16 loss scale) is on disk. Every rank of the norm's group sees the same norm, so all stop.
-        With frames="detect", also at the first non-finite forward value (DebugUnderflowOverflow's
-        behaviour), on the ranks that saw it, once its frames are on disk.
-    run_id: names this launch in every record, so restarts into one out_dir stay apart; empty: taken
-        from TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else launches are told apart by their start time.
-    max_records_bytes: a rank stops appending records (with one log line) once its file is this big.
-    capture: after a detection on a rank, watch the implicated module there (the one owning the first
-        offending parameter in backward order; after a forward-pass incident, the first module whose
-        output went non-finite) and write a replay bundle at the next non-finite occurrence.
-    capture_modules: global module names or fnmatch patterns (comma-separated) to capture explicitly:
-        at the steps in capture_steps, or every step with capture_retain.
-    capture_steps: steps ("5", "3,7-9") at which capture_modules are captured.
-    capture_ranks: global ranks ("0,4-7") that capture; empty: all.
-    capture_retain: keep the last call of capture_modules every step and write it when a detection
-        happens in that step (the failing step itself, without a rerun; costs a trace every step).
-    max_bundles: bundles a rank writes at most. max_bundle_bytes: a larger bundle is not written.
-    rerun: "auto": at the run's first incident (a non-finite grad norm, an fp16 overflow that keeps
-        recurring), before the optimizer applies anything, run the same step's forward pass again on
-        every rank, over the same micro-batches from the same RNG state, without gradients; name the
-        module where a value first went non-finite (its rank, micro-batch, tensor-parallel receivers),
-        capture that call into a bundle and keep the failing micro-batch; then say whether the failure
-        reproduced (data or numerics) or not (suspect the device). Training is unchanged: the RNG state,
-        module buffers and gradients are as they were. Costs one reference per micro-batch a step.
-        "off": never. Needs the step driven by megatron-core's pipeline schedules.
-    max_batch_bytes: the failing micro-batch's tensors are kept by the rerun up to this size.
-    ranks: global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all.
-        Maps are written on every rank (the report needs them to name receivers).
-    steps: steps ("10-20") in which anything is recorded; empty: all. Like every step filter, a step
-        is Megatron-LM's iteration where its loop runs, else gradnan's step (the records' ``step``).
-    modules / exclude_modules: global module names or fnmatch patterns (comma-separated) that frame
-        tracing and capture may watch (empty modules: all) and those they never watch.
-    frames: forward frame tracing (abs-min/abs-max of each module call's weights, inputs and outputs,
-        computed on the device, read once per step): "off"; "detect": keep the last ``max_frames``
-        frames and write them when a forward value first goes non-finite; "trace": write every frame
-        of the ``trace_steps``.
-    trace_steps: steps ("1,3") whose frames "trace" mode writes. max_frames: frames kept by "detect".
-    abort_after_step: stop the run (``AbortRequested``) once this step has finished and its records
-        are on disk; 0: never.
-    log_level: level of the ``gradnan`` logger.
+    ``resolve_config`` merges the sources, each winning over the one before: the defaults, a config file,
+    the ``GRADNAN_*`` variables, this object, keyword arguments. Of this object only the fields given to its
+    constructor count (``explicit_fields``), whatever their values: a field left out hides neither the
+    file nor the environment. ``dataclasses.replace`` gives the constructor every field, so its copy
+    counts them all.
     """
 
     out_dir: str = "gradnan_out"
+    """Where every rank writes its maps, records and bundles (shared by all ranks of a job)."""
+
     maps: bool = True
+    """Write the per-rank parameter-id -> global-name maps when the optimizer is built."""
+
     detect: bool = True
+    """Check the grad norm (and fp16 loss-scale overflows) and localize non-finite gradients."""
+
     pre_reduction: PreReduction = PreReduction.AUTO
+    """When each rank's local gradients are checked before the data-parallel collective."""
+
     max_params_per_record: int = 64
+    """Offending parameters listed in full per record; the rest are only counted."""
+
     skip_warn_after: int = 3
+    """Consecutive fp16 loss-scale skips before a warning (then at 2x, 4x, ... that many)."""
+
     strict: bool = False
+    """Let an internal gradnan error propagate instead of logging it and carrying on."""
+
     on_nonfinite: OnNonfinite = OnNonfinite.CONTINUE
+    """Whether training goes on or stops once a non-finite grad norm is recorded."""
+
     run_id: str = ""
+    """Names this launch in every record, so that restarts into one ``out_dir`` stay apart; empty: taken
+    from TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else launches are told apart by their start time."""
+
     max_records_bytes: int = 64 << 20
+    """A rank stops appending records (with one log line) once its file is this big (at least 4096)."""
+
     capture: bool = True
+    """After a detection on a rank, watch the implicated module there (the one owning the first offending
+    parameter in backward order; after a forward-pass incident, the first module whose output went
+    non-finite) and write a replay bundle at its next non-finite call (capture mode ``"incident"``)."""
+
     capture_modules: str = ""
+    """Global module names or fnmatch patterns (comma-separated) to capture explicitly: at the steps in
+    ``capture_steps``, or every step with ``capture_retain``."""
+
     capture_steps: str = ""
+    """Steps ("5", "3,7-9") at which ``capture_modules`` are captured."""
+
     capture_ranks: str = ""
+    """Global ranks ("0,4-7") that capture ``capture_modules``; empty: all."""
+
     capture_retain: bool = False
+    """Keep the last call of ``capture_modules`` every step and write it when a detection happens in that
+    step (the failing step itself, without a rerun; costs a trace every step)."""
+
     max_bundles: int = 4
+    """Bundles a rank writes at most."""
+
     max_bundle_bytes: int = 256 << 20
+    """A bundle whose tensors are larger is not written."""
+
     rerun: RerunMode = RerunMode.AUTO
+    """Whether the first incident's step runs again in place to find where it went non-finite."""
+
     max_batch_bytes: int = 64 << 20
+    """The failing micro-batch's tensors are kept by the rerun up to this size."""
+
     ranks: str = ""
+    """Global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all. Maps are
+    written on every rank (the report needs them to name receivers)."""
+
     steps: str = ""
+    """Steps ("10-20") in which anything is recorded; empty: all. Like every step filter, a step is
+    Megatron-LM's iteration where its loop runs, else gradnan's step (the records' ``step``)."""
+
     modules: str = ""
+    """Global module names or fnmatch patterns (comma-separated) that frame tracing and capture may watch;
+    empty: all."""
+
     exclude_modules: str = ""
+    """Global module names or fnmatch patterns (comma-separated) that frame tracing and capture never
+    watch."""
+
     frames: FramesMode = FramesMode.OFF
+    """Forward frame tracing."""
+
     trace_steps: str = ""
+    """Steps ("1,3") whose frames ``frames="trace"`` writes; that mode needs them, and the others refuse
+    them."""
+
     max_frames: int = 21
+    """Frames kept by ``frames="detect"``."""
+
     abort_after_step: int = 0
+    """Stop the run (``AbortRequested``) once this step has finished and its records are on disk; 0:
+    never."""
+
     log_level: str = "INFO"
+    """Level of the ``gradnan`` logger."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GradnanConfig":
+        """Remember which fields the caller gave, by position or by name, whatever their values."""
+        config = super().__new__(cls)
+        positional = [spec.name for spec in fields(cls)][:len(args)]
+        object.__setattr__(config, "_explicit_fields", frozenset(positional).union(kwargs))
+        return config
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -229,6 +278,11 @@ class GradnanConfig:
             raise ConfigError("gradnan config field 'skip_warn_after' must be >= 1")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"gradnan config field 'log_level' is not a log level: {self.log_level!r}")
+
+    @property
+    def explicit_fields(self) -> FrozenSet[str]:
+        """The fields given to the constructor: the ones ``resolve_config`` takes from this object."""
+        return self._explicit_fields
 
     def ranges(self, name: str) -> Ranges:
         """A rank/step range field, parsed (``RANGE_FIELDS``); empty means "all"."""
@@ -366,16 +420,18 @@ def resolve_config(
     **options: Any,
 ) -> GradnanConfig:
     """Defaults < config file (``config_file``, else ``GRADNAN_CONFIG``) < ``GRADNAN_*`` environment <
-    ``config`` < keyword arguments."""
+    the fields given to ``config``'s constructor < keyword arguments (``None``: not given)."""
     known = {spec.name for spec in fields(GradnanConfig)}
     for name in options:
         if name not in known:
             raise ConfigError(f"unknown gradnan option '{name}' (known: {', '.join(sorted(known))})")
+    if config is not None and not isinstance(config, GradnanConfig):
+        raise ConfigError(f"gradnan argument 'config' is a {type(config).__name__}, not a GradnanConfig")
     environ = os.environ if environ is None else environ
     config_file = config_file or environ.get(CONFIG_FILE_ENV, "").strip()
     merged: Dict[str, Any] = options_from_file(config_file) if config_file else {}
     merged.update(options_from_env(environ))
     if config is not None:
-        merged.update(dataclasses.asdict(config))
+        merged.update({name: getattr(config, name) for name in config.explicit_fields})
     merged.update({name: value for name, value in options.items() if value is not None})
     return GradnanConfig(**merged)

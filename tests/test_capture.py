@@ -212,6 +212,21 @@ def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_inst
     assert len(errors) == 2 and "CUDA out of memory (simulated)" in errors[0]
 
 
+def test_the_old_capture_mode_name_still_works_with_one_deprecation_warning(monkeypatch, caplog):
+    """``on_nonfinite`` clashed with the configuration field of that name; the mode is now ``incident``."""
+    from gradnan.training import capture
+    from gradnan.training.guard import ErrorGuard
+
+    monkeypatch.setattr(capture, "_warned_renames", set())
+    with caplog.at_level("WARNING", logger="gradnan"):
+        modes = [capture.ModuleCapture("lin", torch.nn.Linear(2, 2), "on_nonfinite", ErrorGuard(False)).mode
+                 for _ in range(2)]
+    assert modes == ["incident", "incident"]
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert warnings == ["capture mode 'on_nonfinite' is deprecated, use 'incident'"
+                        " ('on_nonfinite' is also the name of a configuration field)"]
+
+
 def test_a_failing_capture_fails_the_step_under_strict(monkeypatch):
     from gradnan.errors import InternalError
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pickle
 
 import pytest
 
@@ -197,24 +199,70 @@ def test_resolve_env_overrides_defaults():
     assert config.maps is True  # untouched fields keep their default
 
 
-def test_resolve_config_object_overrides_env():
-    environ = {"GRADNAN_OUT_DIR": "from_env", "GRADNAN_SKIP_WARN_AFTER": "5"}
-    config = resolve_config(GradnanConfig(out_dir="from_config", skip_warn_after=7), environ=environ)
-    assert config.out_dir == "from_config"
-    assert config.skip_warn_after == 7
+# max_frames as each source gives it (its default is 21): which value comes out names the winner
+MAX_FRAMES_BY_SOURCE = {"file": 3, "env": 5, "config": 7, "keyword": 9}
 
 
-def test_resolve_keyword_overrides_config_object_and_env():
-    environ = {"GRADNAN_OUT_DIR": "from_env", "GRADNAN_STRICT": "0"}
-    config = resolve_config(
-        GradnanConfig(out_dir="from_config", max_params_per_record=8),
-        environ=environ,
-        out_dir="from_keyword",
-        strict=True,
-    )
-    assert config.out_dir == "from_keyword"
-    assert config.strict is True
-    assert config.max_params_per_record == 8  # from the config object, not overridden
+def _resolved_max_frames(tmp_path, sources):
+    path = tmp_path / "gradnan.json"
+    path.write_text(json.dumps({"max_frames": MAX_FRAMES_BY_SOURCE["file"]}))
+    environ = {"GRADNAN_CONFIG": str(path)} if "file" in sources else {}
+    if "env" in sources:
+        environ["GRADNAN_MAX_FRAMES"] = str(MAX_FRAMES_BY_SOURCE["env"])
+    config = GradnanConfig(max_frames=MAX_FRAMES_BY_SOURCE["config"]) if "config" in sources else None
+    keywords = {"max_frames": MAX_FRAMES_BY_SOURCE["keyword"]} if "keyword" in sources else {}
+    return resolve_config(config, environ=environ, **keywords).max_frames
+
+
+@pytest.mark.parametrize("sources, expected", [
+    pytest.param(("file",), 3, id="file"),
+    pytest.param(("env",), 5, id="env"),
+    pytest.param(("config",), 7, id="config"),
+    pytest.param(("keyword",), 9, id="keyword"),
+    pytest.param(("file", "env"), 5, id="env-over-file"),
+    pytest.param(("env", "config"), 7, id="config-over-env"),
+    pytest.param(("config", "keyword"), 9, id="keyword-over-config"),
+    pytest.param(("file", "env", "config", "keyword"), 9, id="all"),
+])
+def test_each_source_wins_over_the_one_before(tmp_path, sources, expected):
+    assert _resolved_max_frames(tmp_path, sources) == expected
+
+
+def test_a_field_the_config_object_was_not_given_keeps_the_environment_value():
+    """The issue's trap: config=GradnanConfig(out_dir=...) used to turn GRADNAN_FRAMES=detect into off."""
+    config = resolve_config(GradnanConfig(out_dir="from_config"), environ={"GRADNAN_FRAMES": "detect"})
+    assert (config.out_dir, config.frames) == ("from_config", "detect")
+
+
+def test_a_field_the_config_object_was_not_given_keeps_the_file_value(tmp_path):
+    path = tmp_path / "gradnan.toml"
+    path.write_text('frames = "detect"\nout_dir = "from_file"\n')
+    config = resolve_config(GradnanConfig(max_frames=7), environ={"GRADNAN_CONFIG": str(path)})
+    assert (config.frames, config.out_dir, config.max_frames) == ("detect", "from_file", 7)
+
+
+def test_a_field_given_its_default_value_still_wins_over_the_environment():
+    config = resolve_config(GradnanConfig(frames="off"), environ={"GRADNAN_FRAMES": "detect"})
+    assert config.frames == "off"
+
+
+def test_the_given_fields_are_recorded_by_position_or_name_and_survive_a_pickle():
+    config = GradnanConfig("by_position", frames="off")
+    assert config.explicit_fields == {"out_dir", "frames"}
+    assert GradnanConfig().explicit_fields == frozenset()
+    assert pickle.loads(pickle.dumps(config)).explicit_fields == {"out_dir", "frames"}
+
+
+def test_a_replaced_copy_counts_every_field_as_given():
+    """As documented: dataclasses.replace gives the constructor every field."""
+    copy = dataclasses.replace(GradnanConfig(out_dir="x"), max_frames=3)
+    assert copy.explicit_fields == {spec.name for spec in dataclasses.fields(GradnanConfig)}
+    assert resolve_config(copy, environ={"GRADNAN_FRAMES": "detect"}).frames == "off"
+
+
+def test_a_config_argument_that_is_not_a_gradnan_config_is_a_config_error():
+    with pytest.raises(ConfigError, match="gradnan argument 'config' is a dict, not a GradnanConfig"):
+        resolve_config({"out_dir": "x"}, environ={})
 
 
 def test_resolve_none_keyword_values_are_ignored():

@@ -108,6 +108,12 @@ def test_keyword_arguments_beat_the_environment(tmp_path, monkeypatch):
     assert gradnan.install(out_dir=str(tmp_path / "kw")).out_dir == str(tmp_path / "kw")
 
 
+def test_a_config_object_leaves_the_variables_it_was_not_given_in_force(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADNAN_FRAMES", "detect")
+    installation = gradnan.install(config=gradnan.GradnanConfig(out_dir=str(tmp_path)))
+    assert (installation.out_dir, installation.config.frames) == (str(tmp_path), "detect")
+
+
 def test_a_misspelt_environment_variable_is_an_error(monkeypatch):
     monkeypatch.setenv("GRADNAN_OUTDIR", "x")
     with pytest.raises(ConfigError, match="GRADNAN_OUTDIR"):

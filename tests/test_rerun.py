@@ -186,7 +186,7 @@ def test_expert_parallelism_is_not_rerun_and_the_finder_takes_over(runs):
     assert any(r["kind"] == "nonfinite_grad_norm" and r["step"] == 2 for r in records)
     assert not [r for r in records if r["kind"] == "rerun"]
     bundles = list((runs["moe_ep2_not_rerun"] / "bundles").glob("*/*/manifest.json"))
-    assert bundles and all(json.loads(path.read_text())["trigger"] == "on_nonfinite" for path in bundles)
+    assert bundles and all(json.loads(path.read_text())["trigger"] == "incident" for path in bundles)
 
 
 def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(runs):

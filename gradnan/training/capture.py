@@ -8,8 +8,10 @@ step (or at a detection) the chosen call becomes a bundle (``gradnan.bundle``). 
 nothing costs anything while no capture is armed.
 
 Modes:
-- ``on_nonfinite``: write the first call of a step in which anything was non-finite (armed after a
-  detection: the failure recurs, the next occurrence is captured);
+- ``incident``: write the first call of a step in which anything was non-finite (armed after a
+  detection: the failure recurs, the next occurrence is captured). Formerly ``on_nonfinite``, which
+  clashed with the configuration field of that name (raise or continue): still accepted, with one
+  deprecation warning;
 - ``always``: write the first call of the step (explicit modules and steps from the configuration);
 - ``retain``: keep the last call of every step and write it only when a detection happens in that
   same step, so the failing step itself is captured without a rerun.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -36,9 +38,24 @@ from .recorder import OpRecorder
 from .window import RecordingWindow
 from .writer import Writer
 
-MODES = ("on_nonfinite", "always", "retain")
+MODES = ("incident", "always", "retain")
+RENAMED_MODES = {"on_nonfinite": "incident"}  # old spelling -> current name
 ARMED_STEPS = 20  # an armed capture whose failure does not recur stops watching after this many steps
 FINDER_STEPS = 3  # the forward-origin finder checks every module call: a few steps at most
+
+_warned_renames: Set[str] = set()
+
+
+def _current_mode_name(mode: str) -> str:
+    """A capture mode under its current name; an old spelling still works, with one warning per process."""
+    current = RENAMED_MODES.get(mode)
+    if current is None:
+        return mode
+    if mode not in _warned_renames:
+        _warned_renames.add(mode)
+        logger.warning("capture mode %r is deprecated, use %r (%r is also the name of a configuration field)",
+                       mode, current, mode)
+    return current
 
 
 @dataclass
@@ -88,6 +105,7 @@ class ModuleCapture:
                  confirm: Optional[Callable[[], bool]] = None) -> None:
         """``confirm``: asked at the module's first call whether this step is to be captured at all (the
         step is not known yet when the capture is armed); if not, the module runs untouched this step."""
+        mode = _current_mode_name(mode)
         if mode not in MODES:
             raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
         self.name, self.module, self.mode, self._guard = name, module, mode, guard
@@ -178,7 +196,7 @@ class ModuleCapture:
     def chosen_call(self) -> Optional[ModuleCall]:
         """The call worth a bundle this step, by mode (recompute passes replace the first pass)."""
         tracked = [c for c in self.calls if c.grad_enabled] or self.calls
-        if self.mode == "on_nonfinite":
+        if self.mode == "incident":
             return next((c for c in tracked if c.nonfinite), None)
         return tracked[0] if self.mode == "always" and tracked else (tracked[-1] if tracked else None)
 
@@ -357,7 +375,7 @@ class CaptureManager:
                 self.disarm(name)
         if self.finder is not None:
             self.finder.end_step()
-            if self.finder.found is not None and self.arm(self.finder.found, "on_nonfinite"):
+            if self.finder.found is not None and self.arm(self.finder.found, "incident"):
                 self.captures[self.finder.found].context = {"forward_origin": self.finder.found,
                                                             "frames": self.finder.frames}
             if self.finder.found is not None or self.finder.steps_left <= 0:
@@ -378,7 +396,7 @@ class CaptureManager:
         if forward_pattern:
             self.arm_forward_origin()
         elif first_param and "." in first_param:
-            self.arm(first_param.rsplit(".", 1)[0], "on_nonfinite")
+            self.arm(first_param.rsplit(".", 1)[0], "incident")
 
     def close(self) -> None:
         for name in list(self.captures):

@@ -72,7 +72,8 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
     """Patch Megatron so non-finite gradients are named by rank and parameter. Call it before the
     optimizer is built. A second call returns the first installation unchanged (nothing is wrapped
     twice). Options: the fields of ``GradnanConfig``, also settable as ``GRADNAN_<FIELD>`` or in a JSON
-    or TOML file (``config_file``, else ``GRADNAN_CONFIG``)."""
+    or TOML file (``config_file``, else ``GRADNAN_CONFIG``). A ``config`` object overrides those with the
+    fields given to its constructor only; keyword options override it."""
     global _current
     with _lock:
         if _current is not None:
