@@ -17,7 +17,7 @@ import re
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 try:
     import tomllib
@@ -297,6 +297,11 @@ class GradnanConfig:
         include, exclude = self.patterns("modules"), self.patterns("exclude_modules")
         return (not include or any(fnmatch.fnmatchcase(module_name, p) for p in include)) and not any(
             fnmatch.fnmatchcase(module_name, p) for p in exclude)
+
+    def watched(self, named_modules: Iterable[Tuple[str, Any]], include_model: bool = False) -> List[Tuple[str, Any]]:
+        """The (name, module) pairs of ``named_modules`` that gradnan may hook (``watches``); the model
+        itself (the empty name) only with ``include_model`` (frame tracing shows it as ``<model>``)."""
+        return [(name, module) for name, module in named_modules if (name or include_model) and self.watches(name)]
 
 
 _FIELD_TYPES: Dict[str, type] = typing.get_type_hints(GradnanConfig)

@@ -106,7 +106,7 @@ def map_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, Any]:
 
 
 def param_entry(name: str, bad: str, near_limit: bool) -> Dict[str, Any]:
-    """One offending parameter, as ``detect.offending_params`` describes it."""
+    """One offending parameter, as ``offenders.offending_params`` describes it."""
     position = PARAM_NAMES.index(name)
     return {"id": position, "name": name, "kind": bad, "nan": int(bad == "nan"), "inf": int(bad == "inf"),
             "pos_inf": int(bad == "inf"), "neg_inf": 0, "first_bad_flat": 3, "first_bad_index": [1, 1],

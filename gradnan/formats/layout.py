@@ -2,8 +2,11 @@
 
     <out_dir>/maps/<rank tag>[_opt<k>][.<launch tag>].json      one parameter map per optimizer
     <out_dir>/records/<rank tag>.jsonl                          append-only JSON lines
-    <out_dir>/bundles/<rank tag>/step<NNNNNNN>_<module>[_<k>]/  capture bundles (manifest.json, tensors.pt)
+    <out_dir>/bundles/<rank tag>/<when>_<module>[_<k>]/         capture bundles (manifest.json, tensors.pt)
+    <out_dir>/batches/<rank tag>/<when>_mb<M>.pt                the failing micro-batch the rerun kept
     <out_dir>/selftest/<time>.json                              self-test results
+
+``<when>`` is ``iter<NNNNNNN>`` (Megatron-LM's iteration, where its loop runs) or ``step<NNNNNNN>``.
 
 A launch never writes over another launch's map: where the name is taken (a restart, or another job
 writing into the same out_dir), its map gets its launch tag (``launch_tag``) as well. Records are only
@@ -66,6 +69,11 @@ def launch_tag(run: Mapping[str, Any], coords: Mapping[str, Any]) -> str:
 
 def records_path(out_dir: str, coords: Mapping[str, Any]) -> Path:
     return Path(out_dir) / RECORDS_DIR / f"{rank_tag(coords)}.jsonl"
+
+
+def step_label(step: int, iteration: Optional[int]) -> str:
+    """The step as the user's own log counts it: Megatron-LM's iteration where its loop runs."""
+    return f"iteration {iteration}" if iteration is not None else f"step {step}"
 
 
 def _when(step: int, iteration: Optional[int]) -> str:

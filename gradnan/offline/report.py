@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.layout import AXES, rank_label
+from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
 from .frames_view import summary_lines
@@ -171,7 +171,7 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion."""
     if rerun is None:
         return []
-    when = f"iteration {rerun.iteration}" if rerun.iteration else f"step {rerun.step}"
+    when = step_label(rerun.step, rerun.iteration)
     conclusion = rerun.conclusion.headline
     megatron = [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
     if rerun.module is None:

@@ -312,7 +312,7 @@ class CaptureManager:
 
     def _watchable(self) -> List[Tuple[str, torch.nn.Module]]:
         """Named modules that ``modules`` / ``exclude_modules`` let capture watch."""
-        return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
+        return self.config.watched(self._named_modules())
 
     def _rank_selected(self) -> bool:
         ranks = self.config.ranges("capture_ranks")

@@ -37,7 +37,7 @@ class ForwardWatch:
         """Hook the watched modules of the known model chunks (once) when frame tracing is on."""
         if self.config.frames is FramesMode.OFF or self.frames is not None:
             return
-        modules = [(name, module) for name, module in self._named_modules() if self.config.watches(name)]
+        modules = self.config.watched(self._named_modules(), include_model=True)
         if not modules:
             logger.warning("frames=%s: no module to trace (model not seen yet, or modules/exclude_modules"
                            " exclude them all)", self.config.frames.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..formats.layout import rank_label
+from ..formats.layout import rank_label, step_label
 from ..formats.schema import nonfinite_counts
 
 
@@ -15,8 +15,7 @@ def where(document: Dict[str, Any]) -> str:
 
 def when(document: Dict[str, Any]) -> str:
     """The step as the user's own log counts it: Megatron-LM's iteration where its loop runs."""
-    iteration = document.get("iteration")
-    return f"iteration {iteration}" if iteration is not None else f"step {document['step']}"
+    return step_label(document["step"], document.get("iteration"))
 
 
 def describe_params(record: Dict[str, Any]) -> str:

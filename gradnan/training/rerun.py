@@ -208,7 +208,7 @@ class StepRerun:
                         " returned as a device tensor)", self._clock.current(), trigger)
 
     def _watched(self) -> NamedModules:
-        return [(name, module) for name, module in self._named_modules() if name and self.config.watches(name)]
+        return self.config.watched(self._named_modules())
 
     @staticmethod
     @contextlib.contextmanager

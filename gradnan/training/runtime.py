@@ -20,7 +20,7 @@ from ..errors import INTENDED_STOPS
 from ..formats.maps import ParamSlot
 from .capture import CaptureManager
 from .clock import StepClock
-from .detections import Detections
+from .incidents import Detections
 from .events import DescribeBuckets, Grads, ModelFacts, NamedModules, RerunnableStep
 from .forward import ForwardWatch
 from .guard import ErrorGuard

@@ -1,5 +1,5 @@
 """What a detection does: a non-finite grad norm, an fp16 loss-scale overflow, a bad bucket before the
-data-parallel collective. Each one becomes a record (localized by ``detect.offending_params``), a log line
+data-parallel collective. Each one becomes a record (localized by ``offenders.offending_params``), a log line
 whose level follows how serious and how repeated it is, and a hint to capture."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
-from .detect import offending_params
+from .offenders import offending_params
 from .events import DescribeBuckets, Grads
 from .messages import describe_params, is_power_of_two, when, where
 from .writer import Writer
