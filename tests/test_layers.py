@@ -102,3 +102,92 @@ def test_the_checker_catches_a_backward_import(module, source):
     """Each of these would break the contract: the checker must say so (a check that cannot fail proves nothing)."""
     [problem] = violations(source, module, is_package=module == "gradnan.selftest")
     assert problem.startswith(f"{module}:")
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def eager_imports(source: str, module: str, is_package: bool) -> Iterator[str]:
+    """The modules ``source`` imports when it is imported: module level and class bodies, not function
+    bodies (lazy imports) nor ``if TYPE_CHECKING:`` blocks."""
+    def walk(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_type_checking(node):
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield from (name for _, name in imports(ast.unparse(node), module, is_package))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from walk(getattr(node, field, []) or [])
+
+    yield from walk(ast.parse(source).body)
+
+
+def loaded_by_importing(start: str) -> set:
+    """Every module, gradnan's own and third-party top-level names, that importing ``start`` loads: the
+    eager imports, transitively, with the ``__init__`` of every package on the way."""
+    files = {module_name(path): path for path in package_modules()}
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ first
+            prefix = ".".join(parts[:depth])
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            if prefix in files:
+                path = files[prefix]
+                todo.extend(eager_imports(path.read_text(), prefix, path.name == "__init__.py"))
+    return seen
+
+
+OFFLINE_ENTRY_POINTS = ("gradnan.cli", "gradnan.offline.report", "gradnan.offline.analysis", "gradnan.offline.plot",
+                        "gradnan.offline.frames_view", "gradnan.offline.read", "gradnan")
+
+
+@pytest.mark.parametrize("start", OFFLINE_ENTRY_POINTS)
+def test_the_offline_side_loads_neither_torch_nor_megatron_nor_the_training_side(start):
+    loaded = loaded_by_importing(start)
+    assert not {"torch", "megatron", "gradnan.training"} & loaded, sorted(loaded)
+
+
+def test_the_import_walk_sees_through_package_inits_and_skips_lazy_imports(tmp_path):
+    """A check that cannot fail proves nothing: the walk finds torch behind a package ``__init__`` and
+    leaves a function's import alone."""
+    assert "torch" in loaded_by_importing("gradnan.training.scan")
+    assert "gradnan.training" in loaded_by_importing("gradnan.training.scan")
+    assert list(eager_imports("import json\ndef f():\n    import torch\n", "gradnan.x", False)) == ["json"]
+    assert list(eager_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+                              "gradnan.x", False)) == ["typing"]
+
+
+def _frames_record() -> dict:
+    from gradnan.formats import records
+
+    frame = {"step": 2, "module": "decoder.layers.0.mlp", "class": "MLP", "call": 3, "recomputed": 0,
+             "entries": [{"name": "output[0]", "kind": "output", "dtype": "torch.bfloat16", "abs_min": 0.5,
+                          "abs_max": "inf"}]}
+    return records.to_json("frames", 2, None, {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}, {"started": 1.0}, [], 0,
+                           {"mode": "detect", "frames": [frame], "frames_total": 1, "first_nonfinite": 0})
+
+
+@pytest.mark.parametrize("command", [["report"], ["report", "--json"], ["maps", "--rank", "3"], ["frames"]])
+def test_offline_commands_run_without_importing_torch_or_megatron(tmp_path, command):
+    """The commands a user runs on a laptop over a shared run directory: run in a fresh interpreter, the
+    modules loaded at the end are checked."""
+    import subprocess
+    import sys
+
+    from gradnan.formats.layout import records_path
+    from gradnan.formats.schema import append_json_line
+    from gradnan.testing.synthetic import write_run_dir
+
+    write_run_dir(tmp_path, 16)
+    append_json_line(records_path(str(tmp_path), {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}), _frames_record())
+    probe = ("import sys\nfrom gradnan.cli import main\ncode = main(sys.argv[1:])\n"
+             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules), code, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, command[0], str(tmp_path), *command[1:]],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stderr.strip().splitlines()[-1] == "[] 0", result.stderr
+    assert result.stdout.strip()
