@@ -21,7 +21,7 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.config": ("gradnan.errors", "gradnan.formats"),  # formats.schema: the one bounded read
     "gradnan.formats": ("gradnan.errors",),
     "gradnan.offline": ("gradnan.errors", "gradnan.formats"),
-    "gradnan.selftest": ("gradnan.errors", "gradnan.formats"),
+    "gradnan.selftest": ("gradnan.errors", "gradnan.commandline", "gradnan.formats"),
     "gradnan.training.megatron": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
                                   "gradnan.training", "megatron"),
     "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats"),

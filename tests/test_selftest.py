@@ -1,13 +1,12 @@
 """``gradnan selftest``: the pure pieces, then real gloo worlds on CPU launched like training.
 
-The worlds run the module's own ``add_arguments``/``run`` (the interface ``gradnan selftest`` calls) in
-separate processes, with the environment torchrun or srun would give them. They are kept small (2 or 3
-ranks, 32x32 matrices, 2 repeats) because the test machine has 2 cores.
+The worlds run the real command (``python -m gradnan selftest``) in separate processes, with the
+environment torchrun or srun would give them. They are kept small (1 to 3 ranks, 32x32 matrices, 2
+repeats) because the test machine has 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,24 +21,19 @@ import pytest
 import torch
 
 from gradnan import selftest
-from gradnan.testing.gloo import free_port
-from gradnan.selftest import (
-    PERTURB_ENV,
-    STALL_ENV,
-    BadArguments,
-    Tally,
+from gradnan.cli import main
+from gradnan.errors import UsageError
+from gradnan.selftest.arithmetic import Tally, checksum, flip_lowest_bit, majority, split_plans
+from gradnan.selftest.communication import (
     allreduce_expected,
     allreduce_input,
     allreduce_mismatch,
-    checksum,
-    flip_lowest_bit,
-    launch_environment,
     layout_groups,
-    majority,
-    ranks_named_in,
-    result_path,
-    split_plans,
 )
+from gradnan.selftest.options import PERTURB_ENV, STALL_ENV, launch_environment
+from gradnan.selftest.result import result_path
+from gradnan.selftest.runner import ranks_named_in
+from gradnan.testing.gloo import free_port
 
 ENTRY = ("-m", "gradnan", "selftest")  # the real command, as a user launches it
 SMALL = ("--size", "32", "--repeats", "2")
@@ -143,9 +137,9 @@ def test_launch_environment_reads_torchrun_then_srun_variables():
     assert launch_environment(srun) == (5, 8, 1, "node-a", 29500)
     torchrun = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", **srun}
     assert launch_environment(torchrun) == (2, 4, 2, "node-a", 29500)
-    with pytest.raises(BadArguments, match="MASTER_ADDR"):
+    with pytest.raises(UsageError, match="MASTER_ADDR"):
         launch_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
-    with pytest.raises(BadArguments, match="neither RANK nor SLURM_PROCID"):
+    with pytest.raises(UsageError, match="neither RANK nor SLURM_PROCID"):
         launch_environment(master)
 
 
@@ -161,33 +155,59 @@ def test_result_path_never_replaces_an_existing_result(tmp_path):
     assert first.read_text() == "earlier result"
 
 
+def _torch_modules_after_importing_selftest(skip_package_init: bool) -> List[str]:
+    """The torch modules a fresh interpreter holds once it has imported ``gradnan.selftest`` and built the
+    command's parser. ``skip_package_init``: ``gradnan/__init__.py`` is not run, only the modules the
+    selftest package itself imports."""
+    package = Path(selftest.__file__).parent.parent
+    skip = (f"package = types.ModuleType('gradnan'); package.__path__ = [{str(package)!r}];"
+            " sys.modules['gradnan'] = package")
+    script = "\n".join(["import argparse, json, sys, types", skip if skip_package_init else "",
+                        "from gradnan import selftest", "selftest.add_arguments(argparse.ArgumentParser())",
+                        "torch = [name for name in sys.modules if name.split('.')[0] == 'torch']",
+                        "print(json.dumps(sorted(torch)))"])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_selftest_package_imports_torch_only_when_it_runs():
+    """The command line builds its parser from ``gradnan.selftest``: that must not load torch."""
+    assert _torch_modules_after_importing_selftest(skip_package_init=True) == []
+
+
+@pytest.mark.xfail(strict=True, reason="gradnan/__init__.py imports gradnan.training (torch) for install()")
+def test_importing_gradnan_selftest_does_not_import_torch():
+    assert _torch_modules_after_importing_selftest(skip_package_init=False) == []
+
+
 def _run_in_process(argv: List[str], monkeypatch, environ: Dict[str, Optional[str]]) -> int:
-    """``run`` in this process as rank 0 of 2 launched by torchrun (a variable set to None is unset)."""
+    """``gradnan selftest`` in this process as rank 0 of 2 launched by torchrun (a variable set to None is
+    unset)."""
     base = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in {**base, **environ}.items():
         if value is not None:
             monkeypatch.setenv(name, value)
-    parser = argparse.ArgumentParser()
-    selftest.add_arguments(parser)
-    return selftest.run(parser.parse_args(argv))
+    return main(["selftest", *argv])
 
 
 @pytest.mark.parametrize("argv,environ,expected", [
-    (["--repeats", "0"], {}, "--repeats must be at least 1"),
-    (["--tp", "0"], {}, "--tp must be at least 1"),
-    (["--timeout", "-1"], {}, "--timeout must be a positive number"),
-    (["--seconds", "nan"], {}, "--seconds must be a positive number"),
-    (["--timeout", "1e300"], {}, "--timeout must be a positive number of seconds up to"),
-    (["--seconds", "inf"], {}, "--seconds must be a positive number of seconds up to"),
-    ([], {"RANK": None}, "neither RANK nor SLURM_PROCID"),
-    ([], {PERTURB_ENV: "7"}, f"{PERTURB_ENV}=7 is not a rank"),
+    (["--repeats", "0"], {}, "gradnan: error: --repeats must be at least 1, not 0"),
+    (["--tp", "0"], {}, "gradnan: error: --tp must be at least 1"),
+    (["--tp", "x"], {}, "gradnan selftest: error: argument --tp: invalid int value: 'x'"),
+    (["--timeout", "-1"], {}, "gradnan: error: --timeout must be a positive number"),
+    (["--seconds", "nan"], {}, "gradnan: error: --seconds must be a positive number"),
+    (["--timeout", "1e300"], {}, "gradnan: error: --timeout must be a positive number of seconds up to"),
+    (["--seconds", "inf"], {}, "gradnan: error: --seconds must be a positive number of seconds up to"),
+    ([], {"RANK": None}, "gradnan: error: not launched by torchrun or srun: neither RANK nor SLURM_PROCID"),
+    ([], {PERTURB_ENV: "7"}, f"gradnan: error: {PERTURB_ENV}=7 is not a rank"),
 ])
 def test_bad_arguments_return_2_with_one_line(argv, environ, expected, monkeypatch, capsys, tmp_path):
     assert _run_in_process([*argv, "--out", str(tmp_path / "run")], monkeypatch, environ) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and expected in err, err
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith(expected) and out == "", err
     assert not (tmp_path / "run").exists()
 
 
@@ -195,7 +215,7 @@ def test_an_out_that_is_a_file_is_a_bad_argument(monkeypatch, capsys, tmp_path):
     out = tmp_path / "run"
     out.write_text("not a run directory")
     assert _run_in_process(["--out", str(out)], monkeypatch, {}) == 2
-    assert capsys.readouterr().err == f"gradnan: error: selftest: --out {out}: {out} is not a directory\n"
+    assert capsys.readouterr().err == f"gradnan: error: --out {out}: {out} is not a directory\n"
     assert out.read_text() == "not a run directory"
 
 
@@ -210,16 +230,26 @@ def _environment(**variables: str) -> Dict[str, str]:
     return environ
 
 
+def _entry(host: Optional[str]) -> Tuple[str, ...]:
+    """The real command, on a machine whose name is ``host`` where one is given."""
+    if host is None:
+        return ENTRY
+    return ("-c", f"import socket, sys; socket.gethostname = lambda: {host!r}; from gradnan.cli import main;"
+                  " sys.exit(main())", "selftest")
+
+
 def _start(world_size: int, ranks: List[int], options: Tuple[str, ...], *, srun: bool = False,
-           **variables: str) -> Dict[int, subprocess.Popen]:
-    """One process per rank in ``ranks`` of a world of ``world_size``, as torchrun (or srun) starts them."""
+           hosts: Optional[Dict[int, str]] = None, **variables: str) -> Dict[int, subprocess.Popen]:
+    """One process per rank in ``ranks`` of a world of ``world_size``, as torchrun (or srun) starts them;
+    ``hosts``: the machine names some ranks report."""
     port = str(free_port())
     processes = {}
     for rank in ranks:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if srun else ("RANK", "WORLD_SIZE", "LOCAL_RANK")
         launch = dict(zip(names, (str(rank), str(world_size), str(rank))))
         processes[rank] = subprocess.Popen(
-            [sys.executable, *ENTRY, *options], env=_environment(MASTER_PORT=port, **launch, **variables),
+            [sys.executable, *_entry((hosts or {}).get(rank)), *options],
+            env=_environment(MASTER_PORT=port, **launch, **variables),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return processes
 
@@ -342,5 +372,27 @@ def test_bad_layout_exits_2_with_one_line_and_no_traceback(tmp_path):
     results = _finish(_start(2, [0], ("--tp", "3", "--out", str(out))), timeout=60)
     code, stdout, stderr = results[0]
     assert code == 2 and stdout == ""
-    assert stderr == "gradnan: error: selftest: --tp 3 x --pp 1 does not divide the world size 2\n"
+    assert stderr == "gradnan: error: --tp 3 x --pp 1 does not divide the world size 2\n"
     assert not out.exists()
+
+
+def test_a_host_name_from_another_rank_is_printed_escaped(tmp_path):
+    out = tmp_path / "run"
+    hostile = "node\x1b]0;owned\x07-1"  # an OSC sequence: printed raw, it would retitle the terminal
+    results = _finish(_start(2, [0, 1], (*SMALL, "--timeout", "60", "--out", str(out)), hosts={1: hostile},
+                             **{PERTURB_ENV: "1"}))
+    assert [code for code, _, _ in results.values()] == [1, 1], results
+    stdout = results[0][1]
+    assert "rank 1 (host node\\x1b]0;owned\\x07-1, cpu): matmul_fp32: " in stdout, stdout
+    assert "\x1b" not in stdout and "\x07" not in stdout
+    assert _result(out)["failing_ranks"][1]["host"] == hostile  # the file keeps the name as it was
+
+
+def test_a_result_that_cannot_be_written_exits_2_after_the_verdict():
+    out = "/dev/null/run"  # under a file: no directory can be made there, not even by root
+    code, stdout, stderr = _finish(_start(1, [0], (*SMALL, "--timeout", "60", "--out", out)))[0]
+    assert code == 2 and "Result:" not in stdout
+    assert stdout.splitlines()[-1] == "PASS: all 1 rank(s) communicate and agree bitwise on every check"
+    [error] = [line for line in stderr.splitlines() if line.startswith("gradnan")]
+    assert error.startswith(f"gradnan: error: --out {out}: cannot write the result: ")
+    assert "Not a directory" in error
