@@ -161,8 +161,8 @@ def test_the_import_walk_sees_through_package_inits_and_skips_lazy_imports(tmp_p
     assert "torch" in loaded_by_importing("gradnan.training.scan")
     assert "gradnan.training" in loaded_by_importing("gradnan.training.scan")
     assert list(eager_imports("import json\ndef f():\n    import torch\n", "gradnan.x", False)) == ["json"]
-    assert list(eager_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
-                              "gradnan.x", False)) == ["typing"]
+    assert "torch" not in eager_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+                                        "gradnan.x", False)
 
 
 def _frames_record() -> dict:
