@@ -27,8 +27,10 @@ CORE = f"{ATTENTION}.core_attention"
 BASE = TinyGPTJob(world_size=2, steps=3, micro_batches=2, quiet=True)
 
 SCENARIOS = {
-    # a batch drives layer 1's attention scores past bf16's range on rank 1 at step 2, once
-    "bf16_one_off_dp2": BASE.with_(dtype="bf16", injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),)),
+    # a batch drives layer 1's attention scores past bf16's range on rank 1 at step 2, once; the scratch
+    # buffer Megatron's attention hands baddbmm (beta=0, never read) holds NaN, as uninitialized memory may
+    "bf16_one_off_dp2": BASE.with_(dtype="bf16", injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),
+                                                             Injection(1, 2, "", "nan", where="memory_buffer"))),
     # the same overflow in fp16 on tensor-parallel rank 1, persistent: skips from step 2, escalation at 4
     "fp16_persistent_tp2": BASE.with_(tp=2, dtype="fp16", steps=4, injections=(
         Injection(1, 2, QKV, "300", where="scale_to"),)),
@@ -103,7 +105,11 @@ def test_a_one_off_bf16_overflow_is_named_at_the_failing_step_with_its_bundle_an
 
 
 def test_the_failing_steps_bundle_replays_and_names_the_first_operator(runs):
+    """Whatever the allocator left in the buffer ``baddbmm`` ignores (here NaN), the operator is named, in
+    the capture's trace and in the replay."""
     origin = reruns(runs["bf16_one_off_dp2"])[1]
+    manifest = json.loads((Path(origin["bundle"]) / "manifest.json").read_text())
+    assert manifest["trace"]["first_nonfinite"]["op"] == "aten.baddbmm.default"
     result = replay_bundle(Path(origin["bundle"]))
     assert result["verdict"] == "precision" and result["reproduces"]
     assert result["runs"]["captured"]["first_nonfinite"]["op"].startswith("aten.baddbmm")

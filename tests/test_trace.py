@@ -468,3 +468,41 @@ def test_from_json_refuses_a_leaf_of_another_dtype(tmp_path):
     leaves["param.weight"] = leaves["param.weight"].double()
     with pytest.raises(TraceError, match="param.weight"):
         Trace.from_json(document, leaves)
+
+
+class _Call(nn.Module):
+    """One tensor expression as a module, so the recorder sees exactly its ops."""
+
+    def __init__(self, expression):
+        super().__init__()
+        self.expression = expression
+
+    def forward(self, *tensors):
+        return self.expression(*tensors)
+
+
+NAN, HUGE = float("nan"), 3e38
+ATTRIBUTION_CASES = {
+    # an argument the op does not read holds NaN (uninitialized memory, a destination about to be
+    # overwritten): the op that overflows is still named
+    "baddbmm beta=0": (lambda buffer, q: torch.baddbmm(buffer, q, q, beta=0.0, alpha=HUGE),
+                       [torch.full((1, 2, 2), NAN), torch.ones(1, 2, 2)], "aten.baddbmm.default"),
+    "addmm beta=0": (lambda buffer, a: torch.addmm(buffer, a, a, beta=0, alpha=HUGE),
+                     [torch.full((2, 2), NAN), torch.ones(2, 2)], "aten.addmm.default"),
+    "out= destination": (lambda buf, a: torch.mul(a, HUGE * 10, out=buf),
+                         [torch.full((2,), NAN), torch.ones(2)], "aten.mul.out"),
+    # the same op reading its NaN: the NaN came in, the op did not make it
+    "baddbmm beta=1 reads its input": (lambda buffer, q: torch.baddbmm(buffer, q, q, beta=1.0),
+                                       [torch.full((1, 2, 2), NAN), torch.ones(1, 2, 2)], None),
+}
+
+
+@pytest.mark.parametrize("case", ATTRIBUTION_CASES)
+def test_attribution_reads_only_what_the_op_reads(case):
+    """The first non-finite op is decided by what each op reads, in the capture's trace and in replay,
+    so the answer does not depend on what an ignored buffer happened to hold."""
+    expression, inputs, expected = ATTRIBUTION_CASES[case]
+    trace, _ = record(_Call(expression), *inputs)
+    assert (trace.first_nonfinite or {}).get("op") == expected
+    replayed = replay(Trace.from_json(json.loads(json.dumps(trace.to_json())), trace.leaves))
+    assert (replayed.first_nonfinite or {}).get("op") == expected

@@ -16,7 +16,7 @@ of a storage, collectives): such an entry is refused before any op runs.
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -218,17 +218,40 @@ def _finite(tree: Any) -> bool:
     return True
 
 
+# ``beta=0`` means the op ignores its first argument (``baddbmm(buffer, q, k, beta=0)``: Megatron's attention
+# hands it a ``torch.empty`` buffer whose bytes are whatever the allocator returned)
+_BETA_IGNORES_INPUT = frozenset({"addmm", "addbmm", "baddbmm", "addmv", "addr"})
+
+
+def read_inputs(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
+    """What op ``name`` (``aten.<op>.<overload>``) reads of its arguments: the first argument of a
+    ``beta=0`` product and an ``out=`` destination are left out, so their bytes (uninitialized memory, a
+    previous value) cannot make the op's inputs count as non-finite. (Ops that only select or overwrite,
+    ``where``, ``masked_fill``, ``copy_``, never turn finite values non-finite, so what they skip cannot
+    change which op is named.)"""
+    op = name.split(".")[1] if name.count(".") >= 2 else name
+    read = list(args)
+    if op.rstrip("_") in _BETA_IGNORES_INPUT and read and _is_zero(kwargs.get("beta")):
+        read[0] = None
+    return read, {key: value for key, value in kwargs.items() if key != "out"}
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
 class FirstNonFinite:
     """The first op whose floating inputs are all finite and whose output is not. A non-finite
-    scalar argument counts as an input (``masked_fill(mask, -inf)`` is not to blame for its -inf)."""
+    scalar argument counts as an input (``masked_fill(mask, -inf)`` is not to blame for its -inf); an
+    argument the op does not read does not (``read_inputs``)."""
 
     def __init__(self, **extra: Any) -> None:
         self.found: Optional[Dict[str, Any]] = None
         self._extra = extra
 
-    def inputs_finite(self, args: Any, kwargs: Any) -> bool:
+    def inputs_finite(self, name: str, args: Any, kwargs: Any) -> bool:
         """Checked before the op runs, since an in-place op overwrites its input."""
-        return self.found is None and _finite((args, kwargs))
+        return self.found is None and _finite(read_inputs(name, args, kwargs))
 
     def check(self, index: int, name: str, inputs_finite: bool, out: Any) -> None:
         if inputs_finite and name.split(".")[1] not in _UNINITIALIZED and not _finite(out):

@@ -51,7 +51,7 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        finite = self.first.inputs_finite(args, kwargs)
+        finite = self.first.inputs_finite(op_name(func), args, kwargs)
         out = func(*args, **kwargs)
         self.first.check(self.count, op_name(func), finite, out)
         self.count += 1
@@ -140,7 +140,7 @@ def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], fir
     kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
     if dtype is not None and op["op"] in HALF_TO_FLOAT:
         args[2] = False
-    finite = first.inputs_finite(args, kwargs)
+    finite = first.inputs_finite(op["op"], args, kwargs)
     out = func(*args, **kwargs)
     first.check(index, op["op"], finite, out)
     _bind(op["out"], out, env)

@@ -38,7 +38,10 @@ class Injection:
     - ``"scale_to"``: rescale parameter ``target`` so its largest magnitude is ``value`` (a number), once,
       before the step's forward: drives a later operator to overflow for as long as the weight stays;
     - ``"fails_without_grad"``: module ``target`` raises in any forward pass made without gradients (as
-      the rerun of a failing step is): shows that a rerun that fails leaves training as it was.
+      the rerun of a failing step is): shows that a rerun that fails leaves training as it was;
+    - ``"memory_buffer"``: fill Megatron's global memory buffer (the ``torch.empty`` scratch its attention
+      hands ``baddbmm`` with ``beta=0``, never written) with ``value`` before the step's forward, as
+      uninitialized memory may hold it (``target`` is not used).
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     ``transient``: a ``"forward"`` fault that fires in the step's first forward pass only, as a glitch
     would: a rerun of the same step (``gradnan``'s ``rerun``) does not meet it again.
@@ -324,6 +327,15 @@ def _apply_scale_injections(job, rank, step, chunks, result) -> None:
         result.injected.append(dataclasses.asdict(injection))
 
 
+def _apply_memory_buffer_injections(job, rank, step, result) -> None:
+    from megatron.core import parallel_state
+
+    for injection in _due(job, rank, step, "memory_buffer"):
+        for scratch in parallel_state.get_global_memory_buffer().buffer.values():
+            scratch.fill_(injection.number())
+        result.injected.append(dataclasses.asdict(injection))
+
+
 def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
     for injection in _due(job, rank, step, "main_grad"):
         param, index = _resolve(injection, chunks, optimizer)
@@ -448,6 +460,7 @@ class TinyGPT:
         job, rank, chunks, optimizer = self.job, self.rank, self.chunks, self.optimizer
         step = len(self.result.steps) + 1
         _apply_scale_injections(job, rank, step, chunks, self.result)
+        _apply_memory_buffer_injections(job, rank, step, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
         try:  # the faults stay until the step is over: a rerun of its forward pass meets them again
             if self.validation is None:

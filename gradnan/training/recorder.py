@@ -124,4 +124,4 @@ class OpRecorder(TorchDispatchMode):
         entry["kwargs"] = {key: encode(value, self._input_name) for key, value in kwargs.items()}
         if any("opaque" in node for node in nodes(op_inputs(entry))):
             entry["opaque"] = True
-        return entry, self._first.inputs_finite(args, kwargs)
+        return entry, self._first.inputs_finite(name, args, kwargs)
