@@ -6,7 +6,8 @@
 
 1. ``runs``: ``gradnan report`` in a subprocess on synthetic run directories written with the kit's own
    writers (``gradnan.testing.synthetic``: TP=8, PP=8-16, the rest DP, 290 map entries a rank, one
-   origin): CPU time (user + system) and peak RSS of that process (``os.wait4``), lines of text, whether
+   origin): CPU time (user + system) and peak RSS of that process (``os.wait4`` in a small launcher, so
+   the figure is the command's own, not the benchmark's it was forked from), lines of text, whether
    the origin is the first rank it names, and the text of the largest; the same report with torch and
    megatron-core imported first (as the command ran while the package imported the training side), and
    at 16,384 ranks the target (at most 3 s CPU and 300 MB); ``gradnan maps`` on the same
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -50,20 +52,30 @@ WITH_TRAINING_SIDE = ("-c", "import sys, torch, megatron.core; from gradnan.cli 
 REPORT_TARGET = {"ranks": 16384, "cpu_s": 3.0, "peak_mb": 300.0}  # issue 28; 5.9 s, 446 MB at commit bcdcb09
 
 
+# Runs argv[2:] and writes its exit code, CPU time and peak RSS to the file argv[1]. A child's peak RSS on Linux
+# counts the memory of the process it was forked from: forked from this small launcher, not from the
+# benchmark (which holds torch and the synthetic files' writers), it is the command's own.
+_MEASURE = ("import json, os, subprocess, sys\n"
+            "process = subprocess.Popen(sys.argv[2:])\n"
+            "_, status, usage = os.wait4(process.pid, 0)\n"
+            "json.dump({'code': os.waitstatus_to_exitcode(status), 'cpu_s': usage.ru_utime + usage.ru_stime,"
+            " 'peak_mb': usage.ru_maxrss / 1024}, open(sys.argv[1], 'w'))\n")
+
+
 def measure_command(*args: str, preload: bool = False) -> Dict[str, float]:
     """``gradnan ARGS`` in its own process: CPU seconds, peak RSS (MB), lines of text. ``preload``: with
     torch and megatron-core imported first (``WITH_TRAINING_SIDE``)."""
     command = [sys.executable, *(WITH_TRAINING_SIDE if preload else ("-m", "gradnan")), *args]
-    with tempfile.TemporaryFile() as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile() as output, tempfile.NamedTemporaryFile("r", suffix=".json") as figures:
+        subprocess.run([sys.executable, "-c", _MEASURE, figures.name, *command], stdout=output,
+                       stderr=subprocess.STDOUT, check=True)
+        measured = json.load(figures)
         output.seek(0)
         text = output.read().decode()
-    if process.returncode != 0:
-        raise SystemExit(f"gradnan {' '.join(args)} failed ({process.returncode}): {text[-500:]}")
-    return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
-            "lines": len(text.splitlines()), "text": text}
+    if measured["code"] != 0:
+        raise SystemExit(f"gradnan {' '.join(args)} failed ({measured['code']}): {text[-500:]}")
+    return {"cpu_s": measured["cpu_s"], "peak_mb": measured["peak_mb"], "lines": len(text.splitlines()),
+            "text": text}
 
 
 def measure_report(run_dir: Path) -> Dict[str, float]:
