@@ -43,7 +43,7 @@ import torch
 from gradnan.training.frames import FrameBuffer, FrameTracer
 from gradnan.testing.measure import HostSyncCounter
 from gradnan.testing.gloo import free_port
-from gradnan.training.megatron.model import destroy_model_parallel, global_named_modules, unwrap_model
+from gradnan.patches.model import destroy_model_parallel, global_named_modules, unwrap_model
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
 try:  # python benchmarks/frames.py: the script's folder is on sys.path

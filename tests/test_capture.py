@@ -189,7 +189,7 @@ def _failing_capture(monkeypatch, strict: bool):
     """A capture of a plain module whose recording fails inside the training step (as a clone that runs
     out of memory would)."""
     from gradnan.training.capture import ModuleCapture
-    from gradnan.training.guard import ErrorGuard
+    from gradnan.training.error_guard import ErrorGuard
 
     def out_of_memory(*args):
         raise RuntimeError("CUDA out of memory (simulated)")

@@ -9,8 +9,8 @@ import pytest
 
 import gradnan
 from gradnan.config import ConfigError
-from gradnan.training.megatron.patcher import WRAPPED_ATTR, Instrumentor
-from gradnan.training.megatron.optimizer import optimizer_classes
+from gradnan.patches.patcher import WRAPPED_ATTR, Instrumentor
+from gradnan.patches.optimizer import optimizer_classes
 
 PATCHED_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm",
                    "_unscale_main_grads_and_check_for_nan")

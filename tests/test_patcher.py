@@ -14,9 +14,9 @@ from packaging.version import Version
 
 from gradnan.errors import InternalError
 
-from gradnan.training.megatron.names import prefix_renamer
-from gradnan.training.megatron.guard import Outermost
-from gradnan.training.megatron.patcher import (
+from gradnan.patches.names import prefix_renamer
+from gradnan.patches.reentrancy_guard import Outermost
+from gradnan.patches.patcher import (
     WRAPPED_ATTR,
     Instrumentor,
     Patcher,
@@ -380,8 +380,8 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
     """A source checkout on PYTHONPATH shadows the wheel: its ``package_info`` names the code imported."""
     from megatron.core import package_info
 
-    from gradnan.training.megatron.model import versions
-    from gradnan.training.megatron.patcher import megatron_version
+    from gradnan.patches.model import versions
+    from gradnan.patches.patcher import megatron_version
 
     assert megatron_version() == Version(package_info.__version__)
     monkeypatch.setattr(package_info, "__version__", "0.99.0rc1")
@@ -391,13 +391,13 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
 
 @pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.17.1", "0.19.1", "0.20.0", "0.20.99"])
 def test_version_note_none_within_supported_range(mocker, version):
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
+    mocker.patch("gradnan.patches.patcher.megatron_version", return_value=Version(version))
     assert Instrumentor().version_note() is None
 
 
 @pytest.mark.parametrize("version", ["0.11.9", "0.21.0", "1.0.0"])
 def test_version_note_outside_range_names_version_and_range(mocker, version):
-    installed = mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
+    installed = mocker.patch("gradnan.patches.patcher.megatron_version", return_value=Version(version))
     note = Instrumentor().version_note()
     installed.assert_called_once_with()
     assert note is not None
@@ -405,7 +405,7 @@ def test_version_note_outside_range_names_version_and_range(mocker, version):
 
 
 def test_version_note_none_when_megatron_version_unknown(mocker):
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=None)
+    mocker.patch("gradnan.patches.patcher.megatron_version", return_value=None)
     assert Instrumentor().version_note() is None
 
 
@@ -413,7 +413,7 @@ def test_version_note_uses_subclass_range(mocker):
     class Narrow(Instrumentor):
         supported = ">=0.15"
 
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version("0.14.0"))
+    mocker.patch("gradnan.patches.patcher.megatron_version", return_value=Version("0.14.0"))
     assert ">=0.15" in Narrow().version_note()
     assert Instrumentor().version_note() is None
 

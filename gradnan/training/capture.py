@@ -30,7 +30,7 @@ from ..log import logger
 from .clock import StepClock
 from .events import ModelFacts, NamedModules
 from .frames import FrameTracer, forward_origin, in_backward
-from .guard import ErrorGuard
+from .error_guard import ErrorGuard
 from .messages import when, where
 from .recorder import OpRecorder
 from .window import RecordingWindow

@@ -1,7 +1,7 @@
 """The interface between the Megatron adapter and the runtime, in both directions.
 
 ``ModelFacts``: what the runtime asks of the model and the job; the adapter supplies it
-(``gradnan.training.megatron.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
+(``gradnan.patches.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
 ``Events``: the entry points the adapter's instrumentors call, with plain data (``ParamSlot`` lists and
 gradient tensors); ``Runtime`` implements them.
 """

@@ -13,8 +13,8 @@ from .. import log
 from ..config import GradnanConfig, resolve_config
 from ..errors import InternalError
 from ..log import logger
-from .megatron import Instrumentor, SurfaceMissing, all_instrumentors
-from .megatron.model import MEGATRON_FACTS
+from ..patches import Instrumentor, SurfaceMissing, all_instrumentors
+from ..patches.model import MEGATRON_FACTS
 from .runtime import Runtime
 
 

@@ -29,7 +29,7 @@ from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
 from .events import NamedModules, RerunnableStep
 from .frames import Frame, FrameTracer, first_nonfinite, forward_origin
-from .guard import ErrorGuard
+from .error_guard import ErrorGuard
 from .messages import when, where
 from .writer import Writer
 

@@ -23,7 +23,7 @@ from .clock import StepClock
 from .detections import Detections
 from .events import DescribeBuckets, Grads, ModelFacts, NamedModules, RerunnableStep
 from .forward import ForwardWatch
-from .guard import ErrorGuard
+from .error_guard import ErrorGuard
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
 from .stops import abort_if_asked, stop_if_asked

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ...errors import InternalError
+from ..errors import InternalError
 
 _ABSENT = object()
 WRAPPED_ATTR = "__gradnan_wrapped__"

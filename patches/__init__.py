@@ -1,5 +1,6 @@
-"""The Megatron adapter: one instrumentor per patched surface (``instrument()``/``uninstrument()``), and
-``model`` for what is read without patching. The only code that imports Megatron or knows its private names."""
+"""The Megatron patch layer, installed as ``gradnan.patches``: one instrumentor per patched surface
+(``instrument()``/``uninstrument()``), and ``model`` for what is read without patching. The only code that
+imports Megatron or knows its private names."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .loss_scale import LossScaleInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
 from .result_validation import ResultValidationInstrumentor
-from .schedule import ScheduleInstrumentor
+from .schedules import ScheduleInstrumentor
 
 __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 

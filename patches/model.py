@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..events import ModelFacts
+from ..training.events import ModelFacts
 from .names import prefix_renamer
 from .patcher import megatron_version
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..events import Events
+from ..training.events import Events
 from .patcher import Instrumentor, Patcher
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",

@@ -22,11 +22,11 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
-from ...formats.maps import ParamSlot
-from ..scan import finite_flag
+from ..config import PreReduction
+from ..formats.maps import ParamSlot
+from ..training.events import Events
+from ..training.scan import finite_flag
 from .model import global_named_parameters
-from ...config import PreReduction
-from ..events import Events
 from .patcher import Instrumentor, Patcher, SurfaceMissing
 
 _MODULE = "megatron.core.distributed.param_and_grad_buffer"

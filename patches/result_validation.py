@@ -10,7 +10,7 @@ for another GPU) or "transient" (Megatron's rerun was finite). Every rank calls 
 
 from __future__ import annotations
 
-from ..events import Events
+from ..training.events import Events
 from .patcher import Instrumentor, Patcher
 
 _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLACE": "transient"}

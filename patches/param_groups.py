@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..events import Events
+from ..training.events import Events
 from .patcher import Instrumentor, Patcher, SurfaceMissing
 
 _BINDINGS = ("megatron.core.optimizer", "megatron.core.optimizer.muon")

@@ -7,8 +7,8 @@ non-finite one is localized on the gradients that produced it.
 
 from __future__ import annotations
 
+from ..training.events import Events
 from .patcher import Instrumentor, Patcher
-from ..events import Events
 
 
 class GradZeroingInstrumentor(Instrumentor):

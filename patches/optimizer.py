@@ -18,8 +18,8 @@ from typing import Any, Iterator, List
 
 import torch
 
-from ..events import Events
-from .guard import Outermost
+from ..training.events import Events
+from .reentrancy_guard import Outermost
 from .optimizer_params import param_slots
 from .patcher import Instrumentor, Patcher, SurfaceMissing
 

@@ -11,10 +11,10 @@ from typing import Any, Optional
 
 import torch
 
-from .optimizer_params import leaf_optimizers, param_slots
-from ..events import Events
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from ..training.events import Events
 from .optimizer import optimizer_classes, own_methods
+from .optimizer_params import leaf_optimizers, param_slots
+from .patcher import Instrumentor, Patcher, SurfaceMissing
 
 _CHECK = "_unscale_main_grads_and_check_for_nan"
 
