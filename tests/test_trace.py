@@ -243,6 +243,22 @@ def test_ops_returning_uninitialized_memory_are_never_blamed():
     assert empty.found is None and exp.found == {"index": 0, "op": "aten.exp.default"}
 
 
+def test_the_ignored_input_of_a_beta_zero_baddbmm_is_not_an_input():
+    """Megatron's attention scores: ``baddbmm`` over an uninitialized buffer with ``beta=0``; garbage NaN in
+    the buffer must not hide the overflow of the product, at record time or at replay."""
+
+    class Scores(nn.Module):
+        def forward(self, buffer, query, key):
+            return torch.baddbmm(buffer, query, key, beta=0.0, alpha=1.0)
+
+    buffer = torch.full((1, 2, 2), float("nan"), dtype=torch.float16)
+    query, key = (torch.full(shape, 300.0, dtype=torch.float16) for shape in ((1, 2, 4), (1, 4, 2)))
+    trace, outputs = record(Scores(), buffer, query, key)
+    assert torch.isinf(outputs).all()
+    assert trace.first_nonfinite == {"index": 0, "op": "aten.baddbmm.default"}
+    assert replay(trace).first_nonfinite == {"index": 0, "op": "aten.baddbmm.default", "phase": "forward"}
+
+
 # --- dtypes, RNG, ops that are not executed ---------------------------------------------------
 
 

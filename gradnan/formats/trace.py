@@ -227,7 +227,11 @@ class FirstNonFinite:
         self._extra = extra
 
     def inputs_finite(self, args: Any, kwargs: Any) -> bool:
-        """Checked before the op runs, since an in-place op overwrites its input."""
+        """Checked before the op runs, since an in-place op overwrites its input. With ``beta=0`` the
+        ``add*mm`` family ignores its first input, NaN/Inf included: Megatron's attention passes an
+        uninitialized buffer there (``torch.baddbmm(buffer, q, k, beta=0.0)``), which is not checked."""
+        if kwargs.get("beta") == 0:
+            args = args[1:]
         return self.found is None and _finite((args, kwargs))
 
     def check(self, index: int, name: str, inputs_finite: bool, out: Any) -> None:
