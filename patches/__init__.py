@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import List
 
-from .patcher import Instrumentor, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
 from .grad_sync import GradSyncInstrumentor
 from .grad_zeroing import GradZeroingInstrumentor
 from .loss_scale import LossScaleInstrumentor
+from .module_hooks import ModuleHooksInstrumentor
 from .optimizer import OptimizerInstrumentor
 from .param_groups import ParamGroupsInstrumentor
 from .result_validation import ResultValidationInstrumentor
@@ -21,4 +22,4 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors"]
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
             GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor(),
-            ResultValidationInstrumentor()]
+            ResultValidationInstrumentor(), ModuleHooksInstrumentor()]

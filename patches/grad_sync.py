@@ -27,7 +27,8 @@ from ..formats.maps import ParamSlot
 from ..training.events import Events
 from ..training.scan import finite_flag
 from .model import global_named_parameters
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _MODULE = "megatron.core.distributed.param_and_grad_buffer"
 _GROUP_CLASS = "_ParamAndGradBucketGroup"

@@ -8,7 +8,8 @@ non-finite one is localized on the gradients that produced it.
 from __future__ import annotations
 
 from ..training.events import Events
-from .patcher import Instrumentor, Patcher
+from .instrumentor import Instrumentor
+from .undo_log import Patcher
 
 
 class GradZeroingInstrumentor(Instrumentor):

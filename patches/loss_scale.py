@@ -14,7 +14,8 @@ import torch
 from ..training.events import Events
 from .optimizer import optimizer_classes, own_methods
 from .optimizer_params import leaf_optimizers, param_slots
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _CHECK = "_unscale_main_grads_and_check_for_nan"
 

@@ -21,7 +21,8 @@ import torch
 from ..training.events import Events
 from .reentrancy_guard import Outermost
 from .optimizer_params import param_slots
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.optimizer",

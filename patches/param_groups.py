@@ -13,7 +13,8 @@ import importlib
 from typing import Any
 
 from ..training.events import Events
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _BINDINGS = ("megatron.core.optimizer", "megatron.core.optimizer.muon")
 _BUILDER = "_get_param_groups"

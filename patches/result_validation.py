@@ -11,7 +11,8 @@ for another GPU) or "transient" (Megatron's rerun was finite). Every rank calls 
 from __future__ import annotations
 
 from ..training.events import Events
-from .patcher import Instrumentor, Patcher
+from .instrumentor import Instrumentor
+from .undo_log import Patcher
 
 _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLACE": "transient"}
 

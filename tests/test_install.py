@@ -9,8 +9,9 @@ import pytest
 
 import gradnan
 from gradnan.config import ConfigError
-from gradnan.patches.patcher import WRAPPED_ATTR, Instrumentor
+from gradnan.patches.instrumentor import Instrumentor
 from gradnan.patches.optimizer import optimizer_classes
+from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCHED_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm",
                    "_unscale_main_grads_and_check_for_nan")
@@ -48,7 +49,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     before = _megatron_attributes()
     installation = gradnan.install(out_dir=str(tmp_path))
     assert installation.missing == {}
-    assert len(installation.patched) == 7
+    assert len(installation.patched) == 8
     during = _megatron_attributes()
     changed = {key for key in before if during[key] is not before[key]}
     assert ("ChainedOptimizer", "step") in changed
@@ -77,7 +78,7 @@ def test_install_uninstall_install_again(tmp_path):
     gradnan.install(out_dir=str(tmp_path))
     gradnan.uninstall()
     again = gradnan.install(out_dir=str(tmp_path))
-    assert len(again.patched) == 7
+    assert len(again.patched) == 8
     assert _megatron_attributes() != before
     gradnan.uninstall()
     assert _megatron_attributes() == before
@@ -91,7 +92,7 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
     [missing] = installation.missing
     assert "param-group builder" in missing
     assert "_get_param_groups" in installation.missing[missing]
-    assert len(installation.patched) == 6
+    assert len(installation.patched) == 7
     assert "MISSING" in caplog.text
 
 

@@ -477,7 +477,7 @@ def _grad_norm_as_tensor() -> Iterator[None]:
     reads it on the device."""
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
-    from gradnan.patches.patcher import Patcher
+    from gradnan.patches.undo_log import Patcher
 
     def norm_as_tensor(original):
         def as_tensor(*args, **kwargs):
