@@ -54,7 +54,10 @@ def _bucket_params(group: Any, bad_buckets: Sequence[int], chunks: Sequence[torc
 
 
 class GradSyncInstrumentor(Instrumentor):
-    name = "data-parallel gradient sync (_ParamAndGradBucketGroup.start_grad_sync)"
+    name = "grad_sync"
+    description = "data-parallel gradient sync (_ParamAndGradBucketGroup.start_grad_sync)"
+    without = ("no pre-reduction check: records say \"unchecked\" and the report cannot tell the origin from"
+               " the ranks that only received the value")
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         group_class = getattr(importlib.import_module(_MODULE), _GROUP_CLASS, None)

@@ -39,11 +39,15 @@ def megatron_version() -> Optional[Version]:
 class Instrumentor:
     """One Megatron surface: ``instrument()`` patches it, ``uninstrument()`` restores it exactly.
 
-    Subclasses set ``name`` and ``supported`` (a megatron-core version specifier) and implement
+    Subclasses set ``name`` (short and stable: what ``disabled_patches`` and ``Installation`` name it by),
+    ``description`` (what it patches, for people), ``without`` (what is lost when it is not patched,
+    disabled or missing) and ``supported`` (a megatron-core version specifier), and implement
     ``_apply(patcher, runtime)``, raising ``SurfaceMissing`` when what they patch is not there.
     """
 
     name = "?"
+    description = "?"
+    without = "?"
     supported = ">=0.12,<0.21"
 
     def __init__(self) -> None:
@@ -72,7 +76,8 @@ class Instrumentor:
             raise SurfaceMissing(str(exc)) from exc
         except Exception as exc:
             self._patcher.undo()
-            raise InternalError(f"instrumenting {self.name} failed: {type(exc).__name__}: {exc}") from exc
+            failure = f"{type(exc).__name__}: {exc}"
+            raise InternalError(f"instrumenting {self.description} failed: {failure}") from exc
         if not self.active:
             raise SurfaceMissing("nothing to patch")
 

@@ -29,7 +29,9 @@ def _as_float(value: Any) -> Optional[float]:
 
 
 class LossScaleInstrumentor(Instrumentor):
-    name = "fp16 loss-scale overflow check (_unscale_main_grads_and_check_for_nan)"
+    name = "loss_scale"
+    description = "fp16 loss-scale overflow check (_unscale_main_grads_and_check_for_nan)"
+    without = "no loss_scale_overflow records: fp16 overflows are not localized"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         def on_overflow(optimizer):

@@ -45,7 +45,9 @@ class ModuleHooks:
 
 
 class ModuleHooksInstrumentor(Instrumentor):
-    name = "module hooks (instance forward swaps and hooks for capture, frame tracing and the rerun)"
+    name = "module_hooks"
+    description = "module hooks (instance forward swaps and hooks for capture, frame tracing and the rerun)"
+    without = "no capture, no frame tracing and no in-place rerun: all three hook the model's modules"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         patcher.set(runtime.module_hooking, "new", ModuleHooks)

@@ -54,7 +54,9 @@ def own_methods(classes: List[type], method: str) -> Iterator[type]:
 
 
 class OptimizerInstrumentor(Instrumentor):
-    name = "optimizer (ChainedOptimizer.__init__, step, get_grad_norm, clip_grad_norm)"
+    name = "optimizer"
+    description = "optimizer (ChainedOptimizer.__init__, step, get_grad_norm, clip_grad_norm)"
+    without = "no maps, no step count and no grad-norm check: nothing useful is recorded"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         classes = optimizer_classes()

@@ -18,7 +18,9 @@ _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLAC
 
 
 class ResultValidationInstrumentor(Instrumentor):
-    name = "result validation (RerunStateMachine.should_checkpoint_and_exit)"
+    name = "result_validation"
+    description = "result validation (RerunStateMachine.should_checkpoint_and_exit)"
+    without = "no rerun of a step that Megatron's validate_results mode ran again before exiting"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         from megatron.core.rerun_state_machine import RerunStateMachine

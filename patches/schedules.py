@@ -213,7 +213,9 @@ class KeptStep:
 
 
 class ScheduleInstrumentor(Instrumentor):
-    name = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
+    name = "schedules"
+    description = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
+    without = "no in-place rerun of the failing step"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
