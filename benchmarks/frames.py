@@ -43,7 +43,8 @@ import torch
 from gradnan.training.frames import FrameBuffer, FrameTracer
 from gradnan.testing.measure import HostSyncCounter
 from gradnan.testing.gloo import free_port
-from gradnan.training.megatron.model import destroy_model_parallel, global_named_modules, unwrap_model
+from gradnan.patches.model import destroy_model_parallel, global_named_modules, unwrap_model
+from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
 try:  # python benchmarks/frames.py: the script's folder is on sys.path
@@ -222,7 +223,7 @@ class GradnanFrames(Variant):
 
     def __init__(self, modules: Sequence[Tuple[str, torch.nn.Module]], max_frames: int = 21) -> None:
         self.step = 1
-        self.tracer = FrameTracer(modules, lambda: self.step, active=lambda: True)
+        self.tracer = FrameTracer(modules, lambda: self.step, lambda: True, ModuleHooks())
         self.buffer = FrameBuffer(max_frames)
         self._counts = (0, 0)
 

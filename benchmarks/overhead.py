@@ -29,7 +29,7 @@ import torch
 
 import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
-from gradnan.training.guard import ErrorGuard
+from gradnan.training.error_guard import ErrorGuard
 from gradnan.training.scan import find_nonfinite, finite_flag
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
@@ -224,7 +224,7 @@ def main() -> None:
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
             results["sizes"][size] = entry
-            from gradnan.training.megatron.model import destroy_model_parallel
+            from gradnan.patches.model import destroy_model_parallel
 
             destroy_model_parallel()
             print(f"{size}: done", flush=True)

@@ -42,7 +42,7 @@ import torch
 from gradnan.formats import maps
 from gradnan.testing.synthetic import (TorchOptimizer, coords_of, many_tensor_model, stage_slots, write_long_records,
                                        write_run_dir)
-from gradnan.training.megatron.optimizer_params import param_slots
+from gradnan.patches.optimizer_params import param_slots
 from gradnan.training.scan import find_nonfinite, locate
 
 

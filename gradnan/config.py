@@ -241,6 +241,10 @@ class GradnanConfig:
     log_level: str = "INFO"
     """Level of the ``gradnan`` logger."""
 
+    disabled_patches: Tuple[str, ...] = ()
+    """Megatron patches left out, by name (``"schedules,module_hooks"``); each one's cost:
+    docs/troubleshooting.md."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "GradnanConfig":
         """Remember which fields the caller gave, by position or by name, whatever their values."""
         config = super().__new__(cls)
@@ -316,7 +320,9 @@ def _enum_value(name: str, enum_type: type, value: Any) -> Any:
 
 
 def _has_type(value: Any, expected: type) -> bool:
-    """Whether ``value`` is of a field's type (str, bool, int; a bool is not an int here)."""
+    """Whether ``value`` is of a field's type (str, bool, int, a tuple of str; a bool is not an int here)."""
+    if expected == Tuple[str, ...]:
+        return isinstance(value, tuple) and all(isinstance(item, str) for item in value)
     return isinstance(value, expected) and not (expected is int and isinstance(value, bool))
 
 
@@ -344,6 +350,8 @@ def _parse(name: str, raw: str) -> Any:
             return int(text)
         except ValueError:
             raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer") from None
+    if type_name == Tuple[str, ...]:
+        return parse_patterns(text)
     return text
 
 
@@ -381,8 +389,10 @@ def _file_value(where: str, name: str, value: Any) -> Any:
             raise ConfigError(f"{where}: field '{name}' must list module names or patterns (text)")
         value = ",".join(value)
     type_name = _input_type(name)
+    if type_name == Tuple[str, ...] and isinstance(value, (list, str)):
+        value = tuple(value) if isinstance(value, list) else parse_patterns(value)
     if not _has_type(value, type_name):
-        kind = {str: "text", bool: "true or false", int: "an integer"}[type_name]
+        kind = {str: "text", bool: "true or false", int: "an integer"}.get(type_name, "a list of names")
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {value!r}")
     if name in RANGE_FIELDS:
         try:

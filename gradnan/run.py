@@ -23,7 +23,7 @@ from dataclasses import fields
 from typing import List, Optional
 
 from .commandline import OneLineParser, bad_input, boolean
-from .config import GradnanConfig
+from .config import GradnanConfig, parse_patterns
 from .errors import INTENDED_STOPS, GradnanError, UsageError
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + spec.name.replace("_", "-")
         if spec.type == "bool":
             parser.add_argument(flag, dest=spec.name, type=boolean, metavar="BOOL")
+        elif spec.type == "Tuple[str, ...]":
+            parser.add_argument(flag, dest=spec.name, type=parse_patterns, metavar="NAME,...")
         else:
             parser.add_argument(flag, dest=spec.name, type=int if spec.type == "int" else str)
     parser.add_argument("--config", dest="config_file", metavar="FILE",

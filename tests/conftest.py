@@ -29,8 +29,10 @@ UNIT_COORDS = {"global_rank": 0, "world_size": 1, "host": "h", "device": "cpu", 
 @pytest.fixture
 def make_runtime(tmp_path):
     """A runtime at unit level, writing into ``tmp_path``: ``make_runtime(named_modules, **options)``;
-    ``named_modules`` stands for the model's modules by global name."""
+    ``named_modules`` stands for the model's modules by global name. It may hook them (the ``module_hooks``
+    patch is applied to it)."""
     from gradnan.config import GradnanConfig
+    from gradnan.patches.module_hooks import ModuleHooksInstrumentor
     from gradnan.training.events import ModelFacts
     from gradnan.training.runtime import Runtime
 
@@ -38,7 +40,9 @@ def make_runtime(tmp_path):
         modules = list(named_modules)
         facts = ModelFacts(coords=lambda: dict(UNIT_COORDS), versions=lambda: {},
                            named_modules=lambda chunks: modules, **options.pop("facts", {}))
-        return Runtime(GradnanConfig(**{"out_dir": str(tmp_path), **options}), facts)
+        runtime = Runtime(GradnanConfig(**{"out_dir": str(tmp_path), **options}), facts)
+        ModuleHooksInstrumentor().instrument(runtime)
+        return runtime
 
     return make
 

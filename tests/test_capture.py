@@ -188,8 +188,9 @@ def test_replay_of_an_unreplayable_bundle_is_one_line(runs, tmp_path):
 def _failing_capture(monkeypatch, strict: bool):
     """A capture of a plain module whose recording fails inside the training step (as a clone that runs
     out of memory would)."""
+    from gradnan.patches.module_hooks import ModuleHooks
     from gradnan.training.capture import ModuleCapture
-    from gradnan.training.guard import ErrorGuard
+    from gradnan.training.error_guard import ErrorGuard
 
     def out_of_memory(*args):
         raise RuntimeError("CUDA out of memory (simulated)")
@@ -197,7 +198,7 @@ def _failing_capture(monkeypatch, strict: bool):
     monkeypatch.setattr(ModuleCapture, "_keep", out_of_memory)
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 4)
-    return module, ModuleCapture("lin", module, "always", ErrorGuard(strict)).attach()
+    return module, ModuleCapture("lin", module, "always", ErrorGuard(strict), ModuleHooks()).attach()
 
 
 def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_installation(monkeypatch, caplog):
@@ -215,7 +216,7 @@ def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_inst
 def test_the_old_capture_mode_name_still_works_with_one_deprecation_warning(monkeypatch, caplog):
     """``on_nonfinite`` clashed with the configuration field of that name; the mode is now ``incident``."""
     from gradnan.training import capture
-    from gradnan.training.guard import ErrorGuard
+    from gradnan.training.error_guard import ErrorGuard
 
     monkeypatch.setattr(capture, "_warned_renames", set())
     with caplog.at_level("WARNING", logger="gradnan"):
@@ -233,3 +234,18 @@ def test_a_failing_capture_fails_the_step_under_strict(monkeypatch):
     module, _ = _failing_capture(monkeypatch, strict=True)
     with pytest.raises(InternalError, match="internal error in capture: RuntimeError: CUDA out of memory"):
         module(torch.ones(2, 4))
+
+
+def test_a_detached_capture_leaves_the_module_as_it_found_it():
+    """The capture's ``forward`` and gradient hooks go through the undo log: nothing of them is left."""
+    from gradnan.patches.module_hooks import ModuleHooks
+    from gradnan.training.capture import ModuleCapture
+    from gradnan.training.error_guard import ErrorGuard
+
+    module = torch.nn.Linear(4, 4)
+    capture = ModuleCapture("lin", module, "always", ErrorGuard(True), ModuleHooks()).attach()
+    assert vars(module)["forward"] == capture._forward and module.weight._backward_hooks
+    module(torch.ones(2, 4)).sum().backward()
+    assert capture.chosen_call().param_grads.keys() == {"weight", "bias"}
+    capture.detach()
+    assert "forward" not in vars(module) and not module.weight._backward_hooks and not module.bias._backward_hooks

@@ -44,6 +44,7 @@ def test_defaults_match_the_documented_values():
         "max_frames": 21,
         "abort_after_step": 0,
         "log_level": "INFO",
+        "disabled_patches": (),
     }
 
 

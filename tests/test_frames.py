@@ -23,7 +23,7 @@ from packaging.version import Version
 
 import gradnan
 from gradnan.offline.read import read_run
-from gradnan.training.megatron.patcher import megatron_version
+from gradnan.patches.instrumentor import megatron_version
 from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank

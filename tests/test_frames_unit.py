@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.training import frames as frames_module
 from gradnan.training.frames import FrameBuffer, FrameTracer, forward_origin, named_entries, read_pairs
 from gradnan.testing.measure import HostSyncCounter
@@ -34,7 +35,7 @@ class Block(torch.nn.Module):
 
 def tracer_for(model, active=lambda: True, step=1):
     modules = [(name, module) for name, module in model.named_modules()]
-    return FrameTracer(modules, lambda: step, active).attach()
+    return FrameTracer(modules, lambda: step, active, ModuleHooks()).attach()
 
 
 def test_entries_are_named_as_debug_underflow_overflow_names_them_plus_kwargs():
@@ -91,7 +92,7 @@ def test_a_tensor_seen_again_unchanged_is_measured_once_and_frames_without_tenso
     model = torch.nn.Sequential(Passthrough(), torch.nn.Linear(4, 4), Passthrough())
     nothing = Nothing()
     modules = [(name, module) for name, module in model.named_modules()] + [("nothing", nothing)]
-    tracer = FrameTracer(modules, lambda: 1, lambda: True).attach()
+    tracer = FrameTracer(modules, lambda: 1, lambda: True, ModuleHooks()).attach()
     x = torch.randn(2, 4)
     model(x)
     nothing()

@@ -64,12 +64,12 @@ def test_launcher_usage_errors_are_one_line_before_anything_is_installed(args, m
     assert "gradnan installed" not in result.stderr
 
 
-def _launch_script(tmp_path, source):
+def _launch_script(tmp_path, source, *flags):
     """``python -m gradnan.run`` on a script holding ``source``; the script's path and the result."""
     script = tmp_path / "train.py"
     script.write_text(source)
-    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"), str(script)],
-                            capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    command = [sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"), *flags, str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
     return script, result
 
 
@@ -89,3 +89,13 @@ def test_a_stop_the_kit_was_asked_for_is_named_as_such(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"gradnan.run: gradnan stopped {script} as configured: abort_after_step=3 reached")
+
+
+def test_patches_are_disabled_by_name_from_the_command_line(tmp_path):
+    show = "import gradnan\nprint(gradnan.current().disabled)\n"
+    _, result = _launch_script(tmp_path, show, "--disabled-patches", "schedules,module_hooks")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['schedules', 'module_hooks']"
+    _, result = _launch_script(tmp_path, show, "--disabled-patches", "schedule")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "names no patch: schedule (valid: param_groups, " in result.stderr

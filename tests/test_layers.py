@@ -1,8 +1,9 @@
 """The layer contract, read from the source: which part of gradnan may import which (docs/how-it-works.md).
 
 formats is the one contract and imports no other part; the offline side and the self-test read files and
-never import the training side or Megatron; only the Megatron adapter imports Megatron; nothing in the
-product imports the test harness except the CLI's ``demo`` command."""
+never import the training side or Megatron; only the Megatron patch layer (``patches/``, installed as
+``gradnan.patches``) imports Megatron, and only ``install()`` and ``seed_all()`` reach it from the training
+side; nothing in the product imports the test harness except the CLI's ``demo`` command."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "gradnan"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gradnan"
+PATCHES = ROOT / "patches"  # the package gradnan.patches (setup.cfg's package_dir)
 
 # part -> the gradnan parts it may import (besides itself); "megatron" stands for the megatron package
 ALLOWED: Dict[str, Tuple[str, ...]] = {
@@ -22,9 +25,14 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.formats": ("gradnan.errors",),
     "gradnan.offline": ("gradnan.errors", "gradnan.formats"),
     "gradnan.selftest": ("gradnan.errors", "gradnan.commandline", "gradnan.formats"),
-    "gradnan.training.megatron": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
-                                  "gradnan.training", "megatron"),
+    "gradnan.patches": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats", "gradnan.training",
+                        "megatron"),
+    "gradnan.patches.undo_log": (),  # the undo log every change goes through knows nothing of Megatron
     "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats"),
+    # install() and seed_all() are where the training side reaches the patch layer
+    "gradnan.training.install": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.training",
+                                 "gradnan.patches"),
+    "gradnan.training.seed": ("gradnan.errors", "gradnan.training", "gradnan.patches"),
     "gradnan.testing": ("gradnan", "megatron"),
     "gradnan.commandline": ("gradnan.errors", "gradnan.config"),
     "gradnan.cli": ("gradnan.errors", "gradnan.commandline", "gradnan.offline", "gradnan.selftest",
@@ -36,7 +44,9 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    """The dotted name a source file is imported as: ``patches/x.py`` is ``gradnan.patches.x``."""
+    root, prefix = (PATCHES, ["gradnan", "patches"]) if path.is_relative_to(PATCHES) else (ROOT, [])
+    parts = prefix + list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -78,10 +88,10 @@ def violations(source: str, module: str, is_package: bool = False) -> List[str]:
 
 
 def package_modules() -> List[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
+    return sorted([*PACKAGE.rglob("*.py"), *PATCHES.rglob("*.py")])
 
 
-@pytest.mark.parametrize("path", package_modules(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+@pytest.mark.parametrize("path", package_modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_module_imports_only_what_its_layer_may(path):
     assert violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
 
@@ -90,11 +100,22 @@ def test_every_module_belongs_to_a_layer():
     assert all(part_of(module_name(path)) for path in package_modules())
 
 
+def test_the_patch_layer_is_read_under_its_installed_name():
+    """A file of ``patches/`` is checked as ``gradnan.patches.*``, the part that may import Megatron."""
+    names = {module_name(path) for path in package_modules()}
+    assert {"gradnan.patches", "gradnan.patches.optimizer"} <= names
+    assert not any(name.startswith("patches") for name in names)
+    assert part_of(module_name(PATCHES / "optimizer.py")) == "gradnan.patches"
+
+
 @pytest.mark.parametrize("module, source", [
     ("gradnan.offline.report", "from ..training.runtime import Runtime\n"),
     ("gradnan.offline.report", "def f():\n    import megatron.core\n"),
     ("gradnan.formats.records", "from ..offline.read import read_run\n"),
     ("gradnan.training.runtime", "from megatron.core import parallel_state\n"),
+    ("gradnan.training.install", "def f():\n    import megatron.core.optimizer\n"),
+    ("gradnan.patches.undo_log", "from megatron.core import rerun_state_machine\n"),
+    ("gradnan.training.capture", "from ..patches.model import global_named_modules\n"),
     ("gradnan.training.capture", "from ..testing.toy import TinyGPT\n"),
     ("gradnan.selftest", "from ..training import install\n"),
 ])

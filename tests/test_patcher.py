@@ -1,6 +1,7 @@
-"""The undo log (Patcher), the Instrumentor base class, the re-entrancy guard and prefix_renamer.
+"""The undo log (Patcher, patch_scope), module hooks, the Instrumentor base class, the re-entrancy guard and
+prefix_renamer.
 
-Everything is patched on small classes and modules made here, never on Megatron itself.
+Everything is patched on small classes and torch modules made here, never on Megatron itself.
 """
 
 from __future__ import annotations
@@ -10,19 +11,16 @@ import types
 from typing import Any, Callable, List
 
 import pytest
+import torch
 from packaging.version import Version
 
 from gradnan.errors import InternalError
 
-from gradnan.training.megatron.names import prefix_renamer
-from gradnan.training.megatron.guard import Outermost
-from gradnan.training.megatron.patcher import (
-    WRAPPED_ATTR,
-    Instrumentor,
-    Patcher,
-    SurfaceMissing,
-    is_gradnan_wrapper,
-)
+from gradnan.patches.instrumentor import Instrumentor, SurfaceMissing
+from gradnan.patches.module_hooks import ModuleHooks
+from gradnan.patches.names import prefix_renamer
+from gradnan.patches.reentrancy_guard import Outermost
+from gradnan.patches.undo_log import WRAPPED_ATTR, Patcher, is_gradnan_wrapper, patch_scope
 
 
 def calls_through(original: Callable) -> Callable:
@@ -258,6 +256,80 @@ def test_is_gradnan_wrapper_none_marker_is_not_a_wrapper():
     assert not is_gradnan_wrapper(cleared)
 
 
+# --- Patcher.registered and patch_scope -------------------------------------------------------
+
+
+def test_registered_hooks_are_removed_at_undo_with_the_attributes(classes):
+    _, child = classes
+    module = torch.nn.Linear(2, 2)
+    patcher = Patcher()
+    patcher.registered(module.register_forward_hook(lambda *args: None))
+    patcher.set(child, "own_value", 2)
+    patcher.registered(module.register_forward_pre_hook(lambda *args: None))
+    assert len(patcher) == 3 and len(module._forward_hooks) == 1 and len(module._forward_pre_hooks) == 1
+    patcher.undo()
+    assert not module._forward_hooks and not module._forward_pre_hooks and child.own_value == 1
+    assert len(patcher) == 0
+
+
+def test_patch_scope_undoes_its_changes_when_the_block_ends(classes):
+    _, child = classes
+    instance = child()
+    with patch_scope() as patcher:
+        patcher.set(instance, "own", lambda: "in the block")
+        patcher.set(child, "own_value", 2)
+        assert instance.own() == "in the block" and child.own_value == 2
+    assert "own" not in vars(instance) and instance.own() == "child" and child.own_value == 1
+
+
+def test_patch_scope_undoes_its_changes_when_the_block_raises(classes):
+    _, child = classes
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with patch_scope() as patcher:
+            patcher.set(child, "own_value", 2)
+            patcher.registered(module.register_forward_hook(lambda *args: None))
+            raise RuntimeError("inside the block")
+    assert child.own_value == 1 and not module._forward_hooks
+
+
+# --- module_hooks.ModuleHooks -----------------------------------------------------------------
+
+
+def test_a_replaced_forward_is_undone_to_the_class_forward():
+    module = torch.nn.Linear(2, 2)
+    hooks = ModuleHooks()
+    hooks.replace_forward(module, lambda x: "replaced")
+    assert module(torch.ones(2)) == "replaced"
+    hooks.remove()
+    assert "forward" not in vars(module) and module.forward.__func__ is torch.nn.Linear.forward
+
+
+def test_a_replaced_forward_is_undone_to_the_instance_forward_it_replaced():
+    module = torch.nn.Linear(2, 2)
+    own = module.forward
+    module.forward = own  # someone else's instance-level forward (a profiler, another tool)
+    hooks = ModuleHooks()
+    hooks.replace_forward(module, lambda x: "replaced")
+    hooks.remove()
+    assert vars(module)["forward"] is own
+
+
+def test_module_hooks_fire_until_removed():
+    module = torch.nn.Linear(2, 2)
+    seen: List[str] = []
+    hooks = ModuleHooks()
+    hooks.before_forward(module, lambda mod, args: seen.append("before"))
+    hooks.after_forward(module, lambda mod, args, kwargs, output: seen.append("after"))
+    hooks.on_gradient(module.weight, lambda grad: seen.append("gradient"))
+    module(torch.ones(2)).sum().backward()
+    assert seen == ["before", "after", "gradient"]
+    hooks.remove()
+    module(torch.ones(2)).sum().backward()
+    assert len(seen) == 3
+    assert not module._forward_hooks and not module._forward_pre_hooks and not module.weight._backward_hooks
+
+
 # --- Instrumentor -----------------------------------------------------------------------------
 
 
@@ -380,8 +452,8 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
     """A source checkout on PYTHONPATH shadows the wheel: its ``package_info`` names the code imported."""
     from megatron.core import package_info
 
-    from gradnan.training.megatron.model import versions
-    from gradnan.training.megatron.patcher import megatron_version
+    from gradnan.patches.model import versions
+    from gradnan.patches.instrumentor import megatron_version
 
     assert megatron_version() == Version(package_info.__version__)
     monkeypatch.setattr(package_info, "__version__", "0.99.0rc1")
@@ -391,13 +463,13 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
 
 @pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.17.1", "0.19.1", "0.20.0", "0.20.99"])
 def test_version_note_none_within_supported_range(mocker, version):
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
+    mocker.patch("gradnan.patches.instrumentor.megatron_version", return_value=Version(version))
     assert Instrumentor().version_note() is None
 
 
 @pytest.mark.parametrize("version", ["0.11.9", "0.21.0", "1.0.0"])
 def test_version_note_outside_range_names_version_and_range(mocker, version):
-    installed = mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version(version))
+    installed = mocker.patch("gradnan.patches.instrumentor.megatron_version", return_value=Version(version))
     note = Instrumentor().version_note()
     installed.assert_called_once_with()
     assert note is not None
@@ -405,7 +477,7 @@ def test_version_note_outside_range_names_version_and_range(mocker, version):
 
 
 def test_version_note_none_when_megatron_version_unknown(mocker):
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=None)
+    mocker.patch("gradnan.patches.instrumentor.megatron_version", return_value=None)
     assert Instrumentor().version_note() is None
 
 
@@ -413,7 +485,7 @@ def test_version_note_uses_subclass_range(mocker):
     class Narrow(Instrumentor):
         supported = ">=0.15"
 
-    mocker.patch("gradnan.training.megatron.patcher.megatron_version", return_value=Version("0.14.0"))
+    mocker.patch("gradnan.patches.instrumentor.megatron_version", return_value=Version("0.14.0"))
     assert ">=0.15" in Narrow().version_note()
     assert Instrumentor().version_note() is None
 
@@ -450,7 +522,7 @@ def test_global_name_only_rewrites_the_prefix_once():
     assert prefix_renamer(renames)("a.a.w") == "a.a.a.w"
 
 
-# --- _guard.Outermost -------------------------------------------------------------------------
+# --- reentrancy_guard.Outermost ---------------------------------------------------------------
 
 
 def test_outermost_true_only_at_the_outer_level():

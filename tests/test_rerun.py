@@ -207,3 +207,29 @@ def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(ru
     assert "on rank 1 (tp1 pp0 dp0)" in headline and "micro-batch 0: REPRODUCIBLE" in headline, text
     assert "received it from there (not origins): rank(s) 0" in headline, text
     assert [entry["global_rank"] for entry in report["incident"]["origin"]] == [1]
+
+
+def test_a_diagnostic_pass_sets_megatrons_validation_and_timers_aside_then_restores_them(monkeypatch):
+    """Megatron's ``RerunStateMachine`` and the model config, edited through the undo log for the pass
+    only, exception included: the very same objects afterwards."""
+    from megatron.core import rerun_state_machine
+    from megatron.core.transformer import TransformerConfig
+
+    from gradnan.patches.schedules import diagnostic_pass
+
+    machine = rerun_state_machine.RerunStateMachine()  # its default mode raises on a rejected result
+    monkeypatch.setattr(rerun_state_machine, "_GLOBAL_RERUN_STATE_MACHINE", machine)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    timers, sync = object(), lambda *args: None
+    config.timers, config.param_sync_func = timers, sync
+    attributes = dict(vars(machine))
+    with pytest.raises(RuntimeError, match="inside the pass"):
+        with diagnostic_pass(config, []):
+            nan = torch.tensor(float("nan"))
+            assert machine.validate_result(result=nan, rejection_func=torch.isnan, message="loss is NaN") is None
+            assert machine.is_unexpectedly_large(torch.tensor(1e30), 1.0) is False
+            assert config.timers is None and config.param_sync_func is None
+            raise RuntimeError("inside the pass")
+    assert vars(machine).keys() == attributes.keys()
+    assert all(vars(machine)[name] is value for name, value in attributes.items())
+    assert config.timers is timers and config.param_sync_func is sync

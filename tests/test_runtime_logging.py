@@ -154,7 +154,7 @@ def test_records_and_log_lines_carry_megatron_lms_iteration_when_its_loop_runs(t
     """A resumed run: gradnan's own step count starts at 1, the log says the iteration Megatron-LM prints."""
     import json
 
-    from gradnan.training.megatron.model import megatron_lm_iteration
+    from gradnan.patches.model import megatron_lm_iteration
 
     assert megatron_lm_iteration() is None
     megatron_lm_args.curr_iteration = 41
@@ -172,7 +172,7 @@ def test_an_explicit_capture_of_the_first_iteration_after_a_resume_is_taken(tmp_
                                                                              make_runtime):
     """Resumed at iteration 1: the optimizer is built before Megatron-LM sets ``curr_iteration``, so the step
     the filters see is known only at the module's first call. The bundle is named by that iteration."""
-    from gradnan.training.megatron.model import megatron_lm_iteration
+    from gradnan.patches.model import megatron_lm_iteration
 
     def run(capture_steps):
         module = torch.nn.Linear(4, 4)

@@ -149,7 +149,7 @@ def _train(seed: int, junk: int) -> Dict[str, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from gradnan.training.megatron.model import destroy_model_parallel
+    from gradnan.patches.model import destroy_model_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     try:

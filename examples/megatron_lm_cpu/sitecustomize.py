@@ -61,7 +61,7 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
         """Wrap Megatron DDP's constructor: the model is built, its global names are known."""
         from megatron.core.distributed import DistributedDataParallel
 
-        from gradnan.training.megatron.model import global_named_modules, global_named_parameters
+        from gradnan.patches.model import global_named_modules, global_named_parameters
 
         nan, overflow = _planted("PLANT_NAN"), _planted("PLANT_OVERFLOW")
         original = DistributedDataParallel.__init__

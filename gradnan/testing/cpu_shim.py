@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..training.megatron.patcher import Patcher
+from ..patches.undo_log import Patcher
 
 
 def _is_cuda_device(device: Any) -> bool:

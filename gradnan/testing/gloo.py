@@ -43,7 +43,7 @@ def one_job() -> Iterator[None]:
     """One training job inside a gloo process: after it, gradnan is uninstalled and Megatron's parallel
     state destroyed, so the next job in the same process starts clean."""
     import gradnan
-    from gradnan.training.megatron.model import destroy_model_parallel
+    from gradnan.patches.model import destroy_model_parallel
 
     try:
         yield

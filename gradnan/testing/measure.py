@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..training.megatron.patcher import Patcher
+from ..patches.undo_log import Patcher
 
 _SYNCING = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 

@@ -230,13 +230,13 @@ def _forward_step(data_iterator, model, validate: bool = False):
 
 
 def _param_by_global_name(chunks, name: str):
-    from gradnan.training.megatron.model import global_named_parameters
+    from gradnan.patches.model import global_named_parameters
 
     return next((param for param_name, param in global_named_parameters(chunks) if param_name == name), None)
 
 
 def _module_by_global_name(chunks, name: str):
-    from gradnan.training.megatron.model import global_named_modules
+    from gradnan.patches.model import global_named_modules
 
     return next((module for module_name, module in global_named_modules(chunks) if module_name == name), None)
 
@@ -261,7 +261,7 @@ def _due(job: TinyGPTJob, rank: int, step: int, where: str):
 
 
 def _resolve(injection: Injection, chunks, optimizer) -> Tuple[Any, int]:
-    from gradnan.training.megatron.optimizer_params import owned_start
+    from gradnan.patches.optimizer_params import owned_start
 
     param = _param_by_global_name(chunks, injection.target)
     if param is None:
@@ -350,7 +350,7 @@ class _ResultValidation:
     def __init__(self, batches: List[Iterator[Any]]) -> None:
         from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode, initialize_rerun_state_machine
 
-        from gradnan.training.megatron.schedule import rng_states, set_rng_states
+        from gradnan.patches.schedules import rng_states, set_rng_states
 
         initialize_rerun_state_machine(state_save_func=rng_states, state_restore_func=set_rng_states,
                                        mode=RerunMode.VALIDATE_RESULTS)
@@ -490,7 +490,7 @@ def _grad_norm_as_tensor() -> Iterator[None]:
     reads it on the device."""
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
-    from gradnan.training.megatron.patcher import Patcher
+    from gradnan.patches.undo_log import Patcher
 
     def norm_as_tensor(original):
         def as_tensor(*args, **kwargs):

@@ -30,9 +30,9 @@ from ..config import GradnanConfig
 from ..formats.trace import Trace, has_nonfinite, tensors_in
 from ..log import logger
 from .clock import StepClock
-from .events import ModelFacts, NamedModules
+from .error_guard import ErrorGuard
+from .events import ModelFacts, ModuleHooking, ModuleHooks, NamedModules
 from .frames import FrameTracer, forward_origin, in_backward
-from .guard import ErrorGuard
 from .messages import when, where
 from .recorder import OpRecorder
 from .window import RecordingWindow
@@ -96,44 +96,36 @@ def _autocast() -> Dict[str, Any]:
 
 
 class ModuleCapture:
-    """Hooks on one module (its ``forward`` wrapped on the instance, tensor hooks on its parameters);
-    ``detach()`` removes every one of them. Capture runs inside the training step: a failure (out of
-    memory while cloning, say) goes through ``guard``: that call is not captured, the error is logged
-    once per kind and training goes on, unless ``strict``."""
+    """Hooks on one module, through ``hooks`` (its ``forward`` replaced on the instance, gradient hooks on
+    its parameters); ``detach()`` removes every one of them. Capture runs inside the training step: a
+    failure (out of memory while cloning, say) goes through ``guard``: that call is not captured, the
+    error is logged once per kind and training goes on, unless ``strict``."""
 
-    def __init__(self, name: str, module: torch.nn.Module, mode: str, guard: ErrorGuard,
+    def __init__(self, name: str, module: torch.nn.Module, mode: str, guard: ErrorGuard, hooks: ModuleHooks,
                  confirm: Optional[Callable[[], bool]] = None) -> None:
         """``confirm``: asked at the module's first call whether this step is to be captured at all (the
         step is not known yet when the capture is armed); if not, the module runs untouched this step."""
         mode = _current_mode_name(mode)
         if mode not in MODES:
             raise ValueError(f"capture mode must be one of {MODES}, got {mode!r}")
-        self.name, self.module, self.mode, self._guard = name, module, mode, guard
+        self.name, self.module, self.mode, self._guard, self._hooks = name, module, mode, guard, hooks
         self._confirm, self._passing = confirm, False
         self.only_when: Optional[Callable[[], bool]] = None  # asked at each call: record this one?
         self.calls: List[ModuleCall] = []
         self.steps_watched = 0
         self.context: Dict[str, Any] = {}
-        self._handles: List[Any] = []
-        self._had_forward = "forward" in vars(module)
         self._original_forward = module.forward
         self._calls_this_step = 0
 
     def attach(self) -> "ModuleCapture":
-        self.module.forward = self._forward
+        self._hooks.replace_forward(self.module, self._forward)
         for param_name, param in self.module.named_parameters():
             if param.requires_grad:
-                self._handles.append(param.register_hook(self._param_hook(param_name)))
+                self._hooks.on_gradient(param, self._param_hook(param_name))
         return self
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._had_forward:
-            self.module.forward = self._original_forward
-        else:
-            vars(self.module).pop("forward", None)
+        self._hooks.remove()
 
     def _param_hook(self, param_name: str):
         def hook(grad: torch.Tensor) -> None:
@@ -257,8 +249,8 @@ class ForwardOriginFinder:
     forward-pass incident."""
 
     def __init__(self, modules: List[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
-                 max_frames: int = 21) -> None:
-        self.tracer = FrameTracer(modules, step_now, lambda: True)
+                 hooks: ModuleHooks, max_frames: int = 21) -> None:
+        self.tracer = FrameTracer(modules, step_now, lambda: True, hooks)
         self.max_frames = max_frames
         self.steps_left = FINDER_STEPS
         self.found: Optional[str] = None
@@ -283,12 +275,14 @@ class ForwardOriginFinder:
 class CaptureManager:
     """Which modules are watched when, and when their calls become bundles (through ``writer``, while
     ``window`` records). ``named_modules()`` gives the model's modules by global name; ``facts`` says
-    what the optimizer saw of a parameter's gradient and how a parameter is partitioned."""
+    what the optimizer saw of a parameter's gradient and how a parameter is partitioned; ``hooking``
+    whether modules may be hooked at all."""
 
     def __init__(self, config: GradnanConfig, clock: StepClock, window: RecordingWindow, writer: Writer,
-                 guard: ErrorGuard, facts: ModelFacts, named_modules: Callable[[], NamedModules]) -> None:
+                 guard: ErrorGuard, facts: ModelFacts, named_modules: Callable[[], NamedModules],
+                 hooking: ModuleHooking) -> None:
         self.config, self._clock, self._window, self._writer = config, clock, window, writer
-        self._guard, self._facts, self._named_modules = guard, facts, named_modules
+        self._guard, self._facts, self._named_modules, self._hooking = guard, facts, named_modules, hooking
         self.captures: Dict[str, ModuleCapture] = {}
         self.finder: Optional[ForwardOriginFinder] = None
 
@@ -319,12 +313,13 @@ class CaptureManager:
         return not ranks or int(self._writer.coords()["global_rank"]) in ranks
 
     def arm(self, name: str, mode: str, confirm: Optional[Callable[[], bool]] = None) -> bool:
-        if name in self.captures:
+        if name in self.captures or self._hooking.new is None:
             return False
         module = dict(self._watchable()).get(name)
         if module is None:
             return False
-        self.captures[name] = ModuleCapture(name, module, mode, self._guard, confirm).attach()
+        hooks = self._hooking.new()
+        self.captures[name] = ModuleCapture(name, module, mode, self._guard, hooks, confirm).attach()
         return True
 
     def disarm(self, name: str) -> None:
@@ -333,8 +328,9 @@ class CaptureManager:
             capture.detach()
 
     def arm_forward_origin(self) -> None:
-        if self.finder is None:
-            self.finder = ForwardOriginFinder(self._watchable(), self._clock.current, self.config.max_frames).attach()
+        if self.finder is None and self._hooking.new is not None:
+            self.finder = ForwardOriginFinder(self._watchable(), self._clock.current, self._hooking.new(),
+                                              self.config.max_frames).attach()
 
     def start(self) -> None:
         """Optimizer built: retention begins; an explicit capture of the first step is armed."""

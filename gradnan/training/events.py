@@ -1,9 +1,10 @@
 """The interface between the Megatron adapter and the runtime, in both directions.
 
 ``ModelFacts``: what the runtime asks of the model and the job; the adapter supplies it
-(``gradnan.training.megatron.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
+(``gradnan.patches.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
 ``Events``: the entry points the adapter's instrumentors call, with plain data (``ParamSlot`` lists and
-gradient tensors); ``Runtime`` implements them.
+gradient tensors); ``Runtime`` implements them. ``ModuleHooks``: how the runtime's capture, frame tracing
+and rerun hook the model's modules, made by the adapter (``ModuleHooking``).
 """
 
 from __future__ import annotations
@@ -82,11 +83,36 @@ class RerunnableStep(Protocol):
         model-parallel group: one data-parallel replica)."""
 
 
+class ModuleHooks(Protocol):
+    """One owner's changes to the model's modules (a capture, a frame tracer, a rerun pass), all undone
+    by ``remove()``: a swapped ``forward``, forward hooks and pre-hooks, gradient hooks on parameters."""
+
+    def replace_forward(self, module: torch.nn.Module, forward: Callable[..., Any]) -> None: ...
+
+    def after_forward(self, module: torch.nn.Module, hook: Callable[..., Any]) -> None: ...
+
+    def before_forward(self, module: torch.nn.Module, hook: Callable[..., Any]) -> None: ...
+
+    def on_gradient(self, param: torch.nn.Parameter, hook: Callable[[torch.Tensor], Any]) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+@dataclass
+class ModuleHooking:
+    """Whether capture, frame tracing and the rerun may hook the model's modules: ``new()`` gives one owner
+    its ``ModuleHooks``. The adapter's ``module_hooks`` patch sets it; without that patch (disabled, or
+    not installed) it stays None and no module is hooked."""
+
+    new: Optional[Callable[[], ModuleHooks]] = None
+
+
 class Events(Protocol):
     """What an instrumentor may call. Every call is made through ``guarded`` (an internal error is
     logged once and training goes on, unless ``config.strict``)."""
 
     config: GradnanConfig
+    module_hooking: ModuleHooking
 
     def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any: ...
 

@@ -10,7 +10,7 @@ import torch
 from ..config import FramesMode, GradnanConfig
 from ..log import logger
 from .clock import StepClock
-from .events import NamedModules
+from .events import ModuleHooking, NamedModules
 from .frames import FrameBuffer, FrameTracer, first_nonfinite
 from .messages import when, where
 from .probe import Probes, enclosing_module
@@ -21,9 +21,9 @@ from .writer import Writer
 
 class ForwardWatch:
     def __init__(self, config: GradnanConfig, clock: StepClock, window: RecordingWindow, writer: Writer,
-                 named_modules: Callable[[], NamedModules]) -> None:
+                 named_modules: Callable[[], NamedModules], hooking: ModuleHooking) -> None:
         self.config, self._clock, self._window, self._writer = config, clock, window, writer
-        self._named_modules = named_modules
+        self._named_modules, self._hooking = named_modules, hooking
         self._trace_steps = config.ranges("trace_steps")
         self.frames: Optional[FrameTracer] = None
         self._buffer = FrameBuffer(config.max_frames)
@@ -34,15 +34,16 @@ class ForwardWatch:
         self._module_name_cache = None
 
     def start(self) -> None:
-        """Hook the watched modules of the known model chunks (once) when frame tracing is on."""
-        if self.config.frames is FramesMode.OFF or self.frames is not None:
+        """Hook the watched modules of the known model chunks (once) when frame tracing is on and modules
+        may be hooked."""
+        if self.config.frames is FramesMode.OFF or self.frames is not None or self._hooking.new is None:
             return
         modules = self.config.watched(self._named_modules(), include_model=True)
         if not modules:
             logger.warning("frames=%s: no module to trace (model not seen yet, or modules/exclude_modules"
                            " exclude them all)", self.config.frames.value)
             return
-        self.frames = FrameTracer(modules, self._clock.current, self._wanted).attach()
+        self.frames = FrameTracer(modules, self._clock.current, self._wanted, self._hooking.new()).attach()
 
     def close(self) -> None:
         if self.frames is not None:

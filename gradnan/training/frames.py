@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..formats.schema import json_float
+from .events import ModuleHooks
 
 
 @dataclass
@@ -96,7 +97,7 @@ MAX_PENDING = 1 << 16  # statistics kept on the device before an early read (lon
 
 
 class FrameTracer:
-    """Forward hooks on the given modules, collecting frames while ``active()`` says so.
+    """Forward hooks on the given modules (through ``hooks``), collecting frames while ``active()`` says so.
 
     ``step_now()`` names the step a forward belongs to and ``active()`` says whether it is traced (both
     asked once per step, at its first frame). Statistics stay on the device until ``read()`` (or until
@@ -104,10 +105,9 @@ class FrameTracer:
     are pure host data after it."""
 
     def __init__(self, modules: Sequence[Tuple[str, torch.nn.Module]], step_now: Callable[[], int],
-                 active: Callable[[], bool]) -> None:
+                 active: Callable[[], bool], hooks: ModuleHooks) -> None:
         self._modules = list(modules)
-        self._step_now, self._active = step_now, active
-        self._handles: List[Any] = []
+        self._step_now, self._active, self._hooks = step_now, active, hooks
         self._reset()
 
     def _reset(self) -> None:
@@ -121,13 +121,11 @@ class FrameTracer:
 
     def attach(self) -> "FrameTracer":
         for name, module in self._modules:
-            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+            self._hooks.after_forward(module, self._hook(name))
         return self
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.remove()
         self._reset()
 
     def frame_count(self) -> int:

@@ -13,33 +13,41 @@ from .. import log
 from ..config import GradnanConfig, resolve_config
 from ..errors import InternalError
 from ..log import logger
-from .megatron import Instrumentor, SurfaceMissing, all_instrumentors
-from .megatron.model import MEGATRON_FACTS
+from ..patches import Instrumentor, SurfaceMissing, all_instrumentors, split_disabled
+from ..patches.model import MEGATRON_FACTS
 from .runtime import Runtime
 
 
 @dataclass
 class Installation:
-    """What ``install()`` did: the surfaces patched, those missing (with why), those whose patching
-    failed in gradnan itself (a bug to report), and the live runtime."""
+    """What ``install()`` did, by patch name: the surfaces patched, those missing (with why), those whose
+    patching failed in gradnan itself (a bug to report), those ``disabled_patches`` left alone; and the
+    live runtime."""
 
     config: GradnanConfig
     runtime: Runtime
     patched: List[str] = field(default_factory=list)
     missing: Dict[str, str] = field(default_factory=dict)
     failed: Dict[str, str] = field(default_factory=dict)
+    disabled: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    _instrumentors: List[Instrumentor] = field(default_factory=list, repr=False)
+    _instrumentors: List[Instrumentor] = field(default_factory=list, repr=False)  # all, applied or not
 
     @property
     def out_dir(self) -> str:
         return self.config.out_dir
 
     def summary(self) -> str:
+        descriptions = {instrumentor.name: instrumentor.description for instrumentor in self._instrumentors}
+
+        def named(name: str) -> str:
+            return f"{descriptions[name]} [{name}]"
+
         lines = [f"gradnan installed, writing to {self.out_dir}"]
-        lines += [f"  patched: {name}" for name in self.patched]
-        lines += [f"  MISSING: {name}: {why}" for name, why in self.missing.items()]
-        lines += [f"  FAILED (a gradnan bug, please report it): {name}: {why}" for name, why in self.failed.items()]
+        lines += [f"  patched: {named(name)}" for name in self.patched]
+        lines += [f"  MISSING: {named(name)}: {why}" for name, why in self.missing.items()]
+        lines += [f"  FAILED (a gradnan bug, please report it): {named(name)}: {why}"
+                  for name, why in self.failed.items()]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -81,9 +89,13 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
             return _current
         resolved = resolve_config(config, config_file=config_file, out_dir=out_dir, **options)
         resolved = dataclasses.replace(resolved, out_dir=os.path.abspath(resolved.out_dir))
+        instrumentors = all_instrumentors()
+        enabled, disabled = split_disabled(instrumentors, resolved.disabled_patches)
         log.configure(resolved.log_level)
-        installation = Installation(resolved, Runtime(resolved, MEGATRON_FACTS))
-        for instrumentor in all_instrumentors():
+        installation = Installation(resolved, Runtime(resolved, MEGATRON_FACTS),
+                                    disabled=[instrumentor.name for instrumentor in disabled],
+                                    _instrumentors=instrumentors)
+        for instrumentor in enabled:
             try:
                 instrumentor.instrument(installation.runtime)
             except SurfaceMissing as exc:
@@ -95,7 +107,6 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
                 installation.failed[instrumentor.name] = str(exc)
                 continue
             installation.patched.append(instrumentor.name)
-            installation._instrumentors.append(instrumentor)
             note = instrumentor.version_note()
             if note and note not in installation.notes:
                 installation.notes.append(note)
@@ -121,6 +132,11 @@ def _announce(installation: Installation) -> None:
         logger.warning("%s", installation.summary())
     elif log.launcher_rank() == "0":
         logger.info("%s", installation.summary())
+    if log.launcher_rank() == "0":
+        for instrumentor in installation._instrumentors:
+            if instrumentor.name in installation.disabled:
+                logger.info("patch %s disabled (disabled_patches), %s not patched: %s", instrumentor.name,
+                            instrumentor.description, instrumentor.without)
 
 
 def uninstall() -> None:

@@ -28,9 +28,9 @@ from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
-from .events import NamedModules, RerunnableStep
+from .error_guard import ErrorGuard
+from .events import ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
 from .frames import Frame, FrameTracer, first_nonfinite, forward_origin
-from .guard import ErrorGuard
 from .messages import when, where
 from .writer import Writer
 
@@ -38,15 +38,18 @@ NONE = math.inf  # "no such micro-batch / call" in a MIN all-reduce
 
 
 class MicroBatchCounter:
-    """Forward pre-hooks on the model chunks: which micro-batch the frames being traced belong to (a
-    chunk is called once per micro-batch; frames between two chunk calls belong to the first)."""
+    """Forward pre-hooks on the model chunks (through ``hooks``): which micro-batch the frames being traced
+    belong to (a chunk is called once per micro-batch; frames between two chunk calls belong to the first)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], frames_so_far: Callable[[], int]) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module], frames_so_far: Callable[[], int],
+                 hooks: ModuleHooks) -> None:
         self._frames_so_far = frames_so_far
         self._calls = [0] * len(chunks)
         self.starts: List[Tuple[int, int]] = []  # (frame index, micro-batch) at each chunk call
         self.current = -1
-        self._handles = [chunk.register_forward_pre_hook(self._hook(index)) for index, chunk in enumerate(chunks)]
+        self._hooks = hooks
+        for index, chunk in enumerate(chunks):
+            hooks.before_forward(chunk, self._hook(index))
 
     def _hook(self, index: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -64,8 +67,7 @@ class MicroBatchCounter:
         return found
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._hooks.remove()
 
 
 def buffers_of(chunks: Sequence[torch.nn.Module]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -161,14 +163,18 @@ class StepRerun:
     at the first incident (``incident``). One rerun per run: later incidents are that failure's aftermath."""
 
     def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
-                 guard: ErrorGuard, named_modules: Callable[[], NamedModules], recording: Callable[[], bool]) -> None:
+                 guard: ErrorGuard, named_modules: Callable[[], NamedModules], recording: Callable[[], bool],
+                 hooking: ModuleHooking) -> None:
         self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
         self._guard, self._named_modules, self._recording = guard, named_modules, recording
+        self._hooking = hooking
         self._kept: Optional[RerunnableStep] = None
         self.done = False
 
     def keeps_steps(self) -> bool:
-        return self.config.rerun is RerunMode.AUTO and self.config.detect and not self.done
+        """Whether a rerun may still come: its passes are traced through module hooks."""
+        return (self.config.rerun is RerunMode.AUTO and self.config.detect and not self.done
+                and self._hooking.new is not None)
 
     def step_kept(self, kept: RerunnableStep) -> None:
         self._kept = kept
@@ -210,11 +216,10 @@ class StepRerun:
     def _watched(self) -> NamedModules:
         return self.config.watched(self._named_modules())
 
-    @staticmethod
     @contextlib.contextmanager
-    def _pass(kept: RerunnableStep, frames_so_far: Callable[[], int]) -> Iterator[MicroBatchCounter]:
+    def _pass(self, kept: RerunnableStep, frames_so_far: Callable[[], int]) -> Iterator[MicroBatchCounter]:
         """Around one pass: micro-batches counted, and the model's buffers as they were afterwards."""
-        counter = MicroBatchCounter(kept.chunks, frames_so_far)
+        counter = MicroBatchCounter(kept.chunks, frames_so_far, self._hooking.new())
         buffers = buffers_of(kept.chunks)
         try:
             yield counter
@@ -224,7 +229,7 @@ class StepRerun:
 
     def _traced_pass(self, kept: RerunnableStep) -> PassResult:
         step = self._clock.current()
-        tracer = FrameTracer(self._watched(), lambda: step, lambda: True).attach()
+        tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._hooking.new()).attach()
         try:
             with self._pass(kept, tracer.frame_count) as counter:
                 kept.forward()
@@ -265,7 +270,8 @@ class StepRerun:
         capture = None
         named = dict(self._watched())
         if origin is not None and origin.module in named and self._recording():
-            capture = ModuleCapture(origin.module, named[origin.module], "always", self._guard).attach()
+            capture = ModuleCapture(origin.module, named[origin.module], "always", self._guard,
+                                    self._hooking.new()).attach()
         try:
             with self._pass(kept, lambda: 0) as counter:
                 if capture is not None:

@@ -20,10 +20,10 @@ from ..errors import INTENDED_STOPS
 from ..formats.maps import ParamSlot
 from .capture import CaptureManager
 from .clock import StepClock
+from .error_guard import ErrorGuard
+from .events import DescribeBuckets, Grads, ModelFacts, ModuleHooking, NamedModules, RerunnableStep
 from .incidents import Detections
-from .events import DescribeBuckets, Grads, ModelFacts, NamedModules, RerunnableStep
 from .forward import ForwardWatch
-from .guard import ErrorGuard
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
 from .stops import abort_if_asked, stop_if_asked
@@ -38,12 +38,14 @@ class Runtime:
         self.clock = StepClock(facts.iteration)
         self.writer = Writer(config, facts)
         self.window = RecordingWindow(config, self.clock, lambda: int(self.writer.coords()["global_rank"]))
+        self.module_hooking = ModuleHooking()
         self.captures = CaptureManager(config, self.clock, self.window, self.writer, self.guarded, facts,
-                                       self.named_modules)
+                                       self.named_modules, self.module_hooking)
         self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded, self.named_modules,
-                               self.window.recording)
+                               self.window.recording, self.module_hooking)
         self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected)
-        self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules)
+        self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
+                                    self.module_hooking)
         self.norms = PendingNorms()
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []

@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 
 from ..errors import ConfigError
-from .megatron.model import seed_rng_tracker
+from ..patches.model import seed_rng_tracker
 
 _SEED_LIMIT = 2**32  # NumPy's legacy seeding rejects anything larger
 _CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS needs a fixed workspace to pick the same kernels every call

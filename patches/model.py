@@ -13,9 +13,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..events import ModelFacts
+from ..training.events import ModelFacts
 from .names import prefix_renamer
-from .patcher import megatron_version
+from .instrumentor import megatron_version
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
 _WRAPPER_CLASS_NAMES = frozenset(

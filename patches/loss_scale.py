@@ -11,10 +11,11 @@ from typing import Any, Optional
 
 import torch
 
-from .optimizer_params import leaf_optimizers, param_slots
-from ..events import Events
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from ..training.events import Events
 from .optimizer import optimizer_classes, own_methods
+from .optimizer_params import leaf_optimizers, param_slots
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _CHECK = "_unscale_main_grads_and_check_for_nan"
 
@@ -28,7 +29,9 @@ def _as_float(value: Any) -> Optional[float]:
 
 
 class LossScaleInstrumentor(Instrumentor):
-    name = "fp16 loss-scale overflow check (_unscale_main_grads_and_check_for_nan)"
+    name = "loss_scale"
+    description = "fp16 loss-scale overflow check (_unscale_main_grads_and_check_for_nan)"
+    without = "no loss_scale_overflow records: fp16 overflows are not localized"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         def on_overflow(optimizer):

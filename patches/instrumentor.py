@@ -1,63 +1,19 @@
-"""The undo log behind every patch, and the base class of the instrumentors.
-
-Like pytest's ``MonkeyPatch``: each change is recorded with what was there before (or that nothing was),
-so undoing puts back the very same objects (``is``-identical) in reverse order.
-"""
+"""The base class of the instrumentors, one per patched Megatron surface, and the megatron-core versions
+they were tested against."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Optional
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ...errors import InternalError
-
-_ABSENT = object()
-WRAPPED_ATTR = "__gradnan_wrapped__"
+from ..errors import InternalError
+from .undo_log import Patcher
 
 
 class SurfaceMissing(Exception):
     """A Megatron surface an instrumentor needs is not there (renamed, removed, not installed)."""
-
-
-def is_gradnan_wrapper(obj: Any) -> bool:
-    return getattr(obj, WRAPPED_ATTR, None) is not None
-
-
-class Patcher:
-    """Records attribute changes and undoes them exactly."""
-
-    def __init__(self) -> None:
-        self._undo: List[Tuple[Any, str, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        saved = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else getattr(owner, name)
-        self._undo.append((owner, name, saved))
-        setattr(owner, name, value)
-
-    def wrap(self, owner: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
-        """Replace ``owner.name`` by ``make_wrapper(original)``; never wraps a gradnan wrapper again."""
-        original = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
-        if is_gradnan_wrapper(original):
-            return False
-        wrapper = make_wrapper(original)
-        functools.update_wrapper(wrapper, original)
-        setattr(wrapper, WRAPPED_ATTR, original)
-        self.set(owner, name, wrapper)
-        return True
-
-    def undo(self) -> None:
-        while self._undo:
-            owner, name, saved = self._undo.pop()
-            if saved is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, saved)
-
-    def __len__(self) -> int:
-        return len(self._undo)
 
 
 def installed_version(distribution: str) -> Optional[Version]:
@@ -83,11 +39,15 @@ def megatron_version() -> Optional[Version]:
 class Instrumentor:
     """One Megatron surface: ``instrument()`` patches it, ``uninstrument()`` restores it exactly.
 
-    Subclasses set ``name`` and ``supported`` (a megatron-core version specifier) and implement
+    Subclasses set ``name`` (short and stable: what ``disabled_patches`` and ``Installation`` name it by),
+    ``description`` (what it patches, for people), ``without`` (what is lost when it is not patched,
+    disabled or missing) and ``supported`` (a megatron-core version specifier), and implement
     ``_apply(patcher, runtime)``, raising ``SurfaceMissing`` when what they patch is not there.
     """
 
     name = "?"
+    description = "?"
+    without = "?"
     supported = ">=0.12,<0.21"
 
     def __init__(self) -> None:
@@ -116,7 +76,8 @@ class Instrumentor:
             raise SurfaceMissing(str(exc)) from exc
         except Exception as exc:
             self._patcher.undo()
-            raise InternalError(f"instrumenting {self.name} failed: {type(exc).__name__}: {exc}") from exc
+            failure = f"{type(exc).__name__}: {exc}"
+            raise InternalError(f"instrumenting {self.description} failed: {failure}") from exc
         if not self.active:
             raise SurfaceMissing("nothing to patch")
 

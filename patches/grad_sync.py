@@ -22,12 +22,13 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
-from ...formats.maps import ParamSlot
-from ..scan import finite_flag
+from ..config import PreReduction
+from ..formats.maps import ParamSlot
+from ..training.events import Events
+from ..training.scan import finite_flag
 from .model import global_named_parameters
-from ...config import PreReduction
-from ..events import Events
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _MODULE = "megatron.core.distributed.param_and_grad_buffer"
 _GROUP_CLASS = "_ParamAndGradBucketGroup"
@@ -53,7 +54,10 @@ def _bucket_params(group: Any, bad_buckets: Sequence[int], chunks: Sequence[torc
 
 
 class GradSyncInstrumentor(Instrumentor):
-    name = "data-parallel gradient sync (_ParamAndGradBucketGroup.start_grad_sync)"
+    name = "grad_sync"
+    description = "data-parallel gradient sync (_ParamAndGradBucketGroup.start_grad_sync)"
+    without = ("no pre-reduction check: records say \"unchecked\" and the report cannot tell the origin from"
+               " the ranks that only received the value")
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         group_class = getattr(importlib.import_module(_MODULE), _GROUP_CLASS, None)

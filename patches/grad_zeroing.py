@@ -7,12 +7,16 @@ non-finite one is localized on the gradients that produced it.
 
 from __future__ import annotations
 
-from .patcher import Instrumentor, Patcher
-from ..events import Events
+from ..training.events import Events
+from .instrumentor import Instrumentor
+from .undo_log import Patcher
 
 
 class GradZeroingInstrumentor(Instrumentor):
-    name = "gradient zeroing (DistributedDataParallel.zero_grad_buffer)"
+    name = "grad_zeroing"
+    description = "gradient zeroing (DistributedDataParallel.zero_grad_buffer)"
+    without = ("a grad norm returned as a device tensor (core 0.18+ with Transformer Engine) is read at the"
+               " next step, after its gradients were zeroed")
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel

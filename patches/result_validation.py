@@ -10,14 +10,17 @@ for another GPU) or "transient" (Megatron's rerun was finite). Every rank calls 
 
 from __future__ import annotations
 
-from ..events import Events
-from .patcher import Instrumentor, Patcher
+from ..training.events import Events
+from .instrumentor import Instrumentor
+from .undo_log import Patcher
 
 _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLACE": "transient"}
 
 
 class ResultValidationInstrumentor(Instrumentor):
-    name = "result validation (RerunStateMachine.should_checkpoint_and_exit)"
+    name = "result_validation"
+    description = "result validation (RerunStateMachine.should_checkpoint_and_exit)"
+    without = "no rerun of a step that Megatron's validate_results mode ran again before exiting"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         from megatron.core.rerun_state_machine import RerunStateMachine

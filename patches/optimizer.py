@@ -18,10 +18,11 @@ from typing import Any, Iterator, List
 
 import torch
 
-from ..events import Events
-from .guard import Outermost
+from ..training.events import Events
+from .reentrancy_guard import Outermost
 from .optimizer_params import param_slots
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.optimizer",
@@ -53,7 +54,9 @@ def own_methods(classes: List[type], method: str) -> Iterator[type]:
 
 
 class OptimizerInstrumentor(Instrumentor):
-    name = "optimizer (ChainedOptimizer.__init__, step, get_grad_norm, clip_grad_norm)"
+    name = "optimizer"
+    description = "optimizer (ChainedOptimizer.__init__, step, get_grad_norm, clip_grad_norm)"
+    without = "no maps, no step count and no grad-norm check: nothing useful is recorded"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         classes = optimizer_classes()

@@ -16,8 +16,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..events import Events
-from .patcher import Instrumentor, Patcher
+from ..training.events import Events
+from .instrumentor import Instrumentor
+from .undo_log import Patcher, patch_scope
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
@@ -89,30 +90,31 @@ def _forward_pre_hooks_off(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
             chunk.enable_forward_pre_hook()
 
 
+def _no_validation(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _never_large(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
 @contextlib.contextmanager
 def diagnostic_pass(config: Any, chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """What a diagnostic forward pass must not touch in Megatron: its result validation (the
     ``RerunStateMachine``: a NaN loss met again would raise or change its state), its timers, the
-    parameter all-gathers of ``overlap_param_gather``."""
+    parameter all-gathers of ``overlap_param_gather``. Set aside on the instances, through the undo log."""
     from megatron.core import rerun_state_machine
 
     machine = rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE  # None until a run creates it
-    machine_attrs = vars(machine) if machine is not None else {}
-    saved = {name: getattr(config, name, None) for name in ("timers", "param_sync_func")}
-    machine_attrs["validate_result"] = lambda *args, **kwargs: None
-    machine_attrs["is_unexpectedly_large"] = lambda *args, **kwargs: False
-    for name, value in saved.items():
-        if value is not None:
-            setattr(config, name, None)
-    try:
+    with patch_scope() as patcher:
+        if machine is not None:
+            patcher.set(machine, "validate_result", _no_validation)
+            patcher.set(machine, "is_unexpectedly_large", _never_large)
+        for name in ("timers", "param_sync_func"):
+            if getattr(config, name, None) is not None:
+                patcher.set(config, name, None)
         with _forward_pre_hooks_off(chunks):
             yield
-    finally:
-        machine_attrs.pop("validate_result", None)
-        machine_attrs.pop("is_unexpectedly_large", None)
-        for name, value in saved.items():
-            if value is not None:
-                setattr(config, name, value)
 
 
 def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
@@ -211,7 +213,9 @@ class KeptStep:
 
 
 class ScheduleInstrumentor(Instrumentor):
-    name = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
+    name = "schedules"
+    description = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
+    without = "no in-place rerun of the failing step"
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")

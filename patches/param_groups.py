@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..events import Events
-from .patcher import Instrumentor, Patcher, SurfaceMissing
+from ..training.events import Events
+from .instrumentor import Instrumentor, SurfaceMissing
+from .undo_log import Patcher
 
 _BINDINGS = ("megatron.core.optimizer", "megatron.core.optimizer.muon")
 _BUILDER = "_get_param_groups"
@@ -26,7 +27,11 @@ def _model_chunks(args: tuple, kwargs: dict) -> Any:
 
 
 class ParamGroupsInstrumentor(Instrumentor):
-    name = "param-group builder (_get_param_groups)"
+    name = "param_groups"
+    description = "param-group builder (_get_param_groups)"
+    without = ("the model is not seen: a non-distributed optimizer's parameters are named <unnamed #ID>,"
+               " and frame tracing, capture and the rerun find no module unless Installation.start(model=...)"
+               " names it")
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         modules = []

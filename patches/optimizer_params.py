@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...formats.maps import ParamSlot
+from ..formats.maps import ParamSlot
 from .model import global_named_parameters
 
 _Pairing = Dict[int, Tuple[torch.nn.Parameter, Optional[Tuple[int, int]]]]

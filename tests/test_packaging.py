@@ -1,0 +1,91 @@
+"""The patch layer lives in ``patches/`` beside ``gradnan/`` and installs as ``gradnan.patches`` (setup.cfg's
+``package_dir``), never as a top-level ``patches`` package: with the README's editable install and with a
+built wheel."""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradnan.testing.demo import DEMO_MODULE
+
+from .helpers import environ_without_gradnan
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "gradnan", "patches")
+WHERE_FROM = """
+import gradnan.patches
+print(gradnan.patches.__file__)
+try:
+    import patches
+    print(patches.__file__)
+except ModuleNotFoundError:
+    print("no top-level patches")
+"""
+
+
+def _setup_options() -> configparser.SectionProxy:
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    return config["options"]
+
+
+def _listed(option: str) -> list:
+    return [line.strip() for line in _setup_options()[option].splitlines() if line.strip()]
+
+
+def test_every_package_folder_is_listed_in_setup_cfg():
+    """The list is explicit (``find:`` cannot put ``patches/`` under ``gradnan``): a package folder left
+    out of it would be missing from every wheel."""
+    folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "gradnan").rglob("__init__.py")}
+    assert sorted(_listed("packages")) == sorted(folders | {"gradnan.patches"})
+    assert _listed("package_dir") == ["gradnan.patches = patches"]
+    assert (ROOT / "patches" / "__init__.py").is_file() and not (ROOT / "gradnan" / "patches").exists()
+
+
+def _where_from(tmp_path: Path, environ: dict) -> list:
+    """Where a fresh interpreter, started outside the source tree, imports ``gradnan.patches`` from, and
+    whether it finds a top-level ``patches``."""
+    done = subprocess.run([sys.executable, "-c", WHERE_FROM], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def _pip(cwd: Path, *arguments: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *arguments], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_the_editable_install_maps_the_patches_folder_into_gradnan(tmp_path):
+    environ = {key: value for key, value in environ_without_gradnan().items() if key != "PYTHONPATH"}
+    assert _where_from(tmp_path, environ) == [str(ROOT / "patches" / "__init__.py"), "no top-level patches"]
+
+
+@pytest.mark.slow
+def test_a_built_wheel_holds_gradnan_patches_and_runs_the_demo(tmp_path):
+    source, wheels, target = tmp_path / "source", tmp_path / "wheels", tmp_path / "installed"
+    source.mkdir()
+    for name in BUILD_INPUTS:  # built from a copy: no build/ folder left in the worktree, none reused from it
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    _pip(source, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), ".")
+    [wheel] = wheels.glob("*.whl")
+    _pip(source, "install", "--no-deps", "--target", str(target), str(wheel))
+    assert not (target / "patches").exists()
+    environ = {**environ_without_gradnan(), "PYTHONPATH": str(target)}
+    assert _where_from(tmp_path, environ) == [str(target / "gradnan" / "patches" / "__init__.py"),
+                                              "no top-level patches"]
+    demo = subprocess.run([sys.executable, "-m", "gradnan", "demo", "--out", str(tmp_path / "demo")], cwd=tmp_path,
+                          env=environ, capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 0, demo.stderr
+    assert DEMO_MODULE in demo.stdout
