@@ -9,7 +9,9 @@ import pytest
 from gradnan.cli import main
 from gradnan.offline.plot import MAX_RANKS, incident_grid
 from gradnan.offline.read import read_maps, read_run
+from gradnan.offline import read
 from gradnan.offline.analysis import analyze
+from gradnan.offline.read import KEPT_PARAMS
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
@@ -95,18 +97,24 @@ def test_rank_ranges_are_cut_with_a_count():
     assert len(text) <= 50 and text.endswith("in all)")
 
 
-def test_the_report_reads_maps_and_records_without_their_lists(large_job):
-    """Lean reading keeps each rank's coordinates and counts; a record's offenders are read back on demand."""
+@pytest.mark.parametrize("kept", [0, 40, KEPT_PARAMS])
+def test_the_report_reads_maps_and_records_without_their_lists(large_job, monkeypatch, kept):
+    """Lean reading keeps each rank's coordinates and counts, and a record's offenders while ``kept`` entries
+    in all are kept; the others are read back on demand. The report is the same whichever it is."""
     run_dir, origin, report = large_job
+    monkeypatch.setattr(read, "KEPT_PARAMS", kept)
     lean, full = read_run(run_dir, params=False), read_run(run_dir)
     assert all("params" not in document for document in lean.maps.values())
     assert [document["params_count"] for document in lean.maps.values()] == [
         len(document["params"]) for document in full.maps.values()]
     assert {document["params_count"] for document in lean.maps.values()} == {290, 288}  # the first stage embeds
     lean_records, full_records = lean.all_records(), full.all_records()
-    assert all("params" not in record for record in lean_records)
+    inline = sum(len(record["params"]) for record in lean_records if "params" in record)
+    assert inline <= kept and (inline > 0) == (kept > 0)
+    offenders = sum(len(record["params"]) for record in full_records)
+    assert any("params" not in record for record in lean_records) == (kept < offenders)
     assert [lean.full(record) for record in lean_records] == full_records
-    assert build_report(full) == report
+    assert build_report(lean) == build_report(full) == report
 
 
 def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):

@@ -4,8 +4,9 @@ Each problem becomes a one-line message naming the file and what is wrong. A run
 some files are bad is still read: the good files are returned and the bad ones listed in ``problems``.
 
 ``params=False`` reads what the report needs of 16,000 ranks in the memory of a few: maps without their
-parameter lists (``params_count`` only), records streamed line by line and kept without their offending
-parameters (``_line`` says where each is; ``RunFiles.full`` reads one back whole).
+parameter lists (``params_count`` only), records streamed line by line and kept with their offending
+parameters only while ``KEPT_PARAMS`` entries in all are kept, the others without (``_line`` says where
+each is; ``RunFiles.full`` reads one back whole).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any, Callable, Dict, List, Tuple
 from ..errors import InputError
 from ..formats import bundle, maps, records, selftest
 from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
+
+
+KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)
 
 
 @dataclass
@@ -47,13 +51,19 @@ def _lean(record: Dict[str, Any], path: Path, line: records.Line) -> Dict[str, A
             "_line": (str(path), line.number, line.offset)}
 
 
-def _read_records(path: Path, params: bool) -> Tuple[List[Dict[str, Any]], List[str]]:
+def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The records of one file; with ``params=False`` a record keeps its parameters while ``budget[0]``
+    (entries left, shared by every file of the run) allows, so the failing step's need no second read."""
     found, problems = [], []
     for line in records.stream(path):
         if line.record is None:
             problems.append(line.problem)
+        elif params or len(line.record["params"]) <= budget[0]:
+            budget[0] -= 0 if params else len(line.record["params"])
+            found.append(line.record)
         else:
-            found.append(line.record if params else _lean(line.record, path, line))
+            budget[0] = 0  # spent: from here only records without offenders stay whole
+            found.append(_lean(line.record, path, line))
     return found, problems
 
 
@@ -129,9 +139,10 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             files.bundles[path.parent] = bundle.load_manifest(path)
         except InputError as exc:
             files.problems.append(str(exc))
+    budget = [KEPT_PARAMS]
     for path in record_files:
         try:
-            found, problems = _read_records(path, params)
+            found, problems = _read_records(path, params, budget)
         except InputError as exc:
             files.problems.append(str(exc))
             continue
