@@ -21,6 +21,8 @@ import torch
 
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 OVERFLOW_WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
 CORRUPTED_MODULE = "decoder.layers.0.mlp.linear_fc1"
 ATTENTION = "decoder.layers.0.self_attention"

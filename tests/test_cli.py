@@ -14,6 +14,8 @@ from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 
 def gradnan(*args, cwd=None):
     command = [sys.executable, "-m", "gradnan", *map(str, args)]

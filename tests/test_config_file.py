@@ -158,6 +158,7 @@ def test_a_missing_file_is_a_one_line_error_naming_it(tmp_path):
     assert str(missing) in message and "cannot read" in message and "\n" not in message, message
 
 
+@pytest.mark.slow
 def test_the_launcher_stops_on_a_bad_config_file_in_one_line(tmp_path, clean_environ):
     script = tmp_path / "train.py"
     script.write_text("open(__file__ + '.ran', 'w').close()\n")
@@ -207,6 +208,7 @@ def _comparable(record: Dict[str, Any]) -> Dict[str, Any]:
     return kept
 
 
+@pytest.mark.slow
 def test_the_three_ways_record_the_same(three_runs):
     by_way = {way: records_by_rank(run_dir) for way, run_dir in three_runs.items()}
     summary = {way: {rank: [(r["kind"], r["step"], r["rank"]["global_rank"], [p["name"] for p in r["params"]])
@@ -218,6 +220,7 @@ def test_the_three_ways_record_the_same(three_runs):
     assert full["env"] == full["kwargs"] and full["file"] == full["kwargs"]
 
 
+@pytest.mark.slow
 def test_the_settings_shaped_what_was_recorded(three_runs):
     """Without them rank 0 would record step 3 (the NaN weights of rank 1 reach it through the all-reduce)
     and there would be no frames: the three ways agree on something the settings decided."""

@@ -23,6 +23,8 @@ from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 
 from .helpers import gradnan_variables_cleared, records_by_rank
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 TARGET = "decoder.layers.1.mlp.linear_fc1.weight"
 EVERY_STEP_ON_RANK_1 = tuple(Injection(1, step, TARGET, "nan", where="main_grad") for step in range(1, 7))
 JOB = TinyGPTJob(dtype="fp16", steps=6, injections=EVERY_STEP_ON_RANK_1, quiet=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gradnan.config import options_from_env, options_from_file, resolve_config
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "parity.md"
@@ -50,6 +52,7 @@ def _normalized(lines):
             for line in lines]
 
 
+@pytest.mark.slow
 def test_the_custom_loop_example_logs_and_reports_what_the_page_shows(tmp_path):
     section = _section("## A custom training loop")
     [script] = _blocks(section, "python")

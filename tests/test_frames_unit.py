@@ -220,6 +220,7 @@ def test_on_nonfinite_raise_stops_at_the_first_nonfinite_forward_value_after_wri
     assert record["kind"] == "frames" and record["step"] == 2 and record["frames"][-1]["module"] == "0"
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_before_its_optimizer_step_still_writes_its_frames(tmp_path):
     """Megatron-LM's NaN-loss check raises in the forward pass: the step's frames are written at exit."""
     script = textwrap.dedent(f"""

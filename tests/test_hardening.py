@@ -10,6 +10,8 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch
 
 from .helpers import records_by_rank, step_trace
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 NAN_AT_2 = (Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)
 JOB = TinyGPTJob(tp=2, dtype="bf16", steps=3, injections=NAN_AT_2)
 

@@ -15,6 +15,8 @@ from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_megatron_core.py"
 
 

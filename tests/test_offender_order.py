@@ -15,6 +15,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch
 
 from .helpers import records_by_rank
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 STEP = 2
 ORIGIN = "decoder.layers.6.mlp.linear_fc2.bias"
 UPSTREAM = "decoder.layers.5.mlp"

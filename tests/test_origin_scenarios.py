@@ -12,6 +12,8 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch
 
 from .helpers import records_by_rank
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 STEP = 2
 LAYOUT = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True)
 WEIGHT = "decoder.layers.0.mlp.linear_fc1.weight"

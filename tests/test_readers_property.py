@@ -350,6 +350,7 @@ def read_or_clear_error(reader: str, data: bytes) -> None:
             assert_one_line_naming(str(error), path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", READERS)
 @settings(max_examples=400, deadline=None)
 @given(data=arbitrary_bytes)
@@ -357,6 +358,7 @@ def test_a_reader_given_arbitrary_bytes_returns_or_raises_the_clear_error(reader
     read_or_clear_error(reader, data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", READERS)
 @settings(max_examples=400, deadline=None)
 @given(data=st.data())
@@ -533,12 +535,14 @@ def with_examples(cases: List[Any]):
     return decorate
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(files=run_directories(rejected_whole))
 def test_report_on_a_run_directory_with_files_rejected_whole(files):
     check_report(files)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @with_examples(REPORT_CRASHES)
 @given(files=run_directories(with_values_mutated))
@@ -546,12 +550,14 @@ def test_report_on_a_run_directory_with_mutated_values(files):
     check_report(files)
 
 
+@pytest.mark.slow
 @CLI_SETTINGS
 @given(files=run_directories(rejected_whole))
 def test_cli_on_a_run_directory_with_files_rejected_whole(files, capsys):
     check_cli(files, capsys)
 
 
+@pytest.mark.slow
 @CLI_SETTINGS
 @with_examples(REPORT_CRASHES + CLI_CRASHES)
 @given(files=run_directories(with_values_mutated))

@@ -21,6 +21,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank, step_trace
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 ATTENTION = "decoder.layers.1.self_attention"
 QKV = f"{ATTENTION}.linear_qkv.weight"
 CORE = f"{ATTENTION}.core_attention"

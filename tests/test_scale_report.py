@@ -15,6 +15,8 @@ from gradnan.offline.read import KEPT_PARAMS
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 WORLD = 512
 
 

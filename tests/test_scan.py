@@ -245,6 +245,7 @@ def tensors_with_edge_values(draw):
     return tensor[::2] if draw(st.booleans()) else tensor
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(tensor=tensors_with_edge_values(), chunk_elements=st.integers(1, 64))
 def test_locate_matches_the_definition_for_every_dtype_and_chunk(tensor, chunk_elements):
@@ -350,6 +351,7 @@ def gradient_lists(draw):
     return tensors
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(tensors=gradient_lists(), pack_below=st.integers(1, 48), scratch_bytes=st.integers(1, 96),
        pack_row=st.integers(1, 16))

@@ -19,6 +19,8 @@ from gradnan.config import ConfigError
 from gradnan.testing.gloo import free_port
 from gradnan.training.seed import seed_all
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 TP = 2  # world size too: one tensor-parallel group, so the tracker's tensor-parallel stream is used
 VOCAB, SEQ, MICRO_BATCH, STEPS = 64, 16, 2, 3
 

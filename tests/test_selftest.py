@@ -35,6 +35,8 @@ from gradnan.selftest.result import result_path
 from gradnan.selftest.runner import ranks_named_in
 from gradnan.testing.gloo import free_port
 
+pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+
 ENTRY = ("-m", "gradnan", "selftest")  # the real command, as a user launches it
 SMALL = ("--size", "32", "--repeats", "2")
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",

@@ -184,17 +184,20 @@ def test_the_unmutated_run_directory_is_read_whole_and_reported(tmp_path):
         assert code == 0 and out and not err, (command, err)
 
 
+@pytest.mark.slow
 def test_huge_and_nonfinite_numbers_anywhere_give_a_result_or_one_line(tmp_path):
     count, failures = failures_over(mutations(is_number, BAD_NUMBERS), commands_reading, tmp_path)
     assert count > 3000 and not failures, failures[:10]
 
 
+@pytest.mark.slow
 def test_wrong_types_anywhere_give_a_result_or_one_line(tmp_path):
     count, failures = failures_over(mutations(lambda value: True, WRONG_TYPES),
                                     lambda name: commands_reading(name, text_only=True), tmp_path)
     assert count > 2500 and not failures, failures[:10]
 
 
+@pytest.mark.slow
 def test_huge_magnitudes_in_the_plotted_parameters_are_refused_or_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     cases = [("pre_reduction", f"abs_max_finite={value!r}",
@@ -325,6 +328,7 @@ def test_the_from_file_payload_is_live(tmp_path):
     assert victim.read_bytes().startswith(b"import os  # !!")
 
 
+@pytest.mark.slow
 def test_replay_refuses_the_from_file_exploit_and_leaves_the_victim_untouched(tmp_path, crafted_bundle):
     victim = tmp_path / "victim.py"
     victim.write_bytes(b"print('victim')\n")
@@ -442,6 +446,7 @@ def test_huge_and_nonfinite_numbers_anywhere_in_a_manifest_give_a_result_or_one_
 NAN_AT_2 = (Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="backward", index=3),)
 
 
+@pytest.mark.slow
 def test_two_launches_into_one_directory_keep_their_maps_and_stay_two_launches(tmp_path):
     """No run id on either, a few seconds apart: only the rendezvous tells them apart."""
     job = TinyGPTJob(tp=2, dtype="bf16", steps=3, injections=NAN_AT_2, gradnan={"out_dir": str(tmp_path)})
@@ -533,6 +538,7 @@ def test_a_failing_torch_save_is_an_oserror_naming_the_file(tmp_path, monkeypatc
 # --- configuration and launcher ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_empty_out_dir_is_refused_not_the_current_directory(tmp_path):
     with pytest.raises(ConfigError, match="'out_dir' is empty"):
         resolve_config(environ={"GRADNAN_OUT_DIR": ""})
@@ -549,6 +555,7 @@ def test_a_range_as_wide_as_int64_costs_nothing():
     assert 2**62 in config.ranges("ranks") and 4 not in config.ranges("ranks")
 
 
+@pytest.mark.slow
 def test_the_demo_with_its_port_taken_is_one_line_naming_the_cause(tmp_path, monkeypatch, capsys):
     import socket
 
