@@ -40,12 +40,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from gradnan.training.frames import FrameBuffer, FrameTracer
-from gradnan.testing.measure import HostSyncCounter
-from gradnan.testing.gloo import free_port
 from gradnan.patches.model import destroy_model_parallel, global_named_modules, unwrap_model
 from gradnan.patches.module_hooks import ModuleHooks
+from gradnan.testing.gloo import free_port
+from gradnan.testing.measure import HostSyncCounter
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
+from gradnan.training.frames import FrameBuffer, FrameTracer
 
 try:  # python benchmarks/frames.py: the script's folder is on sys.path
     from overhead import _quartiles, _setup, _sync

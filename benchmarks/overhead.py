@@ -29,9 +29,9 @@ import torch
 
 import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
+from gradnan.testing.toy import TinyGPT, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
 from gradnan.training.scan import find_nonfinite, finite_flag
-from gradnan.testing.toy import TinyGPT, TinyGPTJob
 
 SIZES = {
     "1m": dict(hidden_size=128, num_layers=4, num_heads=4),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -40,11 +39,16 @@ from typing import Callable, Dict, List
 import torch
 
 from gradnan.formats import maps
-from gradnan.testing.synthetic import (TorchOptimizer, coords_of, many_tensor_model, stage_slots, write_long_records,
-                                       write_run_dir)
 from gradnan.patches.optimizer_params import param_slots
+from gradnan.testing.synthetic import (
+    TorchOptimizer,
+    coords_of,
+    many_tensor_model,
+    stage_slots,
+    write_long_records,
+    write_run_dir,
+)
 from gradnan.training.scan import find_nonfinite, locate
-
 
 # ``gradnan ARGS`` as the command ran before the offline side stopped importing the training side: torch and
 # megatron-core loaded first, then the same CLI

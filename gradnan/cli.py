@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional
 from . import selftest
 from .commandline import OneLineParser, bad_input, positive, say
 from .errors import GradnanError, InputError
+from .offline.analysis import analyze
 from .offline.frames_view import format_frames
 from .offline.read import read_maps, read_run
-from .offline.analysis import analyze
 from .offline.report import format_text
 from .offline.runs import SERIOUS_SKIPS
 

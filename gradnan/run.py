@@ -26,6 +26,7 @@ from .commandline import OneLineParser, bad_input, boolean
 from .config import GradnanConfig, parse_patterns
 from .errors import INTENDED_STOPS, GradnanError, UsageError
 
+
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="gradnan.run", description="Run a training script with gradnan installed.",

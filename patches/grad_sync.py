@@ -26,8 +26,8 @@ from ..config import PreReduction
 from ..formats.maps import ParamSlot
 from ..training.events import Events
 from ..training.scan import finite_flag
-from .model import global_named_parameters
 from .instrumentor import Instrumentor, SurfaceMissing
+from .model import global_named_parameters
 from .undo_log import Patcher
 
 _MODULE = "megatron.core.distributed.param_and_grad_buffer"

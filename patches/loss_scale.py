@@ -12,9 +12,9 @@ from typing import Any, Optional
 import torch
 
 from ..training.events import Events
+from .instrumentor import Instrumentor, SurfaceMissing
 from .optimizer import optimizer_classes, own_methods
 from .optimizer_params import leaf_optimizers, param_slots
-from .instrumentor import Instrumentor, SurfaceMissing
 from .undo_log import Patcher
 
 _CHECK = "_unscale_main_grads_and_check_for_nan"

@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..training.events import ModelFacts
-from .names import prefix_renamer
 from .instrumentor import megatron_version
+from .names import prefix_renamer
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
 _WRAPPER_CLASS_NAMES = frozenset(

@@ -19,9 +19,9 @@ from typing import Any, Iterator, List
 import torch
 
 from ..training.events import Events
-from .reentrancy_guard import Outermost
-from .optimizer_params import param_slots
 from .instrumentor import Instrumentor, SurfaceMissing
+from .optimizer_params import param_slots
+from .reentrancy_guard import Outermost
 from .undo_log import Patcher
 
 _OPTIMIZER_MODULES = (

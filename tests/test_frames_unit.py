@@ -14,9 +14,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gradnan.patches.module_hooks import ModuleHooks
+from gradnan.testing.measure import HostSyncCounter
 from gradnan.training import frames as frames_module
 from gradnan.training.frames import FrameBuffer, FrameTracer, forward_origin, named_entries, read_pairs
-from gradnan.testing.measure import HostSyncCounter
 from gradnan.training.probe import Probes, enclosing_module
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.offline.read import read_run
 from gradnan.offline.analysis import analyze
+from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gradnan.testing.synthetic import TorchOptimizer, many_tensor_model
 from gradnan.patches.optimizer_params import param_slots
+from gradnan.testing.synthetic import TorchOptimizer, many_tensor_model
 
 
 def test_param_slots_are_built_once_per_optimizer_and_gradients_read_each_time():

@@ -15,7 +15,6 @@ import torch
 from packaging.version import Version
 
 from gradnan.errors import InternalError
-
 from gradnan.patches.instrumentor import Instrumentor, SurfaceMissing
 from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.patches.names import prefix_renamer
@@ -452,8 +451,8 @@ def test_the_version_is_the_imported_megatron_not_the_installed_wheel(monkeypatc
     """A source checkout on PYTHONPATH shadows the wheel: its ``package_info`` names the code imported."""
     from megatron.core import package_info
 
-    from gradnan.patches.model import versions
     from gradnan.patches.instrumentor import megatron_version
+    from gradnan.patches.model import versions
 
     assert megatron_version() == Version(package_info.__version__)
     monkeypatch.setattr(package_info, "__version__", "0.99.0rc1")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradnan.offline.read import RunFiles
 from gradnan.offline.analysis import analyze
+from gradnan.offline.read import RunFiles
 from gradnan.offline.report import build_report, format_text
 
 

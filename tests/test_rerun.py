@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.replay import replay_bundle
-from gradnan.offline.analysis import analyze
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 

@@ -11,7 +11,6 @@ from gradnan.errors import InternalError
 from gradnan.formats.maps import ParamSlot
 
 
-
 class FakeOptimizer:
     pass
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from gradnan.cli import main
-from gradnan.offline.plot import MAX_RANKS, incident_grid
-from gradnan.offline.read import read_maps, read_run
 from gradnan.offline import read
 from gradnan.offline.analysis import analyze
-from gradnan.offline.read import KEPT_PARAMS
+from gradnan.offline.plot import MAX_RANKS, incident_grid
+from gradnan.offline.read import KEPT_PARAMS, read_maps, read_run
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 

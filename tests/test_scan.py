@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradnan.training import scan
-from gradnan.training.scan import (PACK_BELOW, SCRATCH_SHARE, NonFinite, find_nonfinite, finite_flag, locate,
-                                   nonfinite_indices, scratch_elements_for, unravel)
+from gradnan.training.scan import (
+    PACK_BELOW,
+    SCRATCH_SHARE,
+    NonFinite,
+    find_nonfinite,
+    finite_flag,
+    locate,
+    nonfinite_indices,
+    scratch_elements_for,
+    unravel,
+)
 
 NAN = float("nan")
 INF = float("inf")

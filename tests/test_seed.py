@@ -145,7 +145,11 @@ def _checksum(model: torch.nn.Module) -> str:
 def _train(seed: int, junk: int) -> Dict[str, Any]:
     """Build a tiny GPT with dropout and train it; ``seed_all`` is the only seeding."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from gradnan import selftest
 from gradnan.cli import main
 from gradnan.errors import UsageError
 from gradnan.selftest.arithmetic import Tally, checksum, flip_lowest_bit, majority, split_plans

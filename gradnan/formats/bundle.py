@@ -21,7 +21,17 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple
 
 from ..errors import InputError
 from .layout import MANIFEST, TENSORS
-from .schema import Schema, check_rank, check_run, is_int, is_number, is_text, open_regular, optional, read_document
+from .schema import (
+    Schema,
+    check_rank,
+    check_run,
+    is_int,
+    is_number,
+    is_text,
+    open_regular,
+    optional,
+    read_document,
+)
 
 SCHEMA = Schema("gradnan.bundle", 1)
 MAX_TENSORS_BYTES = 1 << 36  # a tensors.pt larger than 64 GiB is no capture gradnan wrote

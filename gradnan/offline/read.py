@@ -20,7 +20,6 @@ from ..errors import InputError
 from ..formats import bundle, maps, records, selftest
 from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
 
-
 KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)
 
 

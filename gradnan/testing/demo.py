@@ -15,8 +15,8 @@ from pathlib import Path
 from ..config import resolve_config
 from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
-from ..offline.read import read_run
 from ..offline.analysis import analyze
+from ..offline.read import read_run
 from ..offline.report import format_text
 from .toy import Injection, JobFailed, TinyGPTJob, launch
 

@@ -348,7 +348,11 @@ class _ResultValidation:
     drives it: data through ``RerunDataIterator``s (rewound for the rerun), RNG state saved and restored."""
 
     def __init__(self, batches: List[Iterator[Any]]) -> None:
-        from megatron.core.rerun_state_machine import RerunDataIterator, RerunMode, initialize_rerun_state_machine
+        from megatron.core.rerun_state_machine import (
+            RerunDataIterator,
+            RerunMode,
+            initialize_rerun_state_machine,
+        )
 
         from gradnan.patches.schedules import rng_states, set_rng_states
 

@@ -18,9 +18,9 @@ from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
-from .offenders import offending_params
 from .events import DescribeBuckets, Grads
 from .messages import describe_params, is_power_of_two, when, where
+from .offenders import offending_params
 from .writer import Writer
 
 

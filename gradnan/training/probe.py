@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .frames import in_backward, read_pairs
 from ..formats.schema import json_float
+from .frames import in_backward, read_pairs
 
 
 @dataclass

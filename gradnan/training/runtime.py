@@ -22,8 +22,8 @@ from .capture import CaptureManager
 from .clock import StepClock
 from .error_guard import ErrorGuard
 from .events import DescribeBuckets, Grads, ModelFacts, ModuleHooking, NamedModules, RerunnableStep
-from .incidents import Detections
 from .forward import ForwardWatch
+from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
 from .stops import abort_if_asked, stop_if_asked
