@@ -29,10 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
     report.add_argument("--fp16-skips", type=positive, default=SERIOUS_SKIPS, metavar="N",
-                        help="consecutive fp16 loss-scale skips that count as a failure (default: %(default)s)")
+                        help="consecutive fp16 loss-scale skips that count as a failure"
+                             " (default: %(default)s)")
     report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
     report.add_argument("--plot", type=Path, metavar="FILE",
-                        help="also draw the failing step (rank x module map) into FILE (.png/.svg/.pdf; matplotlib)")
+                        help="also draw the failing step (rank x module map) into FILE"
+                             " (.png/.svg/.pdf; matplotlib)")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
@@ -42,10 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     frames.add_argument("run_dir", type=Path)
     frames.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1); default: every rank")
     frames.add_argument("--step", type=int, help="only this step (the records' step)")
-    frames.add_argument("--iteration", type=int, help="only this Megatron-LM iteration (as trace_steps counts there)")
+    frames.add_argument("--iteration", type=int,
+                        help="only this Megatron-LM iteration (as trace_steps counts there)")
     frames.add_argument("--last", type=positive, metavar="N", help="only the last N frames of each record")
     frames.add_argument("--json", action="store_true", help="the frames records as JSON")
-    replay = commands.add_parser("replay", help="rerun a captured module call offline: does the failure reproduce?")
+    replay = commands.add_parser("replay",
+                                 help="rerun a captured module call offline: does the failure reproduce?")
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
     replay.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
     replay.add_argument("--json", action="store_true", help="the gradnan.replay JSON document")
@@ -66,7 +70,8 @@ def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
 
 
 def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    documents = read_maps(args.run_dir, lambda header: args.rank is None or _matches_rank(header["rank"], args.rank))
+    documents = read_maps(args.run_dir,
+                          lambda header: args.rank is None or _matches_rank(header["rank"], args.rank))
     if not documents:
         raise InputError(f"{args.run_dir}: no map for rank {args.rank!r}")
     rows = []
@@ -115,14 +120,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             say(run_demo(Path(args.out)))
         elif args.command == "report":
-            report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips, run=args.run)
+            report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips,
+                             run=args.run)
             if args.plot and report.incident is not None:
                 from .offline.plot import plot_incident
 
                 plot_incident(report, args.plot)
             say(json.dumps(report.to_json(), indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
-                say(f"Picture: {args.plot}" if report.incident is not None else "Nothing to plot: no failing step.")
+                say(f"Picture: {args.plot}" if report.incident is not None
+                    else "Nothing to plot: no failing step.")
         elif args.command == "replay":
             from .offline.replay import format_text as replay_text
             from .offline.replay import replay_bundle

@@ -40,7 +40,8 @@ def positive(text: str) -> int:
 # C0 and C1 control characters (ANSI/OSC escape sequences start with them) and the bidirectional
 # overrides, which reorder what a terminal shows; newline and tab are layout.
 _UNPRINTABLE = {code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-                for code in (*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+                for code in (*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F),
+                             *range(0x2066, 0x206A))
                 if chr(code) not in "\n\t"}
 
 

@@ -259,23 +259,25 @@ class GradnanConfig:
             if enum_type is not None:
                 object.__setattr__(self, spec.name, _enum_value(spec.name, enum_type, value))
             elif not _has_type(value, _FIELD_TYPES[spec.name]):
-                raise ConfigError(
-                    f"gradnan config field '{spec.name}' must be {_FIELD_TYPES[spec.name].__name__}, got {value!r}"
-                )
+                raise ConfigError(f"gradnan config field '{spec.name}' must be"
+                                  f" {_FIELD_TYPES[spec.name].__name__}, got {value!r}")
         if not self.out_dir.strip():
-            raise ConfigError("gradnan config field 'out_dir' is empty (GRADNAN_OUT_DIR= ?): name a directory")
+            raise ConfigError("gradnan config field 'out_dir' is empty (GRADNAN_OUT_DIR= ?): name a"
+                              " directory")
         if self.max_records_bytes < 4096:
             raise ConfigError("gradnan config field 'max_records_bytes' must be >= 4096")
-        object.__setattr__(self, "_ranges", {name: Ranges.parse(getattr(self, name), name) for name in RANGE_FIELDS})
-        object.__setattr__(self, "_patterns", {name: parse_patterns(getattr(self, name)) for name in PATTERN_FIELDS})
+        object.__setattr__(self, "_ranges",
+                           {name: Ranges.parse(getattr(self, name), name) for name in RANGE_FIELDS})
+        object.__setattr__(self, "_patterns",
+                           {name: parse_patterns(getattr(self, name)) for name in PATTERN_FIELDS})
         if (self.frames is FramesMode.TRACE) != bool(self.ranges("trace_steps")):
             raise ConfigError("gradnan config fields 'frames' and 'trace_steps' go together: frames='trace'"
                               " needs trace_steps, and trace_steps needs frames='trace'")
         if self.max_frames < 1 or self.abort_after_step < 0:
             raise ConfigError("gradnan config field 'max_frames' must be >= 1 and 'abort_after_step' >= 0")
         if self.max_bundles < 0 or self.max_bundle_bytes < 0 or self.max_batch_bytes < 0:
-            raise ConfigError("gradnan config fields 'max_bundles', 'max_bundle_bytes' and 'max_batch_bytes' must"
-                              " be >= 0")
+            raise ConfigError("gradnan config fields 'max_bundles', 'max_bundle_bytes' and"
+                              " 'max_batch_bytes' must be >= 0")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:
@@ -302,10 +304,12 @@ class GradnanConfig:
         return (not include or any(fnmatch.fnmatchcase(module_name, p) for p in include)) and not any(
             fnmatch.fnmatchcase(module_name, p) for p in exclude)
 
-    def watched(self, named_modules: Iterable[Tuple[str, Any]], include_model: bool = False) -> List[Tuple[str, Any]]:
+    def watched(self, named_modules: Iterable[Tuple[str, Any]],
+                include_model: bool = False) -> List[Tuple[str, Any]]:
         """The (name, module) pairs of ``named_modules`` that gradnan may hook (``watches``); the model
         itself (the empty name) only with ``include_model`` (frame tracing shows it as ``<model>``)."""
-        return [(name, module) for name, module in named_modules if (name or include_model) and self.watches(name)]
+        return [(name, module) for name, module in named_modules
+                if (name or include_model) and self.watches(name)]
 
 
 _FIELD_TYPES: Dict[str, type] = typing.get_type_hints(GradnanConfig)

@@ -66,7 +66,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.module and not _module_exists(args.module):
             raise UsageError(f"-m {args.module}: no such module (on sys.path from {os.getcwd()})")
         installation = gradnan.install(config_file=args.config_file,
-                                       **{spec.name: getattr(args, spec.name) for spec in fields(GradnanConfig)})
+                                       **{spec.name: getattr(args, spec.name)
+                                          for spec in fields(GradnanConfig)})
     except GradnanError as exc:
         return bad_input("gradnan.run", exc)
     target = f"-m {args.module}" if args.module else args.target[0]
@@ -103,7 +104,8 @@ def _print_script_traceback(exc: BaseException) -> None:
     own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
     report = traceback.TracebackException.from_exception(exc)
     report.stack = traceback.StackSummary.from_list(
-        [frame for frame in report.stack if frame.filename not in own and os.path.abspath(frame.filename) not in own])
+        [frame for frame in report.stack
+         if frame.filename not in own and os.path.abspath(frame.filename) not in own])
     print("".join(report.format()), end="", file=sys.stderr)
 
 

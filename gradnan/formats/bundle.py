@@ -51,7 +51,8 @@ def write(path: Path, manifest: Dict[str, Any], tensors: Mapping[str, torch.Tens
     temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         _save_tensors(tensors, temporary / TENSORS)
-        (temporary / MANIFEST).write_text(json.dumps({**SCHEMA.header(), **manifest}, indent=1, allow_nan=False))
+        document = json.dumps({**SCHEMA.header(), **manifest}, indent=1, allow_nan=False)
+        (temporary / MANIFEST).write_text(document)
         os.chmod(temporary, 0o755)
         os.rename(temporary, path)
     except BaseException:

@@ -93,38 +93,39 @@ _HEADLINES = {
     Conclusion.REPRODUCIBLE: "REPRODUCIBLE (same micro-batches, same RNG state)",
     Conclusion.TRANSIENT: "NOT reproduced: transient",
     Conclusion.BACKWARD: "forward pass clean: the backward pass",
-    Conclusion.AFTER_COLLECTIVE: "forward pass and local gradients clean: it arose at or after the data-parallel"
-                                 " collective",
+    Conclusion.AFTER_COLLECTIVE: "forward pass and local gradients clean: it arose at or after the"
+                                 " data-parallel collective",
     Conclusion.NOT_REPRODUCED: "not reproduced",
 }
 
 _EXPLANATIONS = {
-    Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics, not the"
-                             " device",
+    Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics,"
+                             " not the device",
     Conclusion.TRANSIENT: "the forward pass was finite this time with the same micro-batches and RNG state,"
-                          " although the loss was not: a transient fault; suspect the device of the ranks that"
-                          " reported (gradnan selftest)",
-    Conclusion.BACKWARD: "the forward pass was finite in both passes: the non-finite values arose in the backward"
-                         " pass",
-    Conclusion.AFTER_COLLECTIVE: "this replica's forward pass, loss and own gradients before the data-parallel"
-                                 " collective were finite: the non-finite values arose at or after that collective"
-                                 " (from another replica, or a corruption after it)",
-    Conclusion.NOT_REPRODUCED: "the forward pass was finite this time with the same micro-batches and RNG state",
+                          " although the loss was not: a transient fault; suspect the device of the ranks"
+                          " that reported (gradnan selftest)",
+    Conclusion.BACKWARD: "the forward pass was finite in both passes: the non-finite values arose in the"
+                         " backward pass",
+    Conclusion.AFTER_COLLECTIVE: "this replica's forward pass, loss and own gradients before the"
+                                 " data-parallel collective were finite: the non-finite values arose at or"
+                                 " after that collective (from another replica, or a corruption after it)",
+    Conclusion.NOT_REPRODUCED: "the forward pass was finite this time with the same micro-batches and RNG"
+                               " state",
 }
 
 
 _REPRODUCIBLE_VERDICT = (
-    "the failing step, run again in place with the same micro-batches and RNG state, went non-finite again in"
-    " the forward pass, in {module} on rank {rank}, micro-batch {micro_batch}: the data or the numerics (an"
-    " overflow), not a passing fault; `gradnan replay` of its bundle on another device tells a persistently"
-    " faulty device apart")
+    "the failing step, run again in place with the same micro-batches and RNG state, went non-finite again"
+    " in the forward pass, in {module} on rank {rank}, micro-batch {micro_batch}: the data or the numerics"
+    " (an overflow), not a passing fault; `gradnan replay` of its bundle on another device tells a"
+    " persistently faulty device apart")
 _TRANSIENT_VERDICT = (
-    "the failing step, run again in place with the same micro-batches and RNG state, was finite on every rank"
-    " of the replica that failed, although its loss was not: a transient fault; suspect the device of the ranks"
-    " named below and run gradnan selftest there")
+    "the failing step, run again in place with the same micro-batches and RNG state, was finite on every"
+    " rank of the replica that failed, although its loss was not: a transient fault; suspect the device of"
+    " the ranks named below and run gradnan selftest there")
 _BACKWARD_EVIDENCE = (
-    "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed, and"
-    " so was the loss: the non-finite values arose in the backward pass")
+    "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed,"
+    " and so was the loss: the non-finite values arose in the backward pass")
 
 
 class Cause(str, enum.Enum):
@@ -150,7 +151,7 @@ class OriginBasis(str, enum.Enum):
     AFTER_COLLECTIVE = "after_collective"
     """Every checked rank was clean before the collective; these hold the non-finite gradients after it."""
     UNCONFIRMED = "unconfirmed"
-    """They hold the non-finite gradients, and no pre-reduction check ran to say whether they produced them."""
+    """They hold the non-finite gradients; no pre-reduction check ran to say whether they produced them."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -164,7 +165,8 @@ _BASIS_TEXT = {
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
     OriginBasis.NONE: "",
-    OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in place",
+    OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
+                       " place",
 }
 
 

@@ -45,9 +45,9 @@ class ParamSlot:
 
     def to_row(self) -> List[Any]:
         """The slot's values in ``COLUMNS`` order, as JSON values."""
-        return [self.id, self.name, list(self.shape), self.dtype, self.numel, self.group, self.wd_mult, self.lr_mult,
-                self.is_expert, self.optimizer, list(self.shard) if self.shard is not None else None,
-                self.main_dtype, self.order]
+        return [self.id, self.name, list(self.shape), self.dtype, self.numel, self.group, self.wd_mult,
+                self.lr_mult, self.is_expert, self.optimizer,
+                list(self.shard) if self.shard is not None else None, self.main_dtype, self.order]
 
 
 COLUMNS = tuple(field.name for field in fields(ParamSlot))
@@ -74,12 +74,14 @@ def _checked_columns(document: Dict[str, Any], where: str) -> List[str]:
     columns = document.get("param_columns")
     if not (isinstance(columns, list) and all(is_text(column) for column in columns)
             and "id" in columns and "name" in columns):
-        raise InputError(f"{where}: a version 2 map needs 'param_columns', a list of names with 'id' and 'name'")
+        raise InputError(f"{where}: a version 2 map needs 'param_columns', a list of names with 'id' and"
+                         " 'name'")
     id_at, name_at = columns.index("id"), columns.index("name")
     for position, row in enumerate(document["params"]):
-        if not (isinstance(row, list) and len(row) == len(columns) and is_int(row[id_at]) and is_text(row[name_at])):
-            raise InputError(f"{where}: params[{position}] needs one value per column ({len(columns)}), an integer"
-                             " 'id' and a string 'name'")
+        if not (isinstance(row, list) and len(row) == len(columns) and is_int(row[id_at])
+                and is_text(row[name_at])):
+            raise InputError(f"{where}: params[{position}] needs one value per column ({len(columns)}), an"
+                             " integer 'id' and a string 'name'")
     return columns
 
 
@@ -106,7 +108,7 @@ def from_json(document: Any, where: str, params: bool = True) -> Dict[str, Any]:
 
 
 _TABLE_START = b',"param_columns":'  # a JSON string cannot hold ," unescaped: the first one is the key
-HEADER_BYTES = 1 << 16  # a version 2 map's keys before its table fit in this many bytes (a rank object, counts)
+HEADER_BYTES = 1 << 16  # a version 2 map's keys before its table fit in these bytes (a rank object, counts)
 
 
 def _header(head: bytes, where: str) -> Optional[Dict[str, Any]]:
@@ -121,7 +123,8 @@ def _header(head: bytes, where: str) -> Optional[Dict[str, Any]]:
     except UnicodeDecodeError:
         raise InputError(f"{where}: not UTF-8 text") from None
     header = SCHEMA.check(parse_json(text + "}", where), where)
-    if header["version"] < 2 or not is_int(header.get("params_count")) or not isinstance(header.get("rank"), dict):
+    if (header["version"] < 2 or not is_int(header.get("params_count"))
+            or not isinstance(header.get("rank"), dict)):
         return None
     check_rank(header["rank"], where)
     return header

@@ -28,7 +28,8 @@ from .schema import (
 
 SCHEMA = Schema("gradnan.record", 1)
 FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
-DTYPE_MAX = {  # torch.finfo(dtype).max of each floating dtype, by its name in maps and frames (readers load no torch)
+# torch.finfo(dtype).max of each floating dtype, by its name in maps and frames (readers load no torch)
+DTYPE_MAX = {
     "torch.float16": 65504.0,
     "torch.bfloat16": 3.3895313892515355e38,
     "torch.float32": 3.4028234663852886e38,
@@ -76,8 +77,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
             raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
+    flags = ("scale_collapsed", "warmup")
     if not optional(record.get("time"), is_number) or not all(
-            optional(record.get(key), lambda v: isinstance(v, bool)) for key in ("scale_collapsed", "warmup")):
+            optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed' and 'warmup' booleans")
     check_run(record.get("run"), where)
     for key in ("kind", "pre_reduction", "mode", "map"):
@@ -99,13 +101,15 @@ RERUN_CONCLUSIONS = values(Conclusion)  # strongest first
 def _check_rerun(record: Dict[str, Any], where: str) -> None:
     batch = record.get("batch")
     if (record.get("role") not in RERUN_ROLES or record.get("conclusion") not in RERUN_CONCLUSIONS
-            or not all(optional(record.get(key), is_text) for key in ("trigger", "megatron", "module", "class", "bundle"))
+            or not all(optional(record.get(key), is_text)
+                       for key in ("trigger", "megatron", "module", "class", "bundle"))
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
-        raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion' one"
-                         f" of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle', integer or"
-                         " null 'micro_batch'/'call', and 'batch' null or an object with a text 'path'")
+        raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
+                         f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
+                         " integer or null 'micro_batch'/'call', and 'batch' null or an object with a text"
+                         " 'path'")
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:
@@ -117,14 +121,15 @@ def _check_frames(record: Dict[str, Any], where: str) -> None:
         if not (isinstance(frame, dict) and is_text(frame.get("module")) and is_text(frame.get("class"))
                 and all(is_int(frame.get(key)) for key in ("step", "call", "recomputed"))
                 and isinstance(frame.get("entries"), list)):
-            raise InputError(f"{where}: frames[{position}] needs text 'module'/'class', integer 'step'/'call'/"
-                             "'recomputed' and an 'entries' list")
+            raise InputError(f"{where}: frames[{position}] needs text 'module'/'class', integer"
+                             " 'step'/'call'/'recomputed' and an 'entries' list")
         for entry in frame["entries"]:
-            if not (isinstance(entry, dict) and all(is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
+            if not (isinstance(entry, dict)
+                    and all(is_text(entry.get(key)) for key in ("name", "kind", "dtype"))
                     and {"abs_min", "abs_max"} <= entry.keys()  # null: not measured; absent: not ours
                     and is_stat(entry["abs_min"]) and is_stat(entry["abs_max"])):
-                raise InputError(f"{where}: frames[{position}] has an entry without text 'name'/'kind'/'dtype'"
-                                 " and numeric 'abs_min'/'abs_max'")
+                raise InputError(f"{where}: frames[{position}] has an entry without text"
+                                 " 'name'/'kind'/'dtype' and numeric 'abs_min'/'abs_max'")
 
 
 def _check_probes(record: Dict[str, Any], where: str) -> None:
@@ -133,7 +138,8 @@ def _check_probes(record: Dict[str, Any], where: str) -> None:
             isinstance(probe, dict) and is_text(probe.get("label")) and optional(probe.get("module"), is_text)
             and is_int(probe.get("nan")) and is_int(probe.get("inf")) and is_stat(probe.get("abs_min"))
             and is_stat(probe.get("abs_max")) for probe in probes):
-        raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', integer 'nan'/'inf'")
+        raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', integer"
+                         " 'nan'/'inf'")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def is_text(value: Any) -> bool:
-    """A string that can be written back as UTF-8 (no lone surrogate); one regex scan, not a loop per character."""
+    """A string that can be written back as UTF-8 (no lone surrogate); one regex scan, not a loop per
+    character."""
     return isinstance(value, str) and (value.isascii() or _SURROGATE.search(value) is None)
 
 
@@ -109,7 +110,8 @@ def check_rank(rank: Any, where: str) -> None:
 def check_run(run: Any, where: str) -> None:
     """The launch identity written into records, maps and bundles (``layout.run_identity``)."""
     if run is not None and not (isinstance(run, dict) and optional(run.get("started"), is_number)
-                                and optional(run.get("id"), is_text) and optional(run.get("rendezvous"), is_text)
+                                and optional(run.get("id"), is_text)
+                                and optional(run.get("rendezvous"), is_text)
                                 and optional(run.get("attempt"), lambda v: is_int(v) or is_text(v))):
         raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and 'rendezvous' and an"
                          " 'attempt'")
@@ -143,7 +145,8 @@ def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES) -> BinaryIO:
         if not stat.S_ISREG(status.st_mode):
             raise InputError(f"{path}: not a regular file ({_file_kind(status.st_mode)}): refused")
         if status.st_size > max_bytes:
-            raise InputError(f"{path}: {status.st_size} bytes, more than the {max_bytes} gradnan reads: refused")
+            raise InputError(f"{path}: {status.st_size} bytes, more than the {max_bytes} gradnan reads:"
+                             " refused")
         os.set_blocking(descriptor, True)
         return os.fdopen(descriptor, "rb")
     except BaseException:

@@ -345,7 +345,8 @@ def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str]) -> N
     defined before it. Adds the names it produces to ``defined``."""
     name = op.get("op") if isinstance(op, dict) else None
     try:
-        if not (isinstance(op, dict) and _OP_KEYS.issuperset(op) and {"op", "args", "kwargs", "out"} <= set(op)
+        if not (isinstance(op, dict) and _OP_KEYS.issuperset(op)
+                and {"op", "args", "kwargs", "out"} <= set(op)
                 and all(op.get(flag, True) is True for flag in ("collective", "external", "opaque"))):
             raise TraceError("malformed entry")
         match = _OP_NAME.fullmatch(name) if isinstance(name, str) else None
@@ -384,4 +385,5 @@ def tensors_in(tree: Any) -> List[torch.Tensor]:
 
 def has_nonfinite(tensor: Any) -> bool:
     """True for a floating tensor holding a NaN or Inf (one host read; for the capture/replay paths)."""
-    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    return (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+            and not bool(torch.isfinite(tensor).all()))

@@ -93,8 +93,9 @@ class RerunFinding:
         return None if self.rank is None else self.rank["global_rank"]
 
     def to_json(self) -> Dict[str, Any]:
-        return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger, "megatron": self.megatron,
-                "conclusion": self.conclusion.value, "concluded_by": list(self.concluded_by),
+        return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger,
+                "megatron": self.megatron, "conclusion": self.conclusion.value,
+                "concluded_by": list(self.concluded_by),
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
@@ -123,7 +124,8 @@ class Incident:
                 "origin_basis": self.origin_basis.value, "origin": list(self.origin),
                 "receivers": list(self.receivers), "silent": list(self.silent),
                 "parameters": list(self.parameters), "pattern": self.pattern.to_json(),
-                "verdict": self.verdict.to_json(), "rerun": None if self.rerun is None else self.rerun.to_json()}
+                "verdict": self.verdict.to_json(),
+                "rerun": None if self.rerun is None else self.rerun.to_json()}
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class Report:
                 "loss_scale_overflow_steps": list(self.loss_scale_overflow_steps),
                 "selftests": list(self.selftests), "bundles": list(self.bundles),
                 "rerun_capture": None if incident is None else incident.capture_settings,
-                "frames": list(self.frames), "probes": list(self.probes), "run": self.run, "runs": list(self.runs)}
+                "frames": list(self.frames), "probes": list(self.probes), "run": self.run,
+                "runs": list(self.runs)}
 
 
 def rank_view(coords: Dict[str, Any]) -> View:
@@ -277,7 +280,8 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
                       parameters: Sequence[Dict[str, Any]]) -> Verdict:
     """The verdict the gradients alone give (the pattern-based reading)."""
     evidence = []
-    replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})  # a file may lack it
+    # a file may lack the dp coordinate
+    replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})
     dp_size = max((entry.get("dp_size") or 1 for entry in origin), default=1)
     forward = pattern.gradient_pass is GradientPass.FORWARD
     overflow = any(p["near_limit"] for module in parameters for p in module["params"])
@@ -305,7 +309,8 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
     elif basis is not OriginBasis.BEFORE_COLLECTIVE and not forward and not overflow:
         cause = Cause.UNDETERMINED
         summary = ("the ranks named hold the bad values, but no check saw each rank's own gradients before"
-                   " the data-parallel collective: run with pre_reduction (the default) to tell who produced it")
+                   " the data-parallel collective: run with pre_reduction (the default) to tell who produced"
+                   " it")
     elif dp_size > 1 and len(replicas) == 1 and not forward and not overflow:
         first = sorted(origin, key=lambda e: e["global_rank"] != pattern.first_rank)
         where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
@@ -359,13 +364,14 @@ def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any
     devices = {(entry.get("host"), entry.get("device")) for entry in origin}
     evidence = []
     for result in selftests:
-        failed_here = [entry for entry in result["failing_ranks"] if (entry["host"], entry["device"]) in devices]
+        failed_here = [entry for entry in result["failing_ranks"]
+                       if (entry["host"], entry["device"]) in devices]
         if failed_here:
             named = ", ".join(f"rank {e['rank']} ({e['host']} {e['device']})" for e in failed_here)
             evidence.append(f"self-test {result['time']} FAILED on the origin's device: {named}")
         elif result["pass"]:
-            evidence.append(f"self-test {result['time']} passed on all {result['world_size']} ranks: no persistent"
-                            " device fault seen (a transient one, or the data, remain)")
+            evidence.append(f"self-test {result['time']} passed on all {result['world_size']} ranks: no"
+                            " persistent device fault seen (a transient one, or the data, remain)")
     return evidence
 
 
@@ -416,13 +422,15 @@ def _incident(files: RunFiles, at_step: List[Dict[str, Any]], launch: List[Dict[
     gradient_ranks = {entry["global_rank"] for entry in gradient_origin}
     receivers = [{**rank_view(r["rank"]), "holds_nonfinite": bool(r["params"]),
                   "modules": sorted({module_of(p["name"]) for p in r["params"]})}
-                 for r in at_step if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
+                 for r in at_step
+                 if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
     recorded = {r["rank"].get("global_rank") for r in at_step}
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)), None)
     reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters)
     return Incident(
         step=step, iteration=iteration, kinds=tuple(sorted({r["kind"] for r in at_step})), origin_basis=basis,
-        origin=tuple(origin), receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
+        origin=tuple(origin),
+        receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
         verdict=_decide_verdict(reading, rerun, origin, selftests),
@@ -445,27 +453,32 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
     in_launch = split_runs(list(files.bundles.values()) + launch).get(chosen, [])
     bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
-                    for path, doc in sorted(files.bundles.items()) if any(doc is other for other in in_launch))
+                    for path, doc in sorted(files.bundles.items())
+                    if any(doc is other for other in in_launch))
     selftests = tuple({"file": str(path), "time": doc.get("time"), "pass": doc["pass"],
                        "world_size": doc.get("world_size"),
-                       "failing_ranks": [{key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
+                       "failing_ranks": [{key: entry.get(key)
+                                          for key in ("rank", "host", "device", "reasons")}
                                          for entry in doc["failing_ranks"]]}
                       for path, doc in sorted(files.selftests.items()))
     first_step = failing_step(incidents, serious_skips)
     incident, later = None, {}
     if first_step is not None:
         at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
-                         key=lambda r: (r["rank"].get("global_rank", -1), r["kind"] != RecordKind.PRE_REDUCTION))
+                         key=lambda r: (r["rank"].get("global_rank", -1),
+                                        r["kind"] != RecordKind.PRE_REDUCTION))
         incident = _incident(files, at_step, launch, ranks, selftests)
         for record in incidents:
             if record["step"] > first_step:
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
     return Report(
-        run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems), run=chosen,
+        run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems),
+        run=chosen,
         runs=tuple({"run": key, "first_step": failing[key],
                     "ranks": sorted({r["rank"].get("global_rank") for r in records})}
                    for key, records in runs.items()),
-        incident=incident, later_steps=tuple({"step": step, "ranks": sorted(r)} for step, r in sorted(later.items())),
+        incident=incident,
+        later_steps=tuple({"step": step, "ranks": sorted(r)} for step, r in sorted(later.items())),
         loss_scale_overflow_steps=tuple(sorted({r["step"] for r in incidents
                                                if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW})),
         selftests=selftests, bundles=bundles, frames=tuple(frames_summary(launch)),

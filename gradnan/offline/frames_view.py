@@ -88,5 +88,6 @@ def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
         recomputed = f" (recomputed x{frame['recomputed']})" if frame["recomputed"] else ""
         lines.append(f"{'':17} {_module_text(frame)}{recomputed}")
         for entry in frame["entries"]:
-            lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])} {entry['name']}{_near_limit(entry)}")
+            lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])}"
+                         f" {entry['name']}{_near_limit(entry)}")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ from .read import RunFiles
 from .runs import SERIOUS_SKIPS
 
 
-def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[str] = None) -> Dict[str, Any]:
+def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
+                 run: Optional[str] = None) -> Dict[str, Any]:
     """The ``gradnan.report`` document of one launch (``analyze``'s arguments)."""
     return analyze(files, serious_skips, run).to_json()
 
@@ -38,7 +39,8 @@ def _same(view: Dict[str, Any], other: Dict[str, Any], axes: Sequence[str]) -> b
 
 def rank_role(view: Dict[str, Any], origin: List[Dict[str, Any]]) -> str:
     """How a rank stands to the origin: ``dp_peer`` (same model-parallel position, another data-parallel
-    replica: where the collective carries the NaN), ``mp_peer`` (same replica, another position), ``other``."""
+    replica: where the collective carries the NaN), ``mp_peer`` (same replica, another position),
+    ``other``."""
     if any(_same(view, entry, _POSITION) for entry in origin):
         return "dp_peer"
     if any(_same(view, entry, ("dp",)) for entry in origin):
@@ -65,7 +67,8 @@ def focus_ranks(incident: Incident, limit: int) -> List[int]:
     chosen += holding[:max(left // 2, left - len(peers))]
     chosen += peers[:limit - len(chosen)]
     taken = set(chosen)
-    chosen += [rank for rank in nearest(view["global_rank"] for view in views) if rank not in taken][:limit - len(chosen)]
+    rest = [rank for rank in nearest(view["global_rank"] for view in views) if rank not in taken]
+    chosen += rest[:limit - len(chosen)]
     return sorted(chosen)
 
 
@@ -118,8 +121,9 @@ def _ranks_section(title: str, views: List[Dict[str, Any]], origin: List[Dict[st
     if not views:
         return []
     if len(views) <= MAX_ORIGIN_LINES:
-        return [f"{title}:"] + [f"  {_rank_label(view)}" + ("" if view.get("holds_nonfinite", True)
-                                                             else "  (own gradients finite)") for view in views]
+        return [f"{title}:"] + [f"  {_rank_label(view)}"
+                                + ("" if view.get("holds_nonfinite", True) else "  (own gradients finite)")
+                                for view in views]
     return [f"{title}: {len(views)} rank(s)"] + _grouped_lines(views, origin)
 
 
@@ -136,7 +140,8 @@ def _module_table(incident: Incident, max_modules: int) -> List[str]:
     width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
     cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
     lines = ["Offending modules in backward order (O origin, r received, . clean):",
-             f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks) + "  on the origin"]
+             f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks)
+             + "  on the origin"]
     for module in modules[:max_modules]:
         cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
         counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {nonfinite_counts(p)}"
@@ -173,7 +178,8 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
         return []
     when = step_label(rerun.step, rerun.iteration)
     conclusion = rerun.conclusion.headline
-    megatron = [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
+    megatron = ([f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron
+                else [])
     if rerun.module is None:
         return [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
                 f" {rank_ranges(rerun.concluded_by)}"] + megatron
@@ -183,8 +189,8 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     ties = rerun.origins[1:]
     if ties:
         same = all(o["module"] == rerun.module for o in ties)
-        lines.append(f"  the same on rank(s) {rank_ranges([o['global_rank'] for o in ties])} (a tie: each went non-finite"
-                     " there first)" if same else "  tied with: " + ", ".join(
+        lines.append(f"  the same on rank(s) {rank_ranges([o['global_rank'] for o in ties])} (a tie: each"
+                     " went non-finite there first)" if same else "  tied with: " + ", ".join(
                          f"{o['module']} on rank {o['global_rank']}" for o in ties[:MAX_LISTED]))
     if rerun.receivers:
         lines.append(f"  received it from there (not origins): rank(s) "
@@ -201,18 +207,21 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
     lines = [f"First failing step: {incident.step}{iteration}  ({', '.join(incident.kinds)})"]
     lines += _rerun_lines(incident.rerun)
-    lines += textwrap.wrap(f"Verdict: {verdict.cause.value}: {verdict.summary}", WIDTH, subsequent_indent="    ")
+    lines += textwrap.wrap(f"Verdict: {verdict.cause.value}: {verdict.summary}", WIDTH,
+                           subsequent_indent="    ")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
-    lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)" for entry in origin[:MAX_ORIGIN_LINES]]
+    lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)"
+              for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
                      f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")
     if not origin:
         lines.append("  none found")
-    lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers, origin)
+    lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers,
+                            origin)
     lines += _ranks_section("No record at this step (finite norm, or died first)", incident.silent, origin)
     lines += _module_table(incident, max_modules)
     if later_steps:
