@@ -114,6 +114,7 @@ def test_the_report_reads_maps_and_records_without_their_lists(large_job, monkey
     assert inline <= kept and (inline > 0) == (kept > 0)
     offenders = sum(len(record["params"]) for record in full_records)
     assert any("params" not in record for record in lean_records) == (kept < offenders)
+    assert not any(key.startswith("_") for record in lean_records for key in record)  # no private keys
     assert [lean.full(record) for record in lean_records] == full_records
     assert build_report(lean) == build_report(full) == report
 

@@ -5,8 +5,8 @@ some files are bad is still read: the good files are returned and the bad ones l
 
 ``params=False`` reads what the report needs of 16,000 ranks in the memory of a few: maps without their
 parameter lists (``params_count`` only), records streamed line by line and kept with their offending
-parameters only while ``KEPT_PARAMS`` entries in all are kept, the others without (``_line`` says where
-each is; ``RunFiles.full`` reads one back whole).
+parameters only while ``KEPT_PARAMS`` entries in all are kept, the others without (a ``LeanRecord``, whose
+``location`` says where it is; ``RunFiles.full`` reads one back whole).
 """
 
 from __future__ import annotations
@@ -39,15 +39,21 @@ class RunFiles:
 
     def full(self, record: Dict[str, Any]) -> Dict[str, Any]:
         """A record with its offending parameters (read back from its line if it was kept without)."""
-        if "_line" not in record:
+        if not isinstance(record, LeanRecord):
             return record
-        path, number, offset = record["_line"]
-        return records.load_at(Path(path), number, offset)
+        path, number, offset = record.location
+        return records.load_at(path, number, offset)
 
 
-def _lean(record: Dict[str, Any], path: Path, line: records.Line) -> Dict[str, Any]:
-    return {**{key: value for key, value in record.items() if key != "params"},
-            "_line": (str(path), line.number, line.offset)}
+class LeanRecord(dict):
+    """A record kept without its offending parameters; ``location`` is where to read it whole: (file, line
+    number, byte offset of the line)."""
+
+    __slots__ = ("location",)
+
+    def __init__(self, record: Dict[str, Any], location: Tuple[Path, int, int]) -> None:
+        super().__init__((key, value) for key, value in record.items() if key != "params")
+        self.location = location
 
 
 def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dict[str, Any]], List[str]]:
@@ -62,7 +68,7 @@ def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dic
             found.append(line.record)
         else:
             budget[0] = 0  # spent: from here only records without offenders stay whole
-            found.append(_lean(line.record, path, line))
+            found.append(LeanRecord(line.record, (path, line.number, line.offset)))
     return found, problems
 
 
