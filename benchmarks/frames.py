@@ -1,24 +1,27 @@
 """Frame tracing on a healthy step: gradnan's device-side frames against Hugging Face's per-tensor host syncs.
 
-    python benchmarks/frames.py              # two GPTs (hidden 256 x 4 layers, 512 x 8), about 3 minutes on 2 cores
+    python benchmarks/frames.py              # two GPTs (hidden 256 x 4 layers, 512 x 8),
+                                             # about 3 minutes on 2 cores
     python benchmarks/frames.py --quick      # the small GPT only, a few rounds: about 30 seconds
     python benchmarks/frames.py --rounds 15 --sizes medium
 
 Real megatron-core, one process (CPU with the shim in fp32, or a real GPU in bf16 when CUDA is there), the
-harness of ``overhead.py`` (``gradnan.testing.toy.TinyGPT``: Megatron DDP and ``get_megatron_optimizer``'s Adam). On
-the same model, one full training step (forward, backward, optimizer step) is timed in three ways, interleaved
-round by round in a rotating order so that drift falls on all of them alike:
+harness of ``overhead.py`` (``gradnan.testing.toy.TinyGPT``: Megatron DDP and ``get_megatron_optimizer``'s
+Adam). On the same model, one full training step (forward, backward, optimizer step) is timed in three ways,
+interleaved round by round in a rotating order so that drift falls on all of them alike:
 
 - ``off``: no tracing;
-- ``gradnan``: ``gradnan.training.frames.FrameTracer`` in detect mode over every module (``global_named_modules``),
-  as ``Runtime`` runs it: an ``aminmax`` of |x| per floating tensor left on the device, weights measured
-  once per step, then ``read()`` (one host copy) and ``FrameBuffer.add`` once per step;
-- ``hf``: ``HfStyleOverflowDebugger``, a re-implementation of ``transformers.debug_utils.DebugUnderflowOverflow``
-  (a forward hook on every module; per weight, input and output tensor an ``abs().min()``/``abs().max()``
-  formatted into a string and ``isnan(x).any().item()``/``isinf(x).any().item()``: four host reads each).
+- ``gradnan``: ``gradnan.training.frames.FrameTracer`` in detect mode over every module
+  (``global_named_modules``), as ``Runtime`` runs it: an ``aminmax`` of |x| per floating tensor left on the
+  device, weights measured once per step, then ``read()`` (one host copy) and ``FrameBuffer.add`` once per
+  step;
+- ``hf``: ``HfStyleOverflowDebugger``, a re-implementation of
+  ``transformers.debug_utils.DebugUnderflowOverflow`` (a forward hook on every module; per weight, input and
+  output tensor an ``abs().min()``/``abs().max()`` formatted into a string and
+  ``isnan(x).any().item()``/``isinf(x).any().item()``: four host reads each).
 
-Prints medians with quartiles, the median per-round ratio to ``off``, the extra time over ``off`` and
-hf's extra over gradnan's, host syncs per step (``gradnan.testing.measure.HostSyncCounter``), frames and tensors
+Prints medians with quartiles, the median per-round ratio to ``off``, the extra time over ``off`` and hf's
+extra over gradnan's, host syncs per step (``gradnan.testing.measure.HostSyncCounter``), frames and tensors
 measured per step. On CPU both wall-clock and process CPU time are reported, with one intra-op thread by
 default (``--threads``): on a small machine shared with other work, multi-threaded step times swing tenfold,
 while one thread's CPU time barely moves. On CPU no host read waits, so there the difference is the work
@@ -334,16 +337,16 @@ def _ms(seconds: float) -> str:
 def _cells(row: Dict[str, Any]) -> str:
     low, _, high = row["quartiles_s"]
     rlow, _, rhigh = row["ratio_quartiles"]
-    return (f"{_ms(row['median_s'])} [{_ms(low)}, {_ms(high)}] | {row['ratio']:.3f} [{rlow:.3f}, {rhigh:.3f}] "
-            f"| {_ms(row['extra_s'])}")
+    return (f"{_ms(row['median_s'])} [{_ms(low)}, {_ms(high)}] | {row['ratio']:.3f} "
+            f"[{rlow:.3f}, {rhigh:.3f}] | {_ms(row['extra_s'])}")
 
 
 def _versus(entry: Dict[str, Any], clock: str) -> str:
     ours, theirs = entry["variants"]["gradnan"][clock], entry["variants"]["hf"][clock]
     verdict = (f"{theirs['extra_s'] / ours['extra_s']:.1f}x" if ours["extra_s"] > 0
                else "n/a (gradnan's extra <= 0: within noise)")
-    return (f"{clock}: hf extra / gradnan extra = {_ms(theirs['extra_s'])} / {_ms(ours['extra_s'])} ms = {verdict}, "
-            f"hf step / gradnan step = {theirs['median_s'] / ours['median_s']:.3f}")
+    return (f"{clock}: hf extra / gradnan extra = {_ms(theirs['extra_s'])} / {_ms(ours['extra_s'])} ms "
+            f"= {verdict}, hf step / gradnan step = {theirs['median_s'] / ours['median_s']:.3f}")
 
 
 def table(results: Dict[str, Any], with_cpu: bool) -> str:
@@ -358,26 +361,29 @@ def table(results: Dict[str, Any], with_cpu: bool) -> str:
         for name, row in entry["variants"].items():
             lines.append(f"| {size} | {entry['params'] / 1e6:.1f}M | {name} | "
                          + " | ".join(_cells(row[clock]) for clock in clocks)
-                         + f" | {row['host_syncs']} ({row['host_syncs'] - off['host_syncs']:+d}) | {row['frames']} "
-                         f"| {row['tensors']} |")
+                         + f" | {row['host_syncs']} ({row['host_syncs'] - off['host_syncs']:+d}) "
+                         f"| {row['frames']} | {row['tensors']} |")
     lines.append("")
     for size, entry in results.items():
-        lines.append(f"{size} ({entry['rounds']} rounds): " + "; ".join(_versus(entry, clock) for clock in clocks))
+        lines.append(f"{size} ({entry['rounds']} rounds): "
+                     + "; ".join(_versus(entry, clock) for clock in clocks))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
+    parser.add_argument("--sizes", default=None,
+                        help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
     parser.add_argument("--rounds", type=int, default=0, help="timed rounds per size (0: by size)")
     parser.add_argument("--quick", action="store_true", help=f"tiny only, {QUICK_ROUNDS} rounds (about 30 s)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--dtype", default=None, help="fp32 on CPU, bf16 on GPU by default")
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU intra-op threads (0: one per core). One by default: on a small shared machine,"
-                             " other processes make multi-threaded step times swing tenfold")
-    parser.add_argument("--show-warnings", action="store_true", help="megatron's UserWarnings (TE/Apex missing, ...)")
+                        help="CPU intra-op threads (0: one per core). One by default: on a small shared"
+                             " machine, other processes make multi-threaded step times swing tenfold")
+    parser.add_argument("--show-warnings", action="store_true",
+                        help="megatron's UserWarnings (TE/Apex missing, ...)")
     args = parser.parse_args()
     sizes = (args.sizes or ("tiny" if args.quick else ",".join(SIZES))).split(",")
     unknown = [size for size in sizes if size not in SIZES]
@@ -390,9 +396,10 @@ def main() -> None:
     device = _setup()
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or '?'})"
-    print(f"device: {device_name}, threads {torch.get_num_threads()}, torch {torch.__version__}, dtype {dtype}, "
-          f"seq {args.seq_length}, micro batch {args.micro_batch_size}", flush=True)
+    device_name = (torch.cuda.get_device_name(0) if device.type == "cuda"
+                   else f"cpu ({platform.processor() or '?'})")
+    print(f"device: {device_name}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
+          f"dtype {dtype}, seq {args.seq_length}, micro batch {args.micro_batch_size}", flush=True)
     results: Dict[str, Any] = {}
     for size in sizes:
         job = TinyGPTJob(world_size=1, dtype=dtype, vocab_size=1024, seq_length=args.seq_length,
@@ -413,8 +420,9 @@ def main() -> None:
         print(f"{size}: {rounds} rounds in {time.perf_counter() - started:.0f} s", flush=True)
     print()
     print(table(results, with_cpu=device.type == "cpu"))
-    print("\nextra: median over rounds of (variant step - off step) within one round; cpu: the process's CPU time"
-          " (time.process_time); host syncs: one step counted with gradnan.testing.measure.HostSyncCounter (a GPU waits at"
+    print("\nextra: median over rounds of (variant step - off step) within one round; cpu: the process's"
+          " CPU time (time.process_time); host syncs: one step counted with"
+          " gradnan.testing.measure.HostSyncCounter (a GPU waits at"
           f" each); frames: module calls traced; total {time.perf_counter() - began:.0f} s")
 
 

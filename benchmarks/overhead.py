@@ -1,12 +1,14 @@
 """gradnan's cost, measured side by side in one run: healthy-step overhead, scan speed, extra memory.
 
-    python benchmarks/overhead.py                 # ~1M, 10M and 50M parameter GPTs, about 6 minutes on 2 cores
+    python benchmarks/overhead.py                 # ~1M, 10M and 50M parameter GPTs,
+                                                  # about 6 minutes on 2 cores
     python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
 1. Step time, interleaved round by round (off, defaults, defaults without the rerun's kept step
-   (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced; each mode installed, one untimed step, then one timed
-   step), reported as medians and the median of the per-round ratios.
+   (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced;
+   each mode installed, one untimed step, then one timed step), reported as medians and the median of the
+   per-round ratios.
 2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
    hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, and the floor: one finite check over
@@ -38,7 +40,8 @@ SIZES = {
     "10m": dict(hidden_size=384, num_layers=5, num_heads=6),
     "50m": dict(hidden_size=768, num_layers=7, num_heads=12),
 }
-MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"}, "pre_reduction_sync": {"pre_reduction": "sync"},
+MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"},
+         "pre_reduction_sync": {"pre_reduction": "sync"},
          "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True}}
 
 
@@ -129,7 +132,8 @@ def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any
         "floor: one check over the grad buffer": lambda: bool(finite_flag(buffer)),
         "gradnan scan (main_grad views)": lambda: find_nonfinite(grads),
         "gradnan scan (separate tensors)": lambda: find_nonfinite(copies),
-        "recipe: isnan(g).any() per parameter": lambda: [i for i, g in enumerate(grads) if torch.isnan(g).any()],
+        "recipe: isnan(g).any() per parameter": lambda: [i for i, g in enumerate(grads)
+                                                         if torch.isnan(g).any()],
     }
     assert [i for i, _ in find_nonfinite(grads)] == [bad] == [i for i, _ in find_nonfinite(copies)]
     timed = checks
@@ -139,8 +143,8 @@ def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any
     for _ in range(reps):
         for name, check in timed.items():
             seconds[name].append(_timed(check, device))
-    result: Dict[str, Any] = {"params": len(grads), "grad_buffer_bytes": buffer.numel() * buffer.element_size(),
-                              "checks": {}}
+    result: Dict[str, Any] = {"params": len(grads),
+                              "grad_buffer_bytes": buffer.numel() * buffer.element_size(), "checks": {}}
     floor = statistics.median(seconds["floor: one check over the grad buffer"])
     for name, check in checks.items():
         counter = HostSyncCounter()
@@ -185,8 +189,8 @@ def _table(results: Dict[str, Any]) -> str:
         steps = entry["steps"]
         for mode in steps["median_ratio"]:
             low, _, high = steps["ratio_quartiles"][mode]
-            lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} | {mode} | "
-                         f"{steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
+            lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} "
+                         f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
                          f"{100 * steps['median_kit_share'][mode]:.2f}% |")
     lines += ["", "| size | check | median (ms) | x floor | host syncs | peak extra (% of grad bytes) |",
               "|---|---|---|---|---|---|"]

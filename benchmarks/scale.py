@@ -52,12 +52,13 @@ from gradnan.training.scan import find_nonfinite, locate
 
 # ``gradnan ARGS`` as the command ran before the offline side stopped importing the training side: torch and
 # megatron-core loaded first, then the same CLI
-WITH_TRAINING_SIDE = ("-c", "import sys, torch, megatron.core; from gradnan.cli import main; sys.exit(main(sys.argv[1:]))")
+WITH_TRAINING_SIDE = ("-c", "import sys, torch, megatron.core; from gradnan.cli import main;"
+                            " sys.exit(main(sys.argv[1:]))")
 REPORT_TARGET = {"ranks": 16384, "cpu_s": 3.0, "peak_mb": 300.0}  # issue 28; 5.9 s, 446 MB at commit bcdcb09
 
 
-# Runs argv[2:] and writes its exit code, CPU time and peak RSS to the file argv[1]. A child's peak RSS on Linux
-# counts the memory of the process it was forked from: forked from this small launcher, not from the
+# Runs argv[2:] and writes its exit code, CPU time and peak RSS to the file argv[1]. A child's peak RSS on
+# Linux counts the memory of the process it was forked from: forked from this small launcher, not from the
 # benchmark (which holds torch and the synthetic files' writers), it is the command's own.
 _MEASURE = ("import json, os, subprocess, sys\n"
             "process = subprocess.Popen(sys.argv[2:])\n"
@@ -91,8 +92,9 @@ def measure_maps(run_dir: Path, origin: int, world_size: int) -> Dict[str, float
     param_id = stage_slots(coords_of(origin, world_size)["pp"])[-1].id
     rank = measure_command("maps", str(run_dir), "--rank", str(origin))
     one = measure_command("maps", str(run_dir), "--rank", str(origin), "--id", str(param_id))
-    return {"maps_rank_cpu_s": rank["cpu_s"], "maps_rank_peak_mb": rank["peak_mb"], "maps_rank_lines": rank["lines"],
-            "maps_id_cpu_s": one["cpu_s"], "maps_id_peak_mb": one["peak_mb"]}
+    return {"maps_rank_cpu_s": rank["cpu_s"], "maps_rank_peak_mb": rank["peak_mb"],
+            "maps_rank_lines": rank["lines"], "maps_id_cpu_s": one["cpu_s"],
+            "maps_id_peak_mb": one["peak_mb"]}
 
 
 def names_the_origin(text: str, origin: int) -> bool:
@@ -112,7 +114,8 @@ def report_at(root: Path, world_size: int) -> Dict[str, float]:
         loaded = measure_command("report", str(run_dir), preload=True)
         return {"ranks": world_size, "write_s": written, **figures,
                 "with_torch_cpu_s": loaded["cpu_s"], "with_torch_peak_mb": loaded["peak_mb"],
-                "origin_named": names_the_origin(figures["text"], origin), **measure_maps(run_dir, origin, world_size)}
+                "origin_named": names_the_origin(figures["text"], origin),
+                **measure_maps(run_dir, origin, world_size)}
     finally:
         shutil.rmtree(run_dir)
 
@@ -148,7 +151,8 @@ def map_figures(count: int, reps: int, out_dir: Path) -> Dict[str, float]:
     again = median_seconds(lambda: param_slots(optimizer), reps)
     coords = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}
     path = out_dir / "map.json"
-    write = median_seconds(lambda: maps.write(path, maps.to_json(coords, {}, {}, 0, "FP32Optimizer", slots)), reps)
+    write = median_seconds(lambda: maps.write(path, maps.to_json(coords, {}, {}, 0, "FP32Optimizer", slots)),
+                           reps)
     build = statistics.median(builds)
     return {"tensors": count, "build_s": build, "write_s": write, "first_step_s": build + write,
             "later_steps_s": again, "file_mb": path.stat().st_size / 1e6}
@@ -162,7 +166,8 @@ def scan_figures(count: int, numel: int, reps: int) -> Dict[str, float]:
     assert [index for index, _ in found] == [count // 2], found
     scan = median_seconds(lambda: find_nonfinite(tensors), reps)
     floor = median_seconds(lambda: bool(torch.isfinite(flat.sum())), reps)
-    return {"tensors": count, "elements": count * numel, "scan_s": scan, "floor_s": floor, "ratio": scan / floor}
+    return {"tensors": count, "elements": count * numel, "scan_s": scan, "floor_s": floor,
+            "ratio": scan / floor}
 
 
 def locate_figures(numel: int, dtype: torch.dtype, reps: int) -> Dict[str, float]:
@@ -171,12 +176,14 @@ def locate_figures(numel: int, dtype: torch.dtype, reps: int) -> Dict[str, float
     assert locate(tensor).nan == 1
     found = median_seconds(lambda: locate(tensor), reps)
     floor = median_seconds(lambda: bool(torch.isfinite(tensor.sum())), reps)
-    return {"dtype": str(dtype), "elements": numel, "locate_s": found, "floor_s": floor, "ratio": found / floor}
+    return {"dtype": str(dtype), "elements": numel, "locate_s": found, "floor_s": floor,
+            "ratio": found / floor}
 
 
 def table(rows: List[Dict[str, float]]) -> str:
     keys = [key for key in rows[0] if key != "text"]
-    cells = [[f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key]) for key in keys] for row in rows]
+    cells = [[f"{row[key]:.3g}" if isinstance(row[key], float) else str(row[key]) for key in keys]
+             for row in rows]
     return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + ["| " + " | ".join(c) + " |"
                                                                                   for c in cells])
 
@@ -188,9 +195,10 @@ def target_lines(reports: List[Dict[str, float]]) -> str:
     for row in reports:
         if row["ranks"] >= REPORT_TARGET["ranks"]:
             met = row["cpu_s"] <= REPORT_TARGET["cpu_s"] and row["peak_mb"] <= REPORT_TARGET["peak_mb"]
-            lines.append(f"\n{row['ranks']} ranks: gradnan report {row['cpu_s']:.2f} s CPU, {row['peak_mb']:.0f} MB"
-                         f" (target at most {REPORT_TARGET['cpu_s']:.0f} s and {REPORT_TARGET['peak_mb']:.0f} MB:"
-                         f" {'met' if met else 'NOT met'}); with torch and megatron-core loaded:"
+            lines.append(f"\n{row['ranks']} ranks: gradnan report {row['cpu_s']:.2f} s CPU,"
+                         f" {row['peak_mb']:.0f} MB (target at most {REPORT_TARGET['cpu_s']:.0f} s"
+                         f" and {REPORT_TARGET['peak_mb']:.0f} MB: {'met' if met else 'NOT met'});"
+                         " with torch and megatron-core loaded:"
                          f" {row['with_torch_cpu_s']:.2f} s, {row['with_torch_peak_mb']:.0f} MB"
                          f" ({row['with_torch_cpu_s'] / row['cpu_s']:.2f}x the CPU time)")
     return "\n".join(lines)
@@ -200,10 +208,12 @@ PARTS = ("runs", "map", "scan", "locate")
 
 
 def main(argv: List[str] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help="which of %(default)s to measure")
     parser.add_argument("--ranks", default="64,512,4096", help="world sizes, comma-separated")
-    parser.add_argument("--records-mb", type=int, default=200, help="size of the one long records file (0: skip)")
+    parser.add_argument("--records-mb", type=int, default=200,
+                        help="size of the one long records file (0: skip)")
     parser.add_argument("--tensors", type=int, default=50_000, help="tensors in the map")
     parser.add_argument("--scan-shapes", default="50000x1000,5000x10000",
                         help="separate tensors x elements of each, comma-separated (default: %(default)s)")
@@ -232,7 +242,8 @@ def main(argv: List[str] = None) -> None:
             print("\n## failing-path scan over separate tensors vs one pass over the same bytes"
                   f" (medians of {args.reps})\n")
             shapes = [shape.split("x") for shape in args.scan_shapes.split(",")]
-            print(table([scan_figures(int(count), int(numel), args.reps) for count, numel in shapes]), flush=True)
+            print(table([scan_figures(int(count), int(numel), args.reps) for count, numel in shapes]),
+                  flush=True)
         if "locate" in parts:
             print(f"\n## locate over one large tensor vs one pass over it (medians of {args.reps})\n")
             print(table([locate_figures(args.locate_numel, dtype, args.reps)

@@ -47,8 +47,9 @@ def main():
         torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               tensor_model_parallel_size=args.tp, hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               use_cpu_initialization=True, tensor_model_parallel_size=args.tp,
+                               hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=model)
@@ -73,8 +74,9 @@ def main():
         if (rank, step) == (bad_rank, bad_step):
             weight = model.module.decoder.layers[0].mlp.linear_fc1.weight
             hook = weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
-        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None, model=[model],
-                                             num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH)
+        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=None,
+                                             model=[model], num_microbatches=1, seq_length=SEQ,
+                                             micro_batch_size=BATCH)
         if hook is not None:
             hook.remove()
         _, grad_norm, _ = optimizer.step()

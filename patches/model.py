@@ -94,7 +94,8 @@ def global_named_modules(chunks: Iterable[torch.nn.Module]) -> List[Tuple[str, t
 
 
 def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """A model parameter's gradient as Megatron's optimizer sees it: ``main_grad`` (DDP buffer), else ``grad``."""
+    """A model parameter's gradient as Megatron's optimizer sees it: ``main_grad`` (DDP buffer), else
+    ``grad``."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
 

@@ -3,9 +3,9 @@
 Since core 0.12 ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose ``step()`` calls
 ``get_grad_norm()`` and ``clip_grad_by_total_norm_fp32``; ``clip_grad_norm`` is called by the older
 single-optimizer ``step()``. Both are wrapped on ``MegatronOptimizer`` and on every subclass that overrides
-them, behind one re-entrancy guard, so nested calls (a chained optimizer delegating to its only member)
-give one check. A finite norm costs one float comparison; only a non-finite one triggers the scan. A norm returned as a
-device tensor (core 0.18+ with Transformer Engine) is read when it reaches the host, never by waiting for
+them, behind one re-entrancy guard, so nested calls (a chained optimizer delegating to its only member) give
+one check. A finite norm costs one float comparison; only a non-finite one triggers the scan. A norm returned
+as a device tensor (core 0.18+ with Transformer Engine) is read when it reaches the host, never by waiting for
 the device on a healthy step (``gradnan.training.norms``).
 """
 

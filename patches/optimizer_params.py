@@ -1,8 +1,8 @@
 """Map the parameters a Megatron optimizer steps back to the model parameters they stand for.
 
 - ``FP32Optimizer``: the optimizer's parameters are the model parameters.
-- ``Float16OptimizerWithFloat16Params``: ``float16_groups[i][j]`` (model) <-> ``fp32_from_float16_groups[i][j]``
-  (fp32 main copy); ``fp32_from_fp32_groups`` are model parameters.
+- ``Float16OptimizerWithFloat16Params``: ``float16_groups[i][j]`` (model) <->
+  ``fp32_from_float16_groups[i][j]`` (fp32 main copy); ``fp32_from_fp32_groups`` are model parameters.
 - ``DistributedOptimizer``: ``model_float16_groups`` <-> ``shard_fp32_from_float16_groups`` and
   ``model_fp32_groups`` <-> ``shard_fp32_groups``, each shard the ``[start, end)`` slice of the flattened
   model parameter given by ``_get_model_param_range_map(param)["param"]``.
@@ -89,7 +89,8 @@ def _build_slots(stepped, chunks: Sequence[torch.nn.Module]) -> List[ParamSlot]:
         name, order = names.get(id(model_param), (f"<unnamed #{slot_id}>", -1))
         slots.append(ParamSlot(
             id=slot_id, name=name, shape=tuple(model_param.shape),
-            dtype=dtype_names.setdefault(model_param.dtype, str(model_param.dtype)), numel=model_param.numel(),
+            dtype=dtype_names.setdefault(model_param.dtype, str(model_param.dtype)),
+            numel=model_param.numel(),
             group=group_index, wd_mult=group.get("wd_mult"), lr_mult=group.get("lr_mult"),
             is_expert=bool(group.get("is_expert_parallel", not getattr(model_param, "allreduce", True))),
             optimizer=leaf_index, shard=shard,

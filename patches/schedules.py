@@ -121,7 +121,8 @@ def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
     """Whether every loss a schedule returned is finite, and the first micro-batch whose loss is not (one
     host read); (None, None) where it returned none (not the last pipeline stage)."""
     per_micro_batch = [[value for value in (item.values() if isinstance(item, dict) else [item])
-                        if isinstance(value, torch.Tensor) and value.is_floating_point()] for item in store or []]
+                        if isinstance(value, torch.Tensor) and value.is_floating_point()]
+                       for item in store or []]
     flat = [tensor for tensors in per_micro_batch for tensor in tensors]
     if not flat:
         return None, None
@@ -135,7 +136,8 @@ def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 class KeptStep:
@@ -189,8 +191,8 @@ class KeptStep:
                                            ("context", parallel_state.get_context_parallel_world_size()))
                    if size > 1]
         if outside and not job_wide:
-            return (f"{' and '.join(outside)} parallelism: the forward pass needs ranks of other data-parallel"
-                    " replicas, which did not all see this incident")
+            return (f"{' and '.join(outside)} parallelism: the forward pass needs ranks of other"
+                    " data-parallel replicas, which did not all see this incident")
         return None
 
     def leads_replica(self) -> bool:

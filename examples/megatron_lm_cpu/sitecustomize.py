@@ -81,7 +81,8 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
         DistributedDataParallel.__init__ = init
 
     def _poisoning(iteration, value):
-        """A tensor's first element set to ``value`` at ``iteration`` (a copy: autograd's tensors untouched)."""
+        """A tensor's first element set to ``value`` at ``iteration`` (a copy: autograd's tensors
+        untouched)."""
         def poison(tensor):
             if _iteration() != iteration:
                 return tensor
@@ -103,4 +104,5 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
 
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
-    print(f"[sitecustomize rank {os.environ.get('RANK')}] Megatron-LM on CPU (stand-in CUDA)", file=sys.stderr)
+    print(f"[sitecustomize rank {os.environ.get('RANK')}] Megatron-LM on CPU (stand-in CUDA)",
+          file=sys.stderr)

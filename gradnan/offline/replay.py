@@ -68,7 +68,8 @@ def replay_device(name: Optional[str]) -> torch.device:
     if name is not None and not re.fullmatch(r"cpu|cuda(:\d{1,4})?", name):
         raise UsageError(f"--device {name!r}: replay runs on cpu, cuda or cuda:N")
     target = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
+    if target.type == "cuda" and (not torch.cuda.is_available()
+                                  or (target.index or 0) >= torch.cuda.device_count()):
         raise UsageError(f"--device {name}: no such CUDA device here")
     return target
 
@@ -86,33 +87,39 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     except TraceError as exc:
         raise InputError(f"{path}: {exc}") from None
     target = replay_device(device)
-    grads = {int(key.split(".", 1)[1]): t.to(target) for key, t in tensors.items() if key.startswith("grad_out.")}
+    grads = {int(key.split(".", 1)[1]): t.to(target) for key, t in tensors.items()
+             if key.startswith("grad_out.")}
     grad_leaves = [name for name in leaf_names
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
     try:
         runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"))
                 for label, dtype in PRECISIONS}
     except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
-        raise InputError(f"{path}: cannot replay: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise InputError(f"{path}: cannot replay:"
+                         f" {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     seen = manifest.get("seen", {})
     captured = runs["captured"]
     saved_outputs = [tensors[f"out.{i}"] for i in range(manifest.get("outputs", 0)) if f"out.{i}" in tensors]
     matches = len(saved_outputs) == len(captured["_outputs"]) and all(
-        _same(saved.to(target), replayed.detach()) for saved, replayed in zip(saved_outputs, captured["_outputs"]))
+        _same(saved.to(target), replayed.detach())
+        for saved, replayed in zip(saved_outputs, captured["_outputs"]))
     judgement = _judge(seen, runs, tensors, leaf_names, grads)
     if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
-        judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from outside it"
-                                 " (a collective with other ranks, e.g. a tensor-parallel all-reduce)")
+        judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from"
+                                 " outside it (a collective with other ranks, e.g. a tensor-parallel"
+                                 " all-reduce)")
     return {
         **SCHEMA.header(),
         "bundle": str(path),
         "module": manifest["module"],
         "step": manifest.get("step"),
-        "rank": {key: manifest["rank"].get(key) for key in ("global_rank", "tp", "pp", "dp", "host", "device")},
+        "rank": {key: manifest["rank"].get(key)
+                 for key in ("global_rank", "tp", "pp", "dp", "host", "device")},
         "recompute": manifest.get("recompute"),
         "seen_in_training": seen,
         "replay_matches_saved_outputs": matches,
-        "runs": {label: {k: v for k, v in run.items() if not k.startswith("_")} for label, run in runs.items()},
+        "runs": {label: {k: v for k, v in run.items() if not k.startswith("_")}
+                 for label, run in runs.items()},
         **judgement,
     }
 
@@ -122,37 +129,41 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
     """The forward first (its inputs are the module's own); the backward only where the forward is
     finite, since it starts from the incoming gradient, which may already be bad."""
     captured, wide = runs["captured"], runs["float64"]
-    bad_leaves = [name for name in leaf_names if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
+    bad_leaves = [name for name in leaf_names
+                  if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
     operator = captured["first_nonfinite"]
     where = f" at {operator['op']} ({operator.get('phase', 'forward')})" if operator else ""
     if bad_leaves:
         return {"verdict": "inputs_nonfinite", "reproduces": True,
-                "summary": f"the module's inputs or parameters were already non-finite ({', '.join(bad_leaves[:3])}):"
-                           " look upstream (an earlier module, or the update of the previous step)"}
+                "summary": "the module's inputs or parameters were already non-finite"
+                           f" ({', '.join(bad_leaves[:3])}): look upstream (an earlier module, or the update"
+                           " of the previous step)"}
     if captured["outputs_nonfinite"]:
         if not wide["outputs_nonfinite"]:
             return {"verdict": "precision", "reproduces": True,
-                    "summary": f"reproduces in the captured dtype, not in float64: overflow or underflow{where}"}
+                    "summary": "reproduces in the captured dtype, not in float64:"
+                               f" overflow or underflow{where}"}
         return {"verdict": "bad_operator_or_input", "reproduces": True,
-                "summary": f"reproduces in every precision{where}: a genuinely bad input for it, or a bug in it"}
+                "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
+                           " or a bug in it"}
     if seen.get("outputs_nonfinite"):
         return {"verdict": "not_reproduced", "reproduces": False,
                 "summary": "does not reproduce: the output was non-finite in training but the module computes"
                            " finite values from the same inputs"}
     if any(has_nonfinite(g) for g in grads.values()):
         return {"verdict": "incoming_gradient_nonfinite", "reproduces": True,
-                "summary": "the forward is finite but the gradient flowing into the module's outputs was already"
-                           " non-finite: look downstream (the modules after it)"}
+                "summary": "the forward is finite but the gradient flowing into the module's outputs was"
+                           " already non-finite: look downstream (the modules after it)"}
     if captured["grads_nonfinite"]:
         precision = not wide["grads_nonfinite"]
         return {"verdict": "precision" if precision else "bad_operator_or_input", "reproduces": True,
-                "summary": (f"the backward reproduces in the captured dtype, not in float64{where}" if precision
-                            else f"the backward reproduces in every precision{where}")}
+                "summary": (f"the backward reproduces in the captured dtype, not in float64{where}"
+                            if precision else f"the backward reproduces in every precision{where}")}
     if any(bool(value) for value in seen.values()):
         return {"verdict": "not_reproduced", "reproduces": False,
                 "summary": "does not reproduce: from the same inputs the module computes finite values; what"
-                           " training saw came from elsewhere: a transient device fault (run gradnan selftest)"
-                           " or a corruption after this computation"}
+                           " training saw came from elsewhere: a transient device fault (run gradnan"
+                           " selftest) or a corruption after this computation"}
     return {"verdict": "healthy", "reproduces": False,
             "summary": "nothing non-finite was captured, and the replay agrees"}
 
@@ -161,14 +172,17 @@ def format_text(result: Dict[str, Any]) -> str:
     rank = result["rank"]
     lines = [f"gradnan replay of {result['bundle']}",
              f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
-             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']}, {rank['host']} {rank['device']})"
+             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
+             f" {rank['host']} {rank['device']})"
              + (", recompute pass" if result["recompute"] else ""),
              f"Verdict: {result['verdict']}: {result['summary']}"]
     for label, run in result["runs"].items():
         operator = run["first_nonfinite"]
-        first = f"first non-finite at op #{operator['index']} {operator['op']} ({operator.get('phase', 'forward')})" \
-            if operator else "no operator turned finite inputs non-finite"
+        first = (f"first non-finite at op #{operator['index']} {operator['op']}"
+                 f" ({operator.get('phase', 'forward')})"
+                 if operator else "no operator turned finite inputs non-finite")
         lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
                      f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
-    lines.append(f"Replay matches the outputs saved in training: {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
+    lines.append("Replay matches the outputs saved in training:"
+                 f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
     return "\n".join(lines)

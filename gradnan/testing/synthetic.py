@@ -26,7 +26,8 @@ LAYERS_PER_STAGE = 24
 LAYER_PARAMS = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
                 "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight",
+                "mlp.linear_fc2.bias")
 RUN = {"id": "synthetic", "attempt": "0", "started": 1.7e9}
 VERSIONS = {"gradnan": "synthetic", "torch": "synthetic", "megatron_core": "synthetic"}
 
@@ -40,9 +41,9 @@ def coords_of(rank: int, world_size: int) -> Dict[str, Any]:
     pp_size = pipeline_size(world_size)
     dp_size = max(1, world_size // (TP * pp_size))
     return {"global_rank": rank, "tp": rank % TP, "dp": rank // TP % dp_size, "pp": rank // (TP * dp_size),
-            "tp_size": TP, "pp_size": pp_size, "dp_size": dp_size, "cp": 0, "cp_size": 1, "ep": 0, "ep_size": 1,
-            "world_size": world_size, "host": f"node{rank // 8:05d}", "device": f"cuda:{rank % 8}",
-            "local_rank": rank % 8, "pid": 1000 + rank}
+            "tp_size": TP, "pp_size": pp_size, "dp_size": dp_size, "cp": 0, "cp_size": 1, "ep": 0,
+            "ep_size": 1, "world_size": world_size, "host": f"node{rank // 8:05d}",
+            "device": f"cuda:{rank % 8}", "local_rank": rank % 8, "pid": 1000 + rank}
 
 
 def stage_slots(pp: int) -> List[ParamSlot]:
@@ -83,7 +84,8 @@ def write_rank(out_dir: Path, rank: int, world_size: int, origin: int) -> None:
             "mode": "deferred", "bucket_group": 0, "buckets": [{"bucket": 0, "numel": 1 << 20}],
             "order": "backward", "micro_batch": None}))
     held = [dict(entry, nan=entry["nan"] * coords["dp_size"]) for entry in bad] if same_position else []
-    append_json_line(target, records.to_json("nonfinite_grad_norm", STEP, STEP, coords, RUN, held, len(held), {
+    append_json_line(target, records.to_json("nonfinite_grad_norm", STEP, STEP, coords, RUN, held,
+                                             len(held), {
         "optimizer_index": 0, "map": str(path), "pre_reduction": "nonfinite" if rank == origin else "clean",
         "grad_norm": "nan"}))
 
@@ -101,15 +103,17 @@ def write_long_records(out_dir: Path, target_bytes: int, params_per_record: int 
     each with ``params_per_record`` offenders. Returns the number of records."""
     coords = coords_of(0, 64)
     slots = stage_slots(0)
-    maps.write(map_path(str(out_dir), coords, 0), maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
+    maps.write(map_path(str(out_dir), coords, 0),
+               maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
     target = records_path(str(out_dir), coords)
     bad = [_offender(slot, 3) for slot in reversed(slots[-params_per_record:])]
     step = 0
     while not target.exists() or target.stat().st_size < target_bytes:
         step += 1
-        append_json_line(target, records.to_json("nonfinite_grad_norm", step, step, coords, RUN, bad, len(slots),
-                                                 {"optimizer_index": 0, "map": None, "pre_reduction": "nonfinite",
-                                                  "grad_norm": "nan"}))
+        append_json_line(target, records.to_json("nonfinite_grad_norm", step, step, coords, RUN, bad,
+                                                 len(slots), {"optimizer_index": 0, "map": None,
+                                                              "pre_reduction": "nonfinite",
+                                                              "grad_norm": "nan"}))
     return step
 
 
@@ -134,7 +138,8 @@ def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Mod
         block.mlp.experts = torch.nn.ModuleList()
         for _ in range(per_layer // 2):
             expert = torch.nn.Module()
-            expert.w1, expert.w2 = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
+            expert.w1, expert.w2 = (torch.nn.Parameter(torch.zeros(numel)),
+                                    torch.nn.Parameter(torch.zeros(numel)))
             block.mlp.experts.append(expert)
         model.decoder.layers.append(block)
     return model

@@ -84,14 +84,17 @@ class TinyGPTJob:
     micro_batch_size: int = 2
     seed: int = 1234
     injections: Tuple[Injection, ...] = ()
-    gradnan: Optional[Dict[str, Any]] = None  # install() options; strict=True unless given: an internal error fails the job
+    # install() options; strict=True unless given: an internal error fails the job
+    gradnan: Optional[Dict[str, Any]] = None
     quiet: bool = False
     count_host_syncs: bool = False
     experts: int = 0  # MoE: experts per MLP (0: dense), spread over ``ep`` expert-parallel ranks
     ep: int = 1
-    norm_as_tensor: bool = False  # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
+    # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
+    norm_as_tensor: bool = False
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
-    dropout: float = 0.0  # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
+    # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
+    dropout: float = 0.0
     # Megatron's RerunStateMachine in "validate_results" mode, as Megatron-LM's train_step drives it: a NaN
     # loss is run again in place, then the job checkpoints and exits (here: stops training) before the update
     validate_results: bool = False
@@ -122,7 +125,8 @@ class JobFailed(RuntimeError):
     """A job's process raised; ``errors`` holds each failing rank's own error (``job<n>_rank<r>``)."""
 
     def __init__(self, errors: Dict[str, str]) -> None:
-        super().__init__("; ".join(f"{where}: {error}" for where, error in errors.items()) or "a process failed")
+        super().__init__("; ".join(f"{where}: {error}" for where, error in errors.items())
+                         or "a process failed")
         self.errors = errors
 
 
@@ -166,10 +170,13 @@ def _build_chunks(job: TinyGPTJob):
             return {"pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False),
                     "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False)}
         return {"vp_stage": vp_stage,
-                "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)}
+                "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                      vp_stage=vp_stage),
+                "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                      vp_stage=vp_stage)}
 
-    chunks = [GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
+    chunks = [GPTModel(config=config,
+                       transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
                        vocab_size=job.vocab_size, max_sequence_length=job.seq_length,
                        position_embedding_type=job.position_embedding, **chunk(vp_stage))
               for vp_stage in range(job.vpp)]
@@ -293,7 +300,8 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
     for injection in _due(job, rank, step, "backward"):
         param, index = _resolve(injection, chunks, optimizer)
         value = injection.number()
-        handles.append(param.register_hook(lambda grad, index=index, value=value: _poisoned(grad, index, value)))
+        handles.append(param.register_hook(
+            lambda grad, index=index, value=value: _poisoned(grad, index, value)))
         result.injected.append({**dataclasses.asdict(injection), "index": index})
     for injection in _due(job, rank, step, "fails_without_grad"):
         module = _module_by_global_name(chunks, injection.target)
@@ -306,7 +314,8 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
                 raise ValueError(f"no module named {injection.target} on this rank")
             index, value = injection.index or 0, injection.number()
             if where == "forward":
-                handles.append(module.register_forward_hook(_forward_fault(index, value, injection.transient)))
+                handles.append(module.register_forward_hook(
+                    _forward_fault(index, value, injection.transient)))
             else:
                 handles.append(module.register_full_backward_pre_hook(
                     lambda _m, grads, index=index, value=value: _poison_first(grads, index, value)))
@@ -402,7 +411,8 @@ class TinyGPT:
         model_parallel_cuda_manual_seed(job.seed)
         config, models = _build_chunks(job)
         # as Megatron-LM does: only the first chunk's gradients are bucketed
-        self.chunks = [_wrap_model(job, config, model, bucketing=index == 0) for index, model in enumerate(models)]
+        self.chunks = [_wrap_model(job, config, model, bucketing=index == 0)
+                       for index, model in enumerate(models)]
         config.finalize_model_grads_func = finalize_model_grads
         no_sync = [chunk.no_sync for chunk in self.chunks]
         config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
@@ -548,7 +558,8 @@ def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> N
                 path.write_text(json.dumps(dataclasses.asdict(result)))
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0]
-        (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(f"{type(exc).__name__}: {first_line}")
+        (Path(results_dir) / f"job{number}_rank{rank}.error").write_text(
+            f"{type(exc).__name__}: {first_line}")
         raise
 
 

@@ -295,8 +295,9 @@ class CaptureManager:
         manifest, tensors = bundle_contents(capture, call, observed or {}, context, self._facts.param_facts)
         written = self._writer.bundle(step, capture.name, manifest, tensors)
         if written is not None:
-            logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written), capture.name,
-                           where(written), context.get("trigger", capture.mode), written["_path"])
+            logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written),
+                           capture.name, where(written), context.get("trigger", capture.mode),
+                           written["_path"])
         return written
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:
@@ -380,7 +381,8 @@ class CaptureManager:
         self._arm_explicit(next_step)
 
     def on_detection(self, step: int, forward_pattern: bool, first_param: Optional[str], arm: bool) -> None:
-        """A detection on this rank: write what retention kept, then (``arm``) watch for the next occurrence."""
+        """A detection on this rank: write what retention kept, then (``arm``) watch for the next
+        occurrence."""
         for capture in list(self.captures.values()):
             if capture.mode == "retain" and capture.calls:
                 params = dict(capture.module.named_parameters())

@@ -23,7 +23,8 @@ class ErrorGuard:
         except Exception as exc:
             if self.strict:
                 raise InternalError(f"internal error in {what}: {type(exc).__name__}: {exc}") from exc
-            self.log_once(f"{what}:{type(exc).__name__}", "internal error in %s (training goes on unchanged): %s: %s",
+            self.log_once(f"{what}:{type(exc).__name__}",
+                          "internal error in %s (training goes on unchanged): %s: %s",
                           what, type(exc).__name__, exc)
             return None
 

@@ -53,7 +53,8 @@ class ForwardWatch:
     def _wanted(self) -> bool:
         if not self._window.recording():
             return False
-        return self._clock.filter_step() in self._trace_steps if self.config.frames is FramesMode.TRACE else True
+        return (self._clock.filter_step() in self._trace_steps if self.config.frames is FramesMode.TRACE
+                else True)
 
     def flush(self) -> None:
         """Read what the step's frames and probes measured (one host read each) and write what matters."""
@@ -81,8 +82,8 @@ class ForwardWatch:
             "mode": "detect", "frames": [f.to_json() for f in window], "frames_total": len(window),
             "first_nonfinite": len(window) - 1, "local_nonfinite": True})
         logger.error("%s: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
-                     " %s; frame detection now stops", when(record), last.module or "<model>", last.cls, where(record),
-                     len(window) - 1, record["_path"])
+                     " %s; frame detection now stops", when(record), last.module or "<model>", last.cls,
+                     where(record), len(window) - 1, record["_path"])
         self.frames.detach()
         stop_if_asked(self.config, record)
 

@@ -57,7 +57,8 @@ class Frame:
                 "entries": [{"name": name, "kind": kind, "dtype": dtype,
                              "abs_min": None if v is None else json_float(v[0]),
                              "abs_max": None if v is None else json_float(v[1])}
-                            for name, kind, dtype, v in zip(self.names, self.kinds, self.dtypes, self.values)]}
+                            for name, kind, dtype, v in zip(self.names, self.kinds, self.dtypes,
+                                                            self.values)]}
 
 
 def named_entries(args: Sequence[Any], kwargs: Dict[str, Any], outputs: Any) -> List[Tuple[str, str, Any]]:
@@ -195,7 +196,8 @@ def read_pairs(flat: List[torch.Tensor]) -> List[Tuple[float, float]]:
         groups.setdefault((tensor.device, tensor.dtype), []).append(position)
     by_device: Dict[torch.device, List[Tuple[List[int], torch.Tensor]]] = {}
     for (device, _), positions in groups.items():
-        by_device.setdefault(device, []).append((positions, torch.stack([flat[p] for p in positions]).double()))
+        by_device.setdefault(device, []).append((positions,
+                                                 torch.stack([flat[p] for p in positions]).double()))
     numbers: List[float] = [0.0] * len(flat)
     for parts in by_device.values():
         host = torch.cat([stacked for _, stacked in parts]).cpu().tolist()
@@ -215,7 +217,8 @@ def forward_origin(frames: Sequence[Frame]) -> Optional[Frame]:
     finite too (its own computation overflowed); else the first whose weights already are non-finite
     (a non-finite update was applied to them)."""
     produced = [frame for frame in frames if frame.nonfinite_in("output") and not frame.nonfinite_in("input")]
-    return next((frame for frame in produced if not frame.nonfinite_in("weight")), produced[0] if produced else None)
+    return next((frame for frame in produced if not frame.nonfinite_in("weight")),
+                produced[0] if produced else None)
 
 
 class FrameBuffer:

@@ -31,7 +31,8 @@ class OptimizerState:
         self.index = index
         self.map_file: Optional[str] = None
         self.consecutive_skips = 0
-        self.warmed_up = False  # an update has been applied: the loss scale is no longer coming down from its start
+        # an update has been applied: the loss scale is no longer coming down from its start
+        self.warmed_up = False
         self.scale_collapse_reported = False
         self.last_nonfinite_step: Optional[int] = None
         self.consecutive_nonfinite = 0
@@ -144,7 +145,8 @@ class Detections:
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
                 extra: Dict[str, Any]) -> Dict[str, Any]:
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
-        pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm" else logging.DEBUG)
+        pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm"
+                                             else logging.DEBUG)
         self.last_pre_reduction = pre_reduction
         state, _ = self.optimizer(optimizer)
         return self._writer.record(kind, self._clock.current(optimizer), offending_params(slots, grads), {
@@ -175,14 +177,17 @@ class Detections:
         self._capture_after(record, len(slots))
         return record
 
-    def overflow_is_incident(self, optimizer: Any, scale: Optional[float], min_scale: Optional[float]) -> bool:
+    def overflow_is_incident(self, optimizer: Any, scale: Optional[float],
+                             min_scale: Optional[float]) -> bool:
         """An fp16 overflow that is more than routine: the scale collapsed, or skips keep recurring after
         training had applied updates. The same on every rank (skips are counted whether recorded or not)."""
         state, _ = self.optimizer(optimizer)
-        return _collapsed(scale, min_scale) or (state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
+        return _collapsed(scale, min_scale) or (
+            state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
 
-    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
-                            slots: Sequence[ParamSlot], grads: Grads) -> Optional[Dict[str, Any]]:
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
+                            min_scale: Optional[float], slots: Sequence[ParamSlot],
+                            grads: Grads) -> Optional[Dict[str, Any]]:
         """Record and log it; the record when the scale collapsed (first time), on which to stop if asked."""
         state, _ = self.optimizer(optimizer)
         skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
@@ -202,7 +207,8 @@ class Detections:
         if collapsed and not state.scale_collapse_reported:
             state.scale_collapse_reported = True
             logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
-                         " %s; record: %s", when(record), scale, skips, describe_params(record), record["_path"])
+                         " %s; record: %s", when(record), scale, skips, describe_params(record),
+                         record["_path"])
             return record
         if not warmup and skips >= first and is_power_of_two(skips // first) and skips % first == 0:
             logger.warning("%s: %d consecutive fp16 steps skipped for gradient overflow"

@@ -28,7 +28,8 @@ from ..formats.trace import (
 
 
 class OpRecorder(TorchDispatchMode):
-    """While active, records every op dispatched: ``with OpRecorder() as recorder: out = module(*args, **kwargs)``."""
+    """While active, records every op dispatched:
+    ``with OpRecorder() as recorder: out = module(*args, **kwargs)``."""
 
     def __init__(self) -> None:
         super().__init__()

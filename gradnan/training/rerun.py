@@ -143,7 +143,8 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str], own_gradients: float) -> Conclusion:
+def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str],
+               own_gradients: float) -> Conclusion:
     """One model-parallel group's conclusion. ``original_loss``: the loss of the failing pass (1 non-finite
     somewhere, 0 finite everywhere it was seen, -1 seen nowhere). ``megatron``: the conclusion of
     Megatron's own rerun of the step (forward and backward), which the kept pass then is: finite there is
@@ -181,7 +182,8 @@ class StepRerun:
 
     def expected(self) -> bool:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""
-        return self.keeps_steps() and self._kept is not None and self._kept.cannot_rerun(job_wide=False) is None
+        return (self.keeps_steps() and self._kept is not None
+                and self._kept.cannot_rerun(job_wide=False) is None)
 
     def incident(self, trigger: str, megatron: Optional[str] = None,
                  local_gradients: Optional[str] = None) -> Optional[Dict[str, Any]]:
@@ -253,7 +255,8 @@ class StepRerun:
         reproduced, original_loss, own_gradients = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients], "max", "model")
         micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
-                                       NONE if loss_micro_batch is None else loss_micro_batch], "min", "model")
+                                       NONE if loss_micro_batch is None else loss_micro_batch],
+                                      "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
         verdict = conclusion(bool(reproduced), original_loss, megatron, own_gradients)
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
@@ -285,9 +288,11 @@ class StepRerun:
         call = capture.chosen_call()
         if call is None:
             return None
-        frames = [frame.to_json() for frame in seen.frames[:seen.frames.index(origin) + 1]][-self.config.max_frames:]
+        frames = [frame.to_json()
+                  for frame in seen.frames[:seen.frames.index(origin) + 1]][-self.config.max_frames:]
         written = self._captures.write_call(self._clock.current(), capture, call, {
-            "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch, "frames": frames})
+            "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch,
+            "frames": frames})
         return None if written is None else written["_path"]
 
     def _keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
@@ -324,8 +329,8 @@ class StepRerun:
                 if record["bundle"] else "")
         if role is RerunRole.ORIGIN:
             logger.error("%s, run again in place: a forward value first went non-finite in %s (%s) on %s,"
-                         " micro-batch %s; %s%s", when(record), record["module"], record["class"], where(record),
-                         record["micro_batch"], verdict.explanation, tail)
+                         " micro-batch %s; %s%s", when(record), record["module"], record["class"],
+                         where(record), record["micro_batch"], verdict.explanation, tail)
         elif role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))

@@ -41,8 +41,8 @@ class Runtime:
         self.module_hooking = ModuleHooking()
         self.captures = CaptureManager(config, self.clock, self.window, self.writer, self.guarded, facts,
                                        self.named_modules, self.module_hooking)
-        self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded, self.named_modules,
-                               self.window.recording, self.module_hooking)
+        self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded,
+                               self.named_modules, self.window.recording, self.module_hooking)
         self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
                                     self.module_hooking)
@@ -124,12 +124,14 @@ class Runtime:
         """The gradients are about to be zeroed for the next step: the last norm must be read now."""
         self.norms.settle(wait=True)
 
-    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot], grads: Grads) -> None:
-        stop = self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording() else None
+    def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
+                            grads: Grads) -> None:
+        stop = (self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording()
+                else None)
         self._incident("nonfinite_grad_norm", stop)
 
-    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float], min_scale: Optional[float],
-                            slots: Sequence[ParamSlot], grads: Grads) -> None:
+    def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
+                            min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None:
         incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
         stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
                 if self.window.recording() else None)
@@ -166,7 +168,8 @@ class Runtime:
     def first_sync_of_step(self, group: Any) -> bool:
         return self.window.recording() and self.detections.first_sync_of_step(group)
 
-    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str) -> bool:
+    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets,
+                            mode: str) -> bool:
         return self.detections.pre_reduction_flags(group, flags, describe, mode)
 
     def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None:

@@ -156,7 +156,8 @@ def _in_pack(positions: List[int], ends: List[int], base: int, low: int, high: i
     return positions[bisect_right(ends, base + low):bisect_left(ends, base + high) + 1]
 
 
-def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int], scanned: int) -> Iterator[_Rows]:
+def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int],
+            scanned: int) -> Iterator[_Rows]:
     """Small flat tensors of one dtype copied back to back into one scratch buffer (``scratch_elements_for``
     the ``scanned`` elements; reused pack after pack: on CPU it stays in cache), each pack summed in rows
     of ``PACK_ROW``. Every tensor is under ``_pack_below(scanned)`` elements, so it fits."""
@@ -167,7 +168,8 @@ def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int], 
     while first < len(positions):
         last = bisect_right(ends, base + capacity, lo=first)
         pack = torch.cat(flats[first:last], out=scratch[:ends[last - 1] - base])
-        yield _row_sums(pack, PACK_ROW), PACK_ROW, partial(_in_pack, positions[first:last], ends[first:last], base)
+        yield (_row_sums(pack, PACK_ROW), PACK_ROW,
+               partial(_in_pack, positions[first:last], ends[first:last], base))
         first, base = last, ends[last - 1]
 
 
@@ -200,7 +202,8 @@ def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional
     packed, others = _partition(tensors, numels, _pack_below(scanned))
     shared, separate = _spans(tensors, others)
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
-    rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members)) for span, members in shared]
+    rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members))
+                         for span, members in shared]
     for group in packed.values():
         rows.extend(_packed(*group, scanned))
     if not rows and not separate:

@@ -47,12 +47,13 @@ def _make_deterministic() -> None:
 
 
 def seed_all(seed: int = 1234, deterministic: bool = False) -> Dict[str, Any]:
-    """Seed Python's ``random``, NumPy (when installed), torch (CPU and every CUDA device) and, when Megatron's
-    model parallel state is initialized, its model-parallel RNG tracker; return what was seeded.
+    """Seed Python's ``random``, NumPy (when installed), torch (CPU and every CUDA device) and, when
+    Megatron's model parallel state is initialized, its model-parallel RNG tracker; return what was seeded.
 
     ``PYTHONHASHSEED`` is set for the processes started from here on (this interpreter's hash seed was fixed
-    at its start). ``deterministic=True`` also turns on deterministic algorithms (see ``_make_deterministic``);
-    ``False`` leaves those settings as they are. Raises ``ConfigError`` on a bad argument.
+    at its start). ``deterministic=True`` also turns on deterministic algorithms (see
+    ``_make_deterministic``); ``False`` leaves those settings as they are. Raises ``ConfigError`` on a bad
+    argument.
     """
     _check(seed, deterministic)
     random.seed(seed)

@@ -52,7 +52,8 @@ class Writer:
 
     def _unwritable(self, what: str, path: Path, error: OSError) -> None:
         self._log_bound_once(f"unwritable {error.errno or type(error).__name__}", logging.ERROR,
-                             "cannot write the %s %s: %s (training goes on unchanged; later files may be missing)",
+                             "cannot write the %s %s: %s (training goes on unchanged;"
+                             " later files may be missing)",
                              what, path, error.strerror or error)
 
     def _write_map(self, wanted: Path, document: Dict[str, Any], coords: Mapping[str, Any],
@@ -75,7 +76,8 @@ class Writer:
         """The parameter map of one optimizer; returns its path."""
         coords = self.coords()
         path = map_path(self.config.out_dir, coords, optimizer_index)
-        document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class, slots)
+        document = maps.to_json(coords, self._facts.versions(), self.run, optimizer_index, optimizer_class,
+                                slots)
         try:
             path = self._write_map(path, document, coords, optimizer_index)
         except OSError as error:
@@ -83,7 +85,8 @@ class Writer:
         logger.debug("wrote parameter map %s (%d parameters)", path, len(slots))
         return str(path)
 
-    def record(self, kind: str, step: int, found: List[Dict[str, Any]], extra: Mapping[str, Any]) -> Dict[str, Any]:
+    def record(self, kind: str, step: int, found: List[Dict[str, Any]],
+               extra: Mapping[str, Any]) -> Dict[str, Any]:
         """Append one record (``found`` capped at ``max_params_per_record``, all counted); returns it with
         ``_path``, also when ``max_records_bytes`` kept it off the disk."""
         coords = self.coords()
@@ -103,17 +106,19 @@ class Writer:
 
     def bundle(self, step: int, module_name: str, manifest: Dict[str, Any],
                tensors: Mapping[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
-        """Write one capture bundle; its manifest with ``_path``, or None when a bound kept it off the disk."""
+        """Write one capture bundle; its manifest with ``_path``, or None when a bound kept it off the
+        disk."""
         bound = ("max_bundles" if self._bundles_written >= self.config.max_bundles
-                 else "max_bundle_bytes" if bundle.tensors_bytes(tensors) > self.config.max_bundle_bytes else None)
+                 else "max_bundle_bytes" if bundle.tensors_bytes(tensors) > self.config.max_bundle_bytes
+                 else None)
         if bound is not None:
             self._log_bound_once(bound, logging.WARNING, "capture of %s at step %d not written: %s reached",
                                  module_name, step, bound)
             return None
         coords = self.coords()
         iteration = self._facts.iteration()
-        manifest = {**manifest, "rank": coords, "run": self.run, "versions": self._facts.versions(), "step": step,
-                    "iteration": iteration}
+        manifest = {**manifest, "rank": coords, "run": self.run, "versions": self._facts.versions(),
+                    "step": step, "iteration": iteration}
         path = bundle_dir(self.config.out_dir, coords, step, module_name, iteration)
         try:
             bundle.write(path, manifest, tensors)
@@ -133,4 +138,5 @@ class Writer:
             self._unwritable("micro-batch", path, error)
             return None
         return {"path": str(path), "micro_batch": micro_batch, "left_out_bytes": left_out_bytes,
-                "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype)} for name, t in tensors.items()}}
+                "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype)}
+                            for name, t in tensors.items()}}
