@@ -102,16 +102,20 @@ def crafted_bundle():
     def from_file(victim):
         payload = torch.frombuffer(bytearray(b"import os; os.system('touch owned')  #"), dtype=torch.uint8)
         ops = [{"op": "aten.from_file.default", "args": [str(victim)],
-                "kwargs": {"shared": True, "size": payload.numel(), "dtype": {"dtype": "uint8"}}, "out": {"t": "%0"}},
-               {"op": "aten.copy_.default", "args": [{"t": "%0"}, {"t": "args.0"}], "kwargs": {}, "out": {"t": "%1"}}]
+                "kwargs": {"shared": True, "size": payload.numel(), "dtype": {"dtype": "uint8"}},
+                "out": {"t": "%0"}},
+               {"op": "aten.copy_.default", "args": [{"t": "%0"}, {"t": "args.0"}], "kwargs": {},
+                "out": {"t": "%1"}}]
         trace = {"schema": "gradnan.trace", "version": 1, "ops": ops, "outputs": {"t": "%1"},
-                 "first_nonfinite": None, "leaves": {"args.0": {"shape": [payload.numel()], "dtype": "uint8"}}}
+                 "first_nonfinite": None,
+                 "leaves": {"args.0": {"shape": [payload.numel()], "dtype": "uint8"}}}
         return trace, {"args.0": payload}
 
     def make(path, kind, victim=None, edit=None):
         trace, tensors = recorded_linear() if kind == "healthy" else from_file(victim)
-        manifest = {"module": {"path": "decoder.linear", "class": "Linear"}, "step": 1, "rank": dict(UNIT_COORDS),
-                    "run": {"id": None, "attempt": "0", "started": 1.7e9}, "created": 1.7e9, "trigger": "always",
+        manifest = {"module": {"path": "decoder.linear", "class": "Linear"}, "step": 1,
+                    "rank": dict(UNIT_COORDS), "run": {"id": None, "attempt": "0", "started": 1.7e9},
+                    "created": 1.7e9, "trigger": "always",
                     "outputs": 1 if kind == "healthy" else 0, "recompute": False, "trace": trace,
                     "seen": {"outputs_nonfinite": False}}
         if edit is not None:

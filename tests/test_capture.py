@@ -42,7 +42,8 @@ def _replay(bundle: Path, *extra):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("capture")
     jobs = [
-        TinyGPTJob(tp=2, dtype="fp16", steps=4, gradnan={"out_dir": str(root / "overflow"), "skip_warn_after": 1},
+        TinyGPTJob(tp=2, dtype="fp16", steps=4,
+                   gradnan={"out_dir": str(root / "overflow"), "skip_warn_after": 1},
                    injections=(Injection(1, 2, OVERFLOW_WEIGHT, "60000", where="scale_to"),)),
         # the same without the rerun: the finder watches later steps and captures on both TP ranks
         TinyGPTJob(tp=2, dtype="fp16", steps=4, gradnan={"out_dir": str(root / "overflow_no_rerun"),
@@ -51,10 +52,11 @@ def runs(tmp_path_factory):
         TinyGPTJob(tp=2, dtype="fp32", steps=3,
                    gradnan={"out_dir": str(root / "one_off"), "capture_modules": CORRUPTED_MODULE,
                             "capture_retain": True, "capture_ranks": "1"},
-                   injections=(Injection(1, 2, CORRUPTED_MODULE + ".weight", "nan", where="main_grad", index=7),)),
+                   injections=(Injection(1, 2, CORRUPTED_MODULE + ".weight", "nan", where="main_grad",
+                                         index=7),)),
         TinyGPTJob(dtype="bf16", steps=3, recompute=True, position_embedding="rope",  # DP=2: no TP collective
-                   gradnan={"out_dir": str(root / "recompute"), "capture_modules": ATTENTION, "capture_steps": "2",
-                            "capture_ranks": "0"}),
+                   gradnan={"out_dir": str(root / "recompute"), "capture_modules": ATTENTION,
+                            "capture_steps": "2", "capture_ranks": "0"}),
     ]
     launch_many(jobs)
     return root
@@ -122,7 +124,8 @@ def test_a_tampered_bundle_is_refused_in_one_line(runs, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    torch.save({"param.weight": torch.ones(2), "evil": Payload()}, bundle / "tensors.pt", pickle_module=pickle)
+    torch.save({"param.weight": torch.ones(2), "evil": Payload()}, bundle / "tensors.pt",
+               pickle_module=pickle)
     result = _replay(bundle)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "refused" in result.stderr
@@ -250,4 +253,5 @@ def test_a_detached_capture_leaves_the_module_as_it_found_it():
     module(torch.ones(2, 4)).sum().backward()
     assert capture.chosen_call().param_grads.keys() == {"weight", "bias"}
     capture.detach()
-    assert "forward" not in vars(module) and not module.weight._backward_hooks and not module.bias._backward_hooks
+    assert ("forward" not in vars(module) and not module.weight._backward_hooks
+            and not module.bias._backward_hooks)

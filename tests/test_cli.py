@@ -34,7 +34,8 @@ def test_demo_names_the_module_rank_and_micro_batch_of_the_failing_step(demo):
     out, result = demo
     lines = result.stdout.split("gradnan report for ")[1].splitlines()
     assert lines[1].startswith(f"First failing step: {DEMO_STEP}")
-    assert lines[2] == f"Forward origin (step {DEMO_STEP} run again in place): {DEMO_MODULE} (DotProductAttention)"
+    assert lines[2] == (f"Forward origin (step {DEMO_STEP} run again in place): {DEMO_MODULE}"
+                        " (DotProductAttention)")
     assert lines[3].startswith(f"  on rank {DEMO_RANK} (tp1 pp0 dp0)")
     assert lines[3].endswith("micro-batch 0: REPRODUCIBLE (same micro-batches, same RNG state)")
     assert lines[4] == "  received it from there (not origins): rank(s) 0"

@@ -30,7 +30,8 @@ def test_a_custom_loops_count_takes_over_from_the_optimizer_steps_taken():
         clock.end(optimizer)
     assert clock.loop_step() == 3  # the loop's first step() ends the third optimizer step
     clock.advance_loop()
-    assert clock.counts_loop and clock.current() == 4 and clock.current(optimizer) == 4 and clock.filter_step() == 4
+    assert (clock.counts_loop and clock.current() == 4 and clock.current(optimizer) == 4
+            and clock.filter_step() == 4)
 
 
 def test_a_loop_without_a_megatron_optimizer_starts_at_one():

@@ -1,6 +1,6 @@
-"""A JSON or TOML config file (``config_file=``, ``GRADNAN_CONFIG``, ``gradnan.run --config``) says the same as
-keyword arguments and ``GRADNAN_*`` variables: the same GradnanConfig, the same records from a real run; a bad
-file is a one-line ConfigError naming the field or the file."""
+"""A JSON or TOML config file (``config_file=``, ``GRADNAN_CONFIG``, ``gradnan.run --config``) says the same
+as keyword arguments and ``GRADNAN_*`` variables: the same GradnanConfig, the same records from a real run; a
+bad file is a one-line ConfigError naming the field or the file."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def test_a_file_resolves_to_exactly_the_keyword_and_environment_configuration(se
     assert resolve_config(environ=ENVIRON) == from_kwargs
     assert resolve_config(environ={}, config_file=str(settings_file)) == from_kwargs
     assert resolve_config(environ={"GRADNAN_CONFIG": str(settings_file)}) == from_kwargs
-    assert resolve_config(environ={"GRADNAN_CONFIG": f"  {settings_file}\n"}) == from_kwargs  # as a shell may set it
+    # as a shell may set it
+    assert resolve_config(environ={"GRADNAN_CONFIG": f"  {settings_file}\n"}) == from_kwargs
     assert from_kwargs.ranks == "0,2-3" and from_kwargs.trace_steps == "1,3"
 
 
@@ -119,7 +120,8 @@ BAD_FIELDS = [
     pytest.param({"ranks": [True, False]}, "'ranks'", id="ranks-as-bools"),
     pytest.param({"modules": ["decoder.*", 3]}, "'modules'", id="pattern-list-with-int"),
     pytest.param({"steps": "5-3"}, "'steps'", id="descending-range"),
-    pytest.param({"trace_steps": [2, "5-3"], "frames": "trace"}, "'trace_steps'", id="descending-range-in-list"),
+    pytest.param({"trace_steps": [2, "5-3"], "frames": "trace"}, "'trace_steps'",
+                 id="descending-range-in-list"),
     pytest.param({"frames": "always"}, "'frames'", id="bad-choice"),
 ]
 
@@ -164,7 +166,8 @@ def test_the_launcher_stops_on_a_bad_config_file_in_one_line(tmp_path, clean_env
     script.write_text("open(__file__ + '.ran', 'w').close()\n")
     bad = _write(tmp_path / "bad.json", {"out_dir": str(tmp_path / "out"), "max_bundles": "3"})
     result = subprocess.run([sys.executable, "-m", "gradnan.run", "--config", str(bad), str(script)],
-                            capture_output=True, text=True, timeout=120, env={**clean_environ, "PYTHONWARNINGS": "ignore"})
+                            capture_output=True, text=True, timeout=120,
+                            env={**clean_environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "'max_bundles'" in result.stderr, result.stderr
     assert result.stderr.startswith("gradnan.run: error: gradnan config file")
@@ -174,9 +177,12 @@ def test_the_launcher_stops_on_a_bad_config_file_in_one_line(tmp_path, clean_env
 # --- the same run, three ways --------------------------------------------------------------------
 
 TARGET = "decoder.layers.1.mlp.linear_fc1.weight"
-RUN_FILE = {"ranks": [1], "steps": "2-3", "frames": "trace", "trace_steps": [2], "modules": ["decoder.layers.1.*"]}
-RUN_KWARGS = {"ranks": "1", "steps": "2-3", "frames": "trace", "trace_steps": "2", "modules": "decoder.layers.1.*"}
-RUN_JOB = TinyGPTJob(dtype="fp32", steps=3, quiet=True, injections=(Injection(1, 2, TARGET, "nan", where="main_grad"),))
+RUN_FILE = {"ranks": [1], "steps": "2-3", "frames": "trace", "trace_steps": [2],
+            "modules": ["decoder.layers.1.*"]}
+RUN_KWARGS = {"ranks": "1", "steps": "2-3", "frames": "trace", "trace_steps": "2",
+              "modules": "decoder.layers.1.*"}
+RUN_JOB = TinyGPTJob(dtype="fp32", steps=3, quiet=True,
+                     injections=(Injection(1, 2, TARGET, "nan", where="main_grad"),))
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,9 @@ JOB = TinyGPTJob(dtype="fp16", steps=6, injections=EVERY_STEP_ON_RANK_1, quiet=T
 def _build(job: TinyGPTJob, rank: int, out_dir: Path, **options):
     """The toy model with gradnan installed where a user would install it; returns (model, installation)."""
     installed = []
-    model = TinyGPT(job, rank, install=lambda: installed.append(gradnan.install(out_dir=str(out_dir), strict=True, **options)))
+    model = TinyGPT(job, rank,
+                    install=lambda: installed.append(gradnan.install(out_dir=str(out_dir), strict=True,
+                                                                     **options)))
     return model, installed[0]
 
 

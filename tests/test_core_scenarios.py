@@ -45,15 +45,16 @@ PAIR = {
                                 Injection(1, STEP, "decoder.layers.1.mlp.linear_fc1.bias", "nan", index=3)),
     # MoE: 4 experts over EP=2 (allgather dispatcher); the NaN is in global expert 2, rank 1's first local one
     "ep2_moe_bf16": (TinyGPTJob(dtype="bf16", experts=4, ep=2),
-                     Injection(1, STEP, "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", "nan",
-                               index=5)),
+                     Injection(1, STEP, "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
+                               "nan", index=5)),
     "pp2_fp32": (TinyGPTJob(pp=2, dtype="fp32", micro_batches=2),
                  Injection(1, STEP, "decoder.layers.1.mlp.linear_fc1.weight", "nan", index=100)),
     # interleaved pipeline: 2 chunks per rank, rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
     "pp2_vpp2_fp32": (TinyGPTJob(pp=2, vpp=2, num_layers=4, micro_batches=2),
                       Injection(0, STEP, "decoder.layers.2.mlp.linear_fc1.weight", "nan", index=7)),
-    "dp2_bf16_overlap_param_gather": (TinyGPTJob(dtype="bf16", distributed_optimizer=True, overlap_grad_reduce=True,
-                                                 overlap_param_gather=True, bucket_size=6000),
+    "dp2_bf16_overlap_param_gather": (TinyGPTJob(dtype="bf16", distributed_optimizer=True,
+                                                 overlap_grad_reduce=True, overlap_param_gather=True,
+                                                 bucket_size=6000),
                                       Injection(1, STEP, "decoder.layers.0.mlp.linear_fc2.weight", "inf")),
     "pp2_bf16_distopt": (TinyGPTJob(pp=2, dtype="bf16", micro_batches=2, distributed_optimizer=True),
                          Injection(0, STEP, "embedding.position_embeddings.weight", "inf", index=31)),
@@ -100,7 +101,8 @@ def test_two_ranks_name_the_parameter_and_rank(pair_runs, name):
     record, outcome = _check(pair_runs, PAIR, name)
     job, injection = PAIR[name]
     coords = record["rank"]
-    assert (coords["tp_size"], coords["pp_size"], coords["dp_size"]) == (job.tp, job.pp, 2 // (job.tp * job.pp))
+    assert (coords["tp_size"], coords["pp_size"], coords["dp_size"]) == (
+        job.tp, job.pp, 2 // (job.tp * job.pp))
     assert Path(record["map"]).name == rank_tag(coords) + ".json"
     if job.dtype != "fp16":
         assert math.isnan(outcome[injection.rank].steps[STEP - 1].grad_norm) or math.isinf(

@@ -24,10 +24,12 @@ CASES = {
         Injection(1, 2, "decoder.layers.1.mlp.linear_fc2.weight", "nan", where="backward", index=3),)),
     # incidents the failing step is run again for (the rerun), with dropout drawing from the RNG: fp16
     # skips steps 2-4, the rerun runs at the escalation (4), training goes on at 5 and 6 ...
-    "dp2_fp16_dropout_rerun": TinyGPTJob(dtype="fp16", steps=6, micro_batches=2, dropout=0.1, injections=tuple(
+    "dp2_fp16_dropout_rerun": TinyGPTJob(dtype="fp16", steps=6, micro_batches=2,
+                                         dropout=0.1, injections=tuple(
         Injection(1, step, "decoder.layers.1.mlp", "inf", where="forward") for step in (2, 3, 4))),
     # ... bf16 applies the failing step's update (Megatron has no loss scaler there); TP=2: Megatron's tracker
-    "tp2_bf16_dropout_rerun": TinyGPTJob(tp=2, dtype="bf16", steps=3, micro_batches=2, dropout=0.1, injections=(
+    "tp2_bf16_dropout_rerun": TinyGPTJob(tp=2, dtype="bf16", steps=3, micro_batches=2,
+                                         dropout=0.1, injections=(
         Injection(1, 2, "decoder.layers.1.self_attention.linear_qkv.weight", "1e20", where="scale_to"),)),
 }
 RERUN_CASES = ("dp2_fp16_dropout_rerun", "tp2_bf16_dropout_rerun")
@@ -39,7 +41,8 @@ def outcomes(tmp_path_factory):
     jobs = []
     for name, job in CASES.items():
         mode = {"tp2_bf16_pre_reduction_sync": {"pre_reduction": "sync"},
-                "tp2_bf16_capture_armed": {"capture_modules": "decoder.layers.*.mlp,decoder.layers.0.self_attention",
+                "tp2_bf16_capture_armed": {"capture_modules": "decoder.layers.*.mlp,"
+                                                              "decoder.layers.0.self_attention",
                                            "capture_retain": True}}.get(name, {})
         jobs += [job, job.with_(gradnan={"out_dir": str(root / name), **mode})]
     results = launch_many(jobs)
@@ -60,7 +63,8 @@ def test_the_failing_step_was_really_run_again(outcomes, name):
     reruns = [r for records in records_by_rank(run_dir).values() for r in records if r["kind"] == "rerun"]
     assert [r["conclusion"] for r in reruns if r["role"] == "origin"] == ["reproducible"]
     if name.startswith("dp2_fp16"):
-        assert [step.update_successful for step in without[0].steps] == [True, False, False, False, True, True]
+        assert [step.update_successful for step in without[0].steps] == [True, False, False, False,
+                                                                         True, True]
 
 
 def test_the_injected_run_was_really_detected(outcomes):

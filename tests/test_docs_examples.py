@@ -48,7 +48,8 @@ def test_the_worked_example_is_one_configuration_four_ways(tmp_path):
 
 def _normalized(lines):
     """Paths and the host name differ from machine to machine."""
-    return [re.sub(r"\(tp0 pp0 dp0, [^ ]+ cpu\)", "(tp0 pp0 dp0, HOST cpu)", re.sub(r"/\S+/run\b", "RUN", line))
+    return [re.sub(r"\(tp0 pp0 dp0, [^ ]+ cpu\)", "(tp0 pp0 dp0, HOST cpu)",
+                   re.sub(r"/\S+/run\b", "RUN", line))
             for line in lines]
 
 

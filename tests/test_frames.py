@@ -119,7 +119,8 @@ def test_detect_writes_the_frames_up_to_the_first_overflowing_module_once(runs):
     frames = record["frames"]
     assert len(frames) == record["frames_total"] == 21  # max_frames' default
     assert record["first_nonfinite"] == 20
-    assert [f["module"] for f in frames] == ALL_MODULES[FC2_AT - 20:FC2_AT + 1]  # one step's calls, ending at layer 1's fc2
+    # one step's calls, ending at layer 1's fc2
+    assert [f["module"] for f in frames] == ALL_MODULES[FC2_AT - 20:FC2_AT + 1]
     assert all(f["step"] == 3 and f["recomputed"] == 0 for f in frames)
     assert [f["module"] for f in frames[-3:]] == ["decoder.layers.1.pre_mlp_layernorm", FC1, FC2]
     last = frames[-1]
@@ -141,7 +142,8 @@ def test_detect_writes_the_frames_up_to_the_first_overflowing_module_once(runs):
     assert _entry(fc1, "input[0]") == _entry(healthy_fc1, "input[0]")
 
 
-def test_gradnan_frames_prints_them_as_debug_underflow_overflow_does_and_the_report_points_there(runs, capsys):
+def test_gradnan_frames_prints_them_as_debug_underflow_overflow_does_and_the_report_points_there(runs,
+                                                                                                 capsys):
     from gradnan.cli import main
 
     run_dir = runs[0] / "detect"
@@ -169,7 +171,8 @@ def test_the_tensor_parallel_peer_received_the_overflow_through_the_all_reduce(r
                                                                          FC1, FC2]
     last = frames[-1]
     assert _entry(last, "output[0]")["abs_max"] == "inf"
-    assert _entry(last, "weight")["abs_max"] < 1 and _entry(last, "input[0]")["abs_max"] < 10  # its own are small
+    # its own are small
+    assert _entry(last, "weight")["abs_max"] < 1 and _entry(last, "input[0]")["abs_max"] < 10
     assert _entry(frames[-2], "weight")["abs_max"] < 1
     assert all(_frame_finite(f) for f in frames[:-1])
     [origin] = _frames_records(runs[0] / "detect", 1)
@@ -194,9 +197,10 @@ def test_trace_writes_every_frame_of_the_chosen_steps(runs):
             root = frames[-1]  # the unwrapped GPTModel: no DDP or Float16Module frame
             assert root["module"] == "" and root["class"] == "GPTModel"
             assert not {"DistributedDataParallel", "Float16Module"} & {f["class"] for f in frames}
-            assert [e["name"] for e in root["entries"]] == ["input[0]", "input[1]", "input[2]", "kwargs.labels",
-                                                            "output"]
-            assert [e["abs_max"] is None for e in root["entries"]] == [True] * 4 + [False]  # integer/bool inputs
+            assert [e["name"] for e in root["entries"]] == ["input[0]", "input[1]", "input[2]",
+                                                            "kwargs.labels", "output"]
+            # integer/bool inputs
+            assert [e["abs_max"] is None for e in root["entries"]] == [True] * 4 + [False]
             assert _entry(frames[ALL_MODULES.index(FC1)], "weight")["dtype"] == "torch.float16"
     # the trained step differs from the first
     step1, step3 = _trace(runs, "trace", 1, 1), _trace(runs, "trace", 1, 3)
@@ -207,10 +211,12 @@ def test_activation_recompute_counts_on_the_forward_frames_instead_of_doubling_t
     for rank in (0, 1):
         [record] = _frames_records(runs[0] / "recompute", rank)
         plain = _trace(runs, "trace", rank, 1)
-        assert record["step"] == 1 and record["frames_total"] == len(record["frames"]) == plain["frames_total"]
+        assert (record["step"] == 1
+                and record["frames_total"] == len(record["frames"]) == plain["frames_total"])
         assert [f["module"] for f in record["frames"]] == ALL_MODULES
         recomputed = {f["module"]: f["recomputed"] for f in record["frames"]}
-        assert {m for m, n in recomputed.items() if n} == {m for m in ALL_MODULES if m.startswith("decoder.layers.")}
+        assert {m for m, n in recomputed.items() if n} == {m for m in ALL_MODULES
+                                                           if m.startswith("decoder.layers.")}
         assert all(n == 1 for n in recomputed.values() if n)
         assert all(f["recomputed"] == 0 for f in plain["frames"])
         # the forward's values, not the recompute's overwriting them (they are equal anyway)
@@ -313,14 +319,16 @@ def test_check_names_the_enclosing_module_and_the_step(probed):
         assert sorted(probes) == [1, 2, 3]  # "outside" is NaN at every step
         for step, record in probes.items():
             assert record["local_nonfinite"] is True
-            assert record["probes"][0] == {"label": "outside", "module": None, "step": step, "recompute": False,
-                                           "nan": 1, "inf": 0, "abs_min": "nan", "abs_max": "nan", "shape": [1],
-                                           "dtype": "torch.float32"}
+            assert record["probes"][0] == {"label": "outside", "module": None, "step": step,
+                                           "recompute": False, "nan": 1, "inf": 0, "abs_min": "nan",
+                                           "abs_max": "nan", "shape": [1], "dtype": "torch.float32"}
         labels = {step: [p["label"] for p in record["probes"]] for step, record in probes.items()}
-        assert labels == {1: ["outside"], 2: ["outside", "mlp out"] if rank == 1 else ["outside"], 3: ["outside"]}
+        assert labels == {1: ["outside"], 2: ["outside", "mlp out"] if rank == 1 else ["outside"],
+                          3: ["outside"]}
     [record] = [r for r in by_rank[1] if r["kind"] == "probe" and r["step"] == 2]
     mlp_out = record["probes"][1]
-    assert mlp_out["module"] == "decoder.layers.1.mlp" and mlp_out["step"] == 2 and mlp_out["recompute"] is False
+    assert (mlp_out["module"] == "decoder.layers.1.mlp" and mlp_out["step"] == 2
+            and mlp_out["recompute"] is False)
     assert (mlp_out["nan"], mlp_out["inf"]) == (0, 1) and mlp_out["abs_max"] == "inf"
     assert mlp_out["shape"] == [PROBE_JOB.seq_length, PROBE_JOB.micro_batch_size, PROBE_JOB.hidden_size]
     assert mlp_out["dtype"] == "torch.float16"

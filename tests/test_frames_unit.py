@@ -63,7 +63,8 @@ def test_a_step_costs_one_host_read_and_values_match_the_tensors():
     assert root.values[0] == pytest.approx((x.abs().min().item(), x.abs().max().item()))
     fc1 = frames[0]
     assert fc1.names == ["weight", "bias", "input[0]", "output"]
-    assert fc1.values[0] == pytest.approx((model.fc1.weight.abs().min().item(), model.fc1.weight.abs().max().item()))
+    assert fc1.values[0] == pytest.approx((model.fc1.weight.abs().min().item(),
+                                           model.fc1.weight.abs().max().item()))
     assert not any(frame.nonfinite for frame in frames)
     tracer.detach()
     assert not model.fc1._forward_hooks
@@ -109,8 +110,8 @@ def test_a_tensor_seen_again_unchanged_is_measured_once_and_frames_without_tenso
 
 def test_statistics_of_mixed_dtypes_come_back_in_order():
     flat = [torch.tensor(1.5, dtype=torch.float16), torch.tensor(2.0, dtype=torch.bfloat16),
-            torch.tensor(3.0, dtype=torch.float64), torch.tensor(float("inf")), torch.tensor(0.25, dtype=torch.float16),
-            torch.tensor(float("nan"), dtype=torch.bfloat16)]
+            torch.tensor(3.0, dtype=torch.float64), torch.tensor(float("inf")),
+            torch.tensor(0.25, dtype=torch.float16), torch.tensor(float("nan"), dtype=torch.bfloat16)]
     pairs = read_pairs(flat)
     assert pairs[:2] == [(1.5, 2.0), (3.0, float("inf"))]
     assert pairs[2][0] == 0.25 and pairs[2][1] != pairs[2][1]
@@ -204,7 +205,8 @@ def test_a_probe_names_the_innermost_model_module_on_the_call_stack():
 def test_on_nonfinite_raise_stops_at_the_first_nonfinite_forward_value_after_writing_its_frames(tmp_path):
     import gradnan
 
-    handle = gradnan.install(out_dir=str(tmp_path), frames="detect", on_nonfinite="raise", log_level="CRITICAL")
+    handle = gradnan.install(out_dir=str(tmp_path), frames="detect", on_nonfinite="raise",
+                             log_level="CRITICAL")
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         handle.start(model=model)
@@ -250,10 +252,11 @@ def test_gradnan_frames_selects_by_megatron_lm_iteration_as_trace_steps_count_th
 
     rank = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0, "host": "h", "device": "cpu"}
     frame = {"step": 3, "module": "fc", "class": "Linear", "call": 0, "recomputed": 0,
-             "entries": [{"name": "output", "kind": "output", "dtype": "torch.float32", "abs_min": 0.5, "abs_max": 2.0}]}
-    record = {"schema": "gradnan.record", "version": 1, "kind": "frames", "step": 3, "iteration": 1003, "rank": rank,
-              "params": [], "params_total": 0, "mode": "trace", "frames": [frame], "frames_total": 1,
-              "first_nonfinite": None}
+             "entries": [{"name": "output", "kind": "output", "dtype": "torch.float32", "abs_min": 0.5,
+                          "abs_max": 2.0}]}
+    record = {"schema": "gradnan.record", "version": 1, "kind": "frames", "step": 3, "iteration": 1003,
+              "rank": rank, "params": [], "params_total": 0, "mode": "trace", "frames": [frame],
+              "frames_total": 1, "first_nonfinite": None}
     (tmp_path / "records").mkdir()
     (tmp_path / "records" / "rank00000_tp0_pp0_dp0.jsonl").write_text(json.dumps(record) + "\n")
     assert main(["frames", str(tmp_path), "--iteration", "1003"]) == 0
@@ -269,10 +272,13 @@ def test_gradnan_frames_marks_values_within_2x_of_their_dtypes_largest():
         return {"name": name, "kind": "output", "dtype": dtype, "abs_min": 0.0, "abs_max": high}
 
     frame = {"step": 1, "module": "m", "class": "Linear", "call": 0, "recomputed": 0,
-             "entries": [entry("output[0]", "torch.float16", 3.3e4), entry("output[1]", "torch.float16", 3.2e4),
-                         entry("output[2]", "torch.float16", "inf"), entry("output[3]", "torch.float32", 3.3e4)]}
+             "entries": [entry("output[0]", "torch.float16", 3.3e4),
+                         entry("output[1]", "torch.float16", 3.2e4),
+                         entry("output[2]", "torch.float16", "inf"),
+                         entry("output[3]", "torch.float32", 3.3e4)]}
     record = {"rank": {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}, "step": 1, "mode": "trace",
               "frames": [frame], "first_nonfinite": None}
     lines = format_frames(record).splitlines()[-4:]
     assert lines[0].endswith("output[0]  [near float16 max 6.55e+04]")
-    assert [line.endswith(name) for line, name in zip(lines[1:], ("output[1]", "output[2]", "output[3]"))] == [True] * 3
+    assert [line.endswith(name)
+            for line, name in zip(lines[1:], ("output[1]", "output[2]", "output[3]"))] == [True] * 3

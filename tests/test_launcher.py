@@ -21,8 +21,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt_megatr
 
 
 def _torchrun(*args, env=None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               "-m", "gradnan.run", *map(str, args)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), "-m", "gradnan.run", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**environ_without_gradnan(), "PYTHONWARNINGS": "ignore", **(env or {})})
 
@@ -36,7 +36,8 @@ def test_torchrun_launches_an_unmodified_script_with_the_kit_from_the_environmen
     assert len(files.maps) == 2 and not files.problems
     report = build_report(files)
     assert [e["global_rank"] for e in report["incident"]["origin"]] == [1]
-    assert report["incident"]["parameters"][0]["params"][0]["name"] == "decoder.layers.0.mlp.linear_fc1.weight"
+    assert (report["incident"]["parameters"][0]["params"][0]["name"]
+            == "decoder.layers.0.mlp.linear_fc1.weight")
 
 
 def test_flags_before_the_script_configure_the_kit(tmp_path):
@@ -46,7 +47,8 @@ def test_flags_before_the_script_configure_the_kit(tmp_path):
 
 
 def test_a_bad_option_stops_before_training_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--pre-reduction", "sometimes", str(SCRIPT)],
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--pre-reduction", "sometimes",
+                             str(SCRIPT)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "pre_reduction" in result.stderr
@@ -60,7 +62,8 @@ def test_a_bad_option_stops_before_training_in_one_line(tmp_path):
     (["-m", "nonexistent_package.train"], "-m nonexistent_package.train: no such module"),
 ])
 def test_launcher_usage_errors_are_one_line_before_anything_is_installed(args, message):
-    result = subprocess.run([sys.executable, "-m", "gradnan.run", *args], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", *args], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
     assert "gradnan installed" not in result.stderr
@@ -71,23 +74,27 @@ def _launch_script(tmp_path, source, *flags):
     script = tmp_path / "train.py"
     script.write_text(source)
     command = [sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"), *flags, str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env=environ_without_gradnan())
     return script, result
 
 
 def test_a_failing_script_is_reported_as_the_scripts_error_without_the_launchers_frames(tmp_path):
-    script, result = _launch_script(tmp_path, "def load_batch():\n    raise ValueError('shard 7 is truncated')\n\n"
+    script, result = _launch_script(tmp_path, "def load_batch():\n"
+                                              "    raise ValueError('shard 7 is truncated')\n\n"
                                               "load_batch()\n")
     assert result.returncode == 1
     *trace, last = result.stderr.strip().splitlines()
-    assert last == (f"gradnan.run: the training script {script} failed (ValueError: shard 7 is truncated); the"
-                    f" error is the script's own, gradnan only ran it. gradnan's files: {tmp_path / 'out'}")
+    assert last == (f"gradnan.run: the training script {script} failed (ValueError: shard 7 is truncated);"
+                    " the error is the script's own, gradnan only ran it."
+                    f" gradnan's files: {tmp_path / 'out'}")
     assert "in load_batch" in result.stderr and "ValueError: shard 7 is truncated" in trace
     assert "gradnan/run.py" not in result.stderr and "runpy" not in result.stderr
 
 
 def test_a_stop_the_kit_was_asked_for_is_named_as_such(tmp_path):
-    script, result = _launch_script(tmp_path, "import gradnan\nraise gradnan.AbortRequested('abort_after_step=3 reached')\n")
+    script, result = _launch_script(tmp_path, "import gradnan\n"
+                                              "raise gradnan.AbortRequested('abort_after_step=3 reached')\n")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"gradnan.run: gradnan stopped {script} as configured: abort_after_step=3 reached")

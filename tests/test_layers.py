@@ -25,8 +25,8 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.formats": ("gradnan.errors",),
     "gradnan.offline": ("gradnan.errors", "gradnan.formats"),
     "gradnan.selftest": ("gradnan.errors", "gradnan.commandline", "gradnan.formats"),
-    "gradnan.patches": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats", "gradnan.training",
-                        "megatron"),
+    "gradnan.patches": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
+                        "gradnan.training", "megatron"),
     "gradnan.patches.undo_log": (),  # the undo log every change goes through knows nothing of Megatron
     "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats"),
     # install() and seed_all() are where the training side reaches the patch layer
@@ -83,7 +83,8 @@ def violations(source: str, module: str, is_package: bool = False) -> List[str]:
         if target == part or target.startswith(part + ".") or any(
                 target == ok or target.startswith(ok + ".") for ok in allowed):
             continue
-        found.append(f"{module}:{line} imports {imported} ({part} may import {', '.join(allowed) or 'nothing of gradnan'})")
+        found.append(f"{module}:{line} imports {imported}"
+                     f" ({part} may import {', '.join(allowed) or 'nothing of gradnan'})")
     return found
 
 
@@ -120,7 +121,8 @@ def test_the_patch_layer_is_read_under_its_installed_name():
     ("gradnan.selftest", "from ..training import install\n"),
 ])
 def test_the_checker_catches_a_backward_import(module, source):
-    """Each of these would break the contract: the checker must say so (a check that cannot fail proves nothing)."""
+    """Each of these would break the contract: the checker must say so (a check that cannot fail proves
+    nothing)."""
     [problem] = violations(source, module, is_package=module == "gradnan.selftest")
     assert problem.startswith(f"{module}:")
 
@@ -166,8 +168,9 @@ def loaded_by_importing(start: str) -> set:
     return seen
 
 
-OFFLINE_ENTRY_POINTS = ("gradnan.cli", "gradnan.offline.report", "gradnan.offline.analysis", "gradnan.offline.plot",
-                        "gradnan.offline.frames_view", "gradnan.offline.read", "gradnan")
+OFFLINE_ENTRY_POINTS = ("gradnan.cli", "gradnan.offline.report", "gradnan.offline.analysis",
+                        "gradnan.offline.plot", "gradnan.offline.frames_view", "gradnan.offline.read",
+                        "gradnan")
 
 
 @pytest.mark.parametrize("start", OFFLINE_ENTRY_POINTS)
@@ -182,7 +185,8 @@ def test_the_import_walk_sees_through_package_inits_and_skips_lazy_imports(tmp_p
     assert "torch" in loaded_by_importing("gradnan.training.scan")
     assert "gradnan.training" in loaded_by_importing("gradnan.training.scan")
     assert list(eager_imports("import json\ndef f():\n    import torch\n", "gradnan.x", False)) == ["json"]
-    assert "torch" not in eager_imports("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+    assert "torch" not in eager_imports("from typing import TYPE_CHECKING\n"
+                                        "if TYPE_CHECKING:\n    import torch\n",
                                         "gradnan.x", False)
 
 
@@ -192,7 +196,8 @@ def _frames_record() -> dict:
     frame = {"step": 2, "module": "decoder.layers.0.mlp", "class": "MLP", "call": 3, "recomputed": 0,
              "entries": [{"name": "output[0]", "kind": "output", "dtype": "torch.bfloat16", "abs_min": 0.5,
                           "abs_max": "inf"}]}
-    return records.to_json("frames", 2, None, {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}, {"started": 1.0}, [], 0,
+    return records.to_json("frames", 2, None, {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0},
+                           {"started": 1.0}, [], 0,
                            {"mode": "detect", "frames": [frame], "frames_total": 1, "first_nonfinite": 0})
 
 
@@ -208,7 +213,8 @@ def test_offline_commands_run_without_importing_torch_or_megatron(tmp_path, comm
     from gradnan.testing.synthetic import write_run_dir
 
     write_run_dir(tmp_path, 16)
-    append_json_line(records_path(str(tmp_path), {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}), _frames_record())
+    append_json_line(records_path(str(tmp_path), {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0}),
+                     _frames_record())
     probe = ("import sys\nfrom gradnan.cli import main\ncode = main(sys.argv[1:])\n"
              "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules), code, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", probe, command[0], str(tmp_path), *command[1:]],

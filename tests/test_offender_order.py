@@ -31,7 +31,8 @@ def many_offenders(tmp_path_factory):
                                   Injection(0, STEP, UPSTREAM, "nan", where="module_backward")),
                       gradnan={"out_dir": str(run_dir), "max_params_per_record": CAP,
                                "pre_reduction": "off"}))  # the report reads the capped norm record only
-    [record] = [r for r in records_by_rank(run_dir)[0] if r["kind"] == "nonfinite_grad_norm" and r["step"] == STEP]
+    [record] = [r for r in records_by_rank(run_dir)[0]
+                if r["kind"] == "nonfinite_grad_norm" and r["step"] == STEP]
     return run_dir, record
 
 
@@ -41,7 +42,8 @@ def test_the_origin_is_the_last_of_more_than_the_cap_in_optimizer_order(many_off
     entries = {entry["name"]: entry for entry in load_map(map_file)["params"]}
     assert record["params_total"] > CAP and len(record["params"]) == CAP
     later = [name for name, entry in entries.items() if entry["id"] > entries[ORIGIN]["id"]]
-    assert later and all(name.startswith("decoder.final_layernorm.") for name in later), "clean, after the origin"
+    assert later and all(name.startswith("decoder.final_layernorm.")
+                         for name in later), "clean, after the origin"
     assert record["params"][0]["name"] == ORIGIN
     assert all(p["name"].startswith(("decoder.layers.", "embedding.")) for p in record["params"])
 

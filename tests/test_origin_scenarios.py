@@ -83,9 +83,11 @@ def test_forward_inf_on_every_replica_points_at_data_and_the_forward_pass(report
     assert incident["pattern"]["pass"] == "forward"
     assert incident["verdict"]["cause"] == "data_or_numerics"
     assert "forward pass" in incident["verdict"]["summary"]
-    assert incident["rerun"]["module"] == "decoder.layers.1.mlp" and incident["rerun"]["conclusion"] == "reproducible"
+    assert (incident["rerun"]["module"] == "decoder.layers.1.mlp"
+            and incident["rerun"]["conclusion"] == "reproducible")
     pattern_based = incident["verdict"]["evidence"][0]
-    assert pattern_based.startswith("pattern-based reading") and "every data-parallel replica" in pattern_based
+    assert (pattern_based.startswith("pattern-based reading")
+            and "every data-parallel replica" in pattern_based)
 
 
 def test_a_nan_made_inside_backward_names_that_layer_first(reports):

@@ -42,7 +42,8 @@ def _listed(option: str) -> list:
 def test_every_package_folder_is_listed_in_setup_cfg():
     """The list is explicit (``find:`` cannot put ``patches/`` under ``gradnan``): a package folder left
     out of it would be missing from every wheel."""
-    folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "gradnan").rglob("__init__.py")}
+    folders = {".".join(path.parent.relative_to(ROOT).parts)
+               for path in (ROOT / "gradnan").rglob("__init__.py")}
     assert sorted(_listed("packages")) == sorted(folders | {"gradnan.patches"})
     assert _listed("package_dir") == ["gradnan.patches = patches"]
     assert (ROOT / "patches" / "__init__.py").is_file() and not (ROOT / "gradnan" / "patches").exists()
@@ -58,8 +59,8 @@ def _where_from(tmp_path: Path, environ: dict) -> list:
 
 
 def _pip(cwd: Path, *arguments: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *arguments], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *arguments],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
@@ -85,7 +86,7 @@ def test_a_built_wheel_holds_gradnan_patches_and_runs_the_demo(tmp_path):
     environ = {**environ_without_gradnan(), "PYTHONPATH": str(target)}
     assert _where_from(tmp_path, environ) == [str(target / "gradnan" / "patches" / "__init__.py"),
                                               "no top-level patches"]
-    demo = subprocess.run([sys.executable, "-m", "gradnan", "demo", "--out", str(tmp_path / "demo")], cwd=tmp_path,
-                          env=environ, capture_output=True, text=True, timeout=300)
+    demo = subprocess.run([sys.executable, "-m", "gradnan", "demo", "--out", str(tmp_path / "demo")],
+                          cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stderr
     assert DEMO_MODULE in demo.stdout

@@ -1,4 +1,5 @@
-"""The optimizer's slots are built once (50,000 parameters take a second) and the gradients read at every call."""
+"""The optimizer's slots are built once (50,000 parameters take a second) and the gradients read at every
+call."""
 
 from __future__ import annotations
 
@@ -26,5 +27,6 @@ def test_param_slots_are_built_once_per_optimizer_and_gradients_read_each_time()
 
 def test_layer_numbers_make_global_names():
     slots, _ = param_slots(TorchOptimizer(many_tensor_model(40, 2, layers=4)))
-    assert [slot.name for slot in slots[:2]] == ["decoder.layers.0.mlp.experts.0.w1", "decoder.layers.0.mlp.experts.0.w2"]
+    assert [slot.name for slot in slots[:2]] == ["decoder.layers.0.mlp.experts.0.w1",
+                                                 "decoder.layers.0.mlp.experts.0.w2"]
     assert slots[-1].name == "decoder.layers.3.mlp.experts.4.w2" and slots[-1].order == 39

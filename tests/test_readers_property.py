@@ -123,7 +123,8 @@ def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, An
     record = {
         "schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": kind, "step": step,
         "time": 1.7e9 + step, "rank": coords(draw(rank)), "run": run_identity(draw),
-        "local_nonfinite": bool(params), "params": params, "params_total": len(params) + draw(st.integers(0, 2)),
+        "local_nonfinite": bool(params), "params": params,
+        "params_total": len(params) + draw(st.integers(0, 2)),
         "optimizer_index": 0, "map": "maps/rank.json",
         "pre_reduction": draw(st.sampled_from([None, "clean", "nonfinite"])),
     }
@@ -139,20 +140,23 @@ def record_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, An
             frames = [{"step": step, "module": module, "class": "Linear", "call": call, "recomputed": 0,
                        "entries": [{"name": "output", "kind": "output", "dtype": "torch.float16",
                                     "abs_min": draw(stat), "abs_max": draw(stat)}]}
-                      for call, module in enumerate(draw(st.lists(st.sampled_from(MODULE_NAMES), max_size=3)))]
-            record.update(mode=draw(st.sampled_from(["detect", "trace"])), frames=frames, frames_total=len(frames),
-                          first_nonfinite=draw(st.sampled_from([None, 0, 5])))
+                      for call, module in enumerate(draw(st.lists(st.sampled_from(MODULE_NAMES),
+                                                                  max_size=3)))]
+            record.update(mode=draw(st.sampled_from(["detect", "trace"])), frames=frames,
+                          frames_total=len(frames), first_nonfinite=draw(st.sampled_from([None, 0, 5])))
         else:
-            record["probes"] = [{"label": "x", "module": draw(st.sampled_from([None, *MODULE_NAMES])), "step": step,
-                                 "recompute": False, "nan": draw(st.integers(0, 3)), "inf": 1, "abs_min": draw(stat),
-                                 "abs_max": draw(stat), "shape": [2], "dtype": "torch.float16"}]
+            record["probes"] = [{"label": "x", "module": draw(st.sampled_from([None, *MODULE_NAMES])),
+                                 "step": step, "recompute": False, "nan": draw(st.integers(0, 3)), "inf": 1,
+                                 "abs_min": draw(stat), "abs_max": draw(stat), "shape": [2],
+                                 "dtype": "torch.float16"}]
     return record
 
 
 def a_selftest(failing_ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """A ``gradnan.selftest`` result of the 4-rank job, as ``selftest.build_document`` writes it."""
     return {
-        "schema": selftest.SCHEMA.name, "version": 1, "time": "2026-11-22T12:00:00Z", "world_size": WORLD_SIZE,
+        "schema": selftest.SCHEMA.name, "version": 1, "time": "2026-11-22T12:00:00Z",
+        "world_size": WORLD_SIZE,
         "layout": {"tp": 2, "pp": 1, "dp": 2}, "backend": "gloo", "size": 1024, "seconds": None,
         "repeats": 1, "timeout": 60.0, "ranks": [{"rank": r, **coords(r)} for r in range(WORLD_SIZE)],
         "checks": [], "skipped": [], "unreachable": None,
@@ -184,7 +188,8 @@ json_scalars = (st.none() | st.booleans() | st.integers() | HUGE_INTS
                 | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=10) | AWKWARD_TEXT)
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    lambda children: (st.lists(children, max_size=3)
+                      | st.dictionaries(st.text(max_size=6), children, max_size=3)),
     max_leaves=8,
 )
 deeply_nested = st.integers(1, 5000).map(lambda depth: b"[" * depth + b"]" * depth)
@@ -200,7 +205,8 @@ arbitrary_bytes = st.one_of(
 
 def value_paths(value: Any, prefix: Tuple = ()) -> List[Tuple]:
     """The key/index path to every value inside a JSON document (the root excluded)."""
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    children = (value.items() if isinstance(value, dict)
+                else enumerate(value) if isinstance(value, list) else ())
     paths = []
     for key, child in children:
         paths.append(prefix + (key,))
@@ -321,7 +327,8 @@ def check_map(path: Path) -> None:
 
 def check_records(path: Path) -> None:
     found, problems = load_records(path)
-    assert all(record["schema"] == records.SCHEMA.name and isinstance(record["step"], int) for record in found)
+    assert all(record["schema"] == records.SCHEMA.name and isinstance(record["step"], int)
+               for record in found)
     for problem in problems:
         assert problem.startswith(f"{path}:")
         assert_one_line_naming(problem, path)
@@ -421,7 +428,8 @@ def check_cli(files: Dict[str, bytes], capsys) -> None:
 
 
 CLI_SETTINGS = settings(max_examples=150, deadline=None,
-                        suppress_health_check=[HealthCheck.function_scoped_fixture])  # capsys: drained per call
+                        # capsys: drained per call
+                        suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 # --- inputs the readers accept that crash a consumer: found by the properties, pinned one each ---
@@ -429,9 +437,9 @@ CLI_SETTINGS = settings(max_examples=150, deadline=None,
 
 def a_record(**changes: Any) -> Dict[str, Any]:
     """A pre-reduction record of rank 0 at step 1 naming one NaN gradient, with ``changes``."""
-    return {"schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": "pre_reduction", "step": 1,
-            "time": 1.7e9, "rank": coords(0), "params": [param_entry(PARAM_NAMES[2], "nan", False)],
-            "params_total": 1, **changes}
+    return {"schema": records.SCHEMA.name, "version": records.SCHEMA.version, "kind": "pre_reduction",
+            "step": 1, "time": 1.7e9, "rank": coords(0),
+            "params": [param_entry(PARAM_NAMES[2], "nan", False)], "params_total": 1, **changes}
 
 
 def rank_0(**changes: Any) -> Dict[str, Any]:
@@ -480,7 +488,8 @@ REPORT_CRASHES = [
     bug("pp-a-string", a_run(a_record(rank=rank_0(pp="0"))),
         TypeError, "report._backward_key", "-(rank.get('pp') or 0) on a string"),
     bug("cp_size-a-string", a_run(a_record(rank=rank_0(cp_size="2"))),
-        TypeError, "records.shown_axes via report._rank_view", "(coords.get('cp_size') or 1) > 1 on a string"),
+        TypeError, "records.shown_axes via report._rank_view",
+        "(coords.get('cp_size') or 1) > 1 on a string"),
     bug("dp_size-a-string", a_run(a_record(rank=rank_0(dp_size="2"))),
         TypeError, "report._verdict", "dp_size > 1 on a string"),
     bug("dp-a-list", a_run(a_record(rank=rank_0(dp=[0]))),
@@ -515,15 +524,18 @@ CLI_CRASHES = [
     bug("lone-surrogate-in-a-host", a_run(a_record(rank=rank_0(host=LONE_SURROGATE))),
         UnicodeEncodeError, "cli.main (report)", "print(format_text(report)) to a UTF-8 stdout"),
     bug("frames-first_nonfinite-out-of-range",
-        a_run(a_record(kind="frames", mode="detect", params=[], frames=[], frames_total=0, first_nonfinite=0)),
-        IndexError, "frames_report.format_frames via cli (frames)", "record['frames'][first_nonfinite] of an empty list"),
+        a_run(a_record(kind="frames", mode="detect", params=[], frames=[], frames_total=0,
+                       first_nonfinite=0)),
+        IndexError, "frames_report.format_frames via cli (frames)",
+        "record['frames'][first_nonfinite] of an empty list"),
     bug("frames-entry-without-abs_min",
-        a_run(a_record(kind="frames", mode="detect", params=[], params_total=0, frames_total=1, first_nonfinite=None,
+        a_run(a_record(kind="frames", mode="detect", params=[], params_total=0, frames_total=1,
+                       first_nonfinite=None,
                        frames=[{"step": 0, "module": "m", "class": "Linear", "call": 0, "recomputed": 0,
                                 "entries": [{"name": "output", "kind": "output", "dtype": "torch.float16",
                                              "abs_max": 0.5}]}])),
-        KeyError, "frames_view.format_frames via cli (frames)", "entry['abs_min'] where the reader took a missing"
-        " key for null"),
+        KeyError, "frames_view.format_frames via cli (frames)", "entry['abs_min'] where the reader took a"
+        " missing key for null"),
 ]
 
 def with_examples(cases: List[Any]):

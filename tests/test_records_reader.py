@@ -1,4 +1,5 @@
-"""File names, atomic/append writers (gradnan.formats.records) and the strict readers (gradnan.offline.read)."""
+"""File names, atomic/append writers (gradnan.formats.records) and the strict readers
+(gradnan.offline.read)."""
 
 from __future__ import annotations
 
@@ -241,12 +242,15 @@ def test_load_map_round_trips_a_written_map(tmp_path):
     loaded = load_map(path)
     assert {key: value for key, value in loaded.items() if key != "params"} == {
         key: value for key, value in document.items() if key != "params"}
-    assert loaded["params"] == [{**asdict(slot(0, "embedding.word_embeddings.weight", (16, 8))), "shape": [16, 8]},
-                                {**asdict(slot(1, "decoder.layers.0.mlp.linear_fc1.weight", (8, 8), shard=(0, 32))),
+    assert loaded["params"] == [{**asdict(slot(0, "embedding.word_embeddings.weight", (16, 8))),
+                                 "shape": [16, 8]},
+                                {**asdict(slot(1, "decoder.layers.0.mlp.linear_fc1.weight", (8, 8),
+                                               shard=(0, 32))),
                                  "shape": [8, 8], "shard": [0, 32]}]
     assert loaded["params_count"] == 2 and "\n " not in path.read_text(), "compact: one line, no indentation"
     assert load_map(path, params=False) == {key: value for key, value in document.items()
-                                            if key not in ("param_columns", "params")}, "the header, parsed alone"
+                                            if key not in ("param_columns", "params")}, (
+        "the header, parsed alone")
 
 
 def test_load_map_reads_a_version_1_map(tmp_path):
@@ -320,7 +324,8 @@ def test_load_map_wrong_schema(tmp_path):
 
 
 def test_load_map_future_version(tmp_path):
-    path = write_text(tmp_path / "m.json", json.dumps(dict(a_map_document(), version=maps.SCHEMA.version + 1)))
+    path = write_text(tmp_path / "m.json",
+                      json.dumps(dict(a_map_document(), version=maps.SCHEMA.version + 1)))
     with pytest.raises(InputError) as info:
         load_map(path)
     message = assert_one_line_naming(info.value, path)
@@ -590,7 +595,8 @@ def test_each_document_kind_is_versioned_on_its_own(tmp_path, monkeypatch):
 
     from gradnan.formats import bundle
 
-    manifest = {"schema": "gradnan.bundle", "version": 2, "module": {"path": "m"}, "step": 1, "rank": coords(0)}
+    manifest = {"schema": "gradnan.bundle", "version": 2, "module": {"path": "m"}, "step": 1,
+                "rank": coords(0)}
     path = write_text(tmp_path / "manifest.json", json.dumps(manifest))
     with pytest.raises(InputError, match="gradnan.bundle version 2 is newer than this gradnan reads"):
         bundle.load_manifest(path)

@@ -54,7 +54,8 @@ def test_a_nonfinite_grad_norm_is_always_a_failure():
 
 def test_a_pre_reduction_record_without_overflow_is_a_failure():
     """Megatron's own check raised after our sync record: no norm record follows."""
-    records = [_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"], mode="sync")]
+    records = [_record(2, "pre_reduction", rank=1, params=["decoder.layers.0.mlp.linear_fc1.weight"],
+                       mode="sync")]
     report = build_report(_files(*records))
     assert report["first_step"] == 2
     assert [e["global_rank"] for e in report["incident"]["origin"]] == [1]
@@ -153,8 +154,9 @@ def test_frames_and_probe_records_are_summarised_with_the_command_to_list_them()
     frame = {"step": 3, "module": "decoder.layers.1.mlp.linear_fc2", "class": "RowParallelLinear", "call": 7,
              "recomputed": 0, "entries": [{"name": "output[0]", "kind": "output", "dtype": "torch.float16",
                                            "abs_min": 4.8, "abs_max": "inf"}]}
-    probe = {"label": "attn scores", "module": "decoder.layers.1.self_attention", "step": 3, "recompute": False,
-             "nan": 0, "inf": 2, "abs_min": 0.0, "abs_max": "inf", "shape": [2], "dtype": "torch.float16"}
+    probe = {"label": "attn scores", "module": "decoder.layers.1.self_attention", "step": 3,
+             "recompute": False, "nan": 0, "inf": 2, "abs_min": 0.0, "abs_max": "inf", "shape": [2],
+             "dtype": "torch.float16"}
     records = [_record(3, "frames", rank=1, mode="detect", frames=[frame], frames_total=1, first_nonfinite=0),
                _record(3, "probe", rank=1, probes=[probe])]
     analysis = analyze(_files(*records))
@@ -165,18 +167,20 @@ def test_frames_and_probe_records_are_summarised_with_the_command_to_list_them()
     text = format_text(analysis)
     assert "first non-finite in decoder.layers.1.mlp.linear_fc2 (RowParallelLinear)" in text
     assert "gradnan frames /run --rank 1 --step 3" in text
-    assert "gradnan.check('attn scores') in decoder.layers.1.self_attention: 2 Inf at step 3 on rank 1" in text
+    assert ("gradnan.check('attn scores') in decoder.layers.1.self_attention: 2 Inf at step 3 on rank 1"
+            in text)
 
 
 def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
     from gradnan.formats.layout import run_identity
 
-    both = run_identity("", {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": "2",
-                             "TORCHELASTIC_RUN_ID": "none"}, 5.0)
+    both = run_identity("", {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1",
+                             "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "none"}, 5.0)
     assert both == {"id": "77", "attempt": "1.2", "started": 5.0, "rendezvous": None}
     assert run_identity("mine", {"TORCHELASTIC_RUN_ID": "abc"}, 1.0)["id"] == "mine"
     assert run_identity("", {}, 1.0) == {"id": None, "attempt": "0", "started": 1.0, "rendezvous": None}
-    assert run_identity("", {"MASTER_ADDR": "node7", "MASTER_PORT": "29500"}, 1.0)["rendezvous"] == "node7:29500"
+    assert (run_identity("", {"MASTER_ADDR": "node7", "MASTER_PORT": "29500"}, 1.0)["rendezvous"]
+            == "node7:29500")
 
 
 def test_two_anonymous_jobs_started_together_are_two_launches_told_apart_by_their_rendezvous():

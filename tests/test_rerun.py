@@ -31,8 +31,9 @@ BASE = TinyGPTJob(world_size=2, steps=3, micro_batches=2, quiet=True)
 SCENARIOS = {
     # a batch drives layer 1's attention scores past bf16's range on rank 1 at step 2, once; the scratch
     # buffer Megatron's attention hands baddbmm (beta=0, never read) holds NaN, as uninitialized memory may
-    "bf16_one_off_dp2": BASE.with_(dtype="bf16", injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),
-                                                             Injection(1, 2, "", "nan", where="memory_buffer"))),
+    "bf16_one_off_dp2": BASE.with_(dtype="bf16",
+                                   injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),
+                                               Injection(1, 2, "", "nan", where="memory_buffer"))),
     # the same overflow in fp16 on tensor-parallel rank 1, persistent: skips from step 2, escalation at 4
     "fp16_persistent_tp2": BASE.with_(tp=2, dtype="fp16", steps=4, injections=(
         Injection(1, 2, QKV, "300", where="scale_to"),)),
@@ -75,9 +76,11 @@ FAILING_RERUN = BASE.with_(dtype="bf16", injections=(
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rerun")
     jobs = [job.with_(gradnan={"out_dir": str(root / name)}) for name, job in SCENARIOS.items()]
-    jobs += [FAILING_RERUN, FAILING_RERUN.with_(gradnan={"out_dir": str(root / "failing_rerun"), "strict": False})]
+    jobs += [FAILING_RERUN,
+             FAILING_RERUN.with_(gradnan={"out_dir": str(root / "failing_rerun"), "strict": False})]
     results = launch_many(jobs)
-    return {**{name: root / name for name in SCENARIOS}, "failing_rerun": (root / "failing_rerun", results[-2:])}
+    return {**{name: root / name for name in SCENARIOS},
+            "failing_rerun": (root / "failing_rerun", results[-2:])}
 
 
 def reruns(run_dir):
@@ -98,7 +101,8 @@ def test_a_one_off_bf16_overflow_is_named_at_the_failing_step_with_its_bundle_an
     assert origin["conclusion"] == "reproducible" and origin["trigger"] == "nonfinite_grad_norm"
     # rank 0 (the other replica) was clean and so were its own gradients: they came in through the all-reduce
     assert found[0]["role"] == "clean" and found[0]["conclusion"] == "after_collective"
-    manifest = json.loads((runs["bf16_one_off_dp2"] / "bundles").glob("*/*/manifest.json").__next__().read_text())
+    manifest = json.loads((runs["bf16_one_off_dp2"] / "bundles").glob("*/*/manifest.json")
+                          .__next__().read_text())
     assert origin["bundle"].endswith("step0000002_" + CORE)
     assert (manifest["step"], manifest["trigger"], manifest["micro_batch"]) == (2, "rerun", 0)
     batch = torch.load(origin["batch"]["path"], weights_only=True)
@@ -123,7 +127,8 @@ def test_fp16_persistent_overflow_origin_on_tp1_and_tp0_is_a_receiver(runs):
     assert found[1]["trigger"] == "loss_scale_overflow" and found[1]["step"] == 4  # the escalation step
     assert found[0]["role"] == "receiver" and found[0]["module"] != CORE
     assert found[1]["bundle"] and not found[0]["bundle"]
-    bundles = sorted(p.parent.name for p in (runs["fp16_persistent_tp2"] / "bundles").glob("*/*/manifest.json"))
+    bundles = sorted(p.parent.name
+                     for p in (runs["fp16_persistent_tp2"] / "bundles").glob("*/*/manifest.json"))
     assert bundles == ["step0000004_" + CORE]  # no later capture of what tp0 only received
 
 
@@ -228,7 +233,8 @@ def test_a_diagnostic_pass_sets_megatrons_validation_and_timers_aside_then_resto
     with pytest.raises(RuntimeError, match="inside the pass"):
         with diagnostic_pass(config, []):
             nan = torch.tensor(float("nan"))
-            assert machine.validate_result(result=nan, rejection_func=torch.isnan, message="loss is NaN") is None
+            assert machine.validate_result(result=nan, rejection_func=torch.isnan,
+                                           message="loss is NaN") is None
             assert machine.is_unexpectedly_large(torch.tensor(1e30), 1.0) is False
             assert config.timers is None and config.param_sync_func is None
             raise RuntimeError("inside the pass")

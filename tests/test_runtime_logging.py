@@ -92,7 +92,8 @@ def test_consecutive_nonfinite_norms_are_loud_once(tmp_path, caplog, make_runtim
             runtime.end_step(optimizer, skipped=False)
     levels = [r.levelname for r in caplog.records]
     assert levels == ["ERROR", "INFO", "WARNING", "WARNING"]  # step 1, then 2 and 4 consecutive
-    assert "no rerun of the failing step: it was not run by megatron-core's pipeline schedules" in caplog.records[1].message
+    assert ("no rerun of the failing step: it was not run by megatron-core's pipeline schedules"
+            in caplog.records[1].message)
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -144,7 +145,8 @@ def test_an_unwritable_out_dir_is_logged_once_and_training_goes_on(tmp_path, cap
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     writes = [m for m in errors if m.startswith("cannot write")]
     assert len(writes) == 1 and not any("internal error" in m for m in errors), errors
-    assert writes[0].startswith(f"cannot write the map {blocker}/maps/rank00000_tp0_pp0_dp0.json: Not a directory")
+    assert writes[0].startswith(f"cannot write the map {blocker}/maps/rank00000_tp0_pp0_dp0.json:"
+                                " Not a directory")
     assert blocker.read_text() == "x"
 
 
@@ -176,7 +178,8 @@ def test_an_explicit_capture_of_the_first_iteration_after_a_resume_is_taken(tmp_
     def run(capture_steps):
         module = torch.nn.Linear(4, 4)
         runtime = make_runtime([("lin", module)], capture_modules="lin", capture_steps=capture_steps,
-                               out_dir=str(tmp_path / capture_steps), facts={"iteration": megatron_lm_iteration})
+                               out_dir=str(tmp_path / capture_steps),
+                               facts={"iteration": megatron_lm_iteration})
         optimizer = FakeOptimizer()
         vars(megatron_lm_args).pop("curr_iteration", None)
         runtime.optimizer_built(optimizer, lambda: [_slot()])
@@ -198,10 +201,11 @@ def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path
     runtime.begin_step(optimizer, lambda: [_slot()])
     group = FakeOptimizer()  # any weak-referenceable object stands for a bucket group
     assert runtime.first_sync_of_step(group)
-    runtime.pre_reduction_flags(group, torch.tensor([False]), lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]),
-                                mode="sync")
+    runtime.pre_reduction_flags(group, torch.tensor([False]),
+                                lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]), mode="sync")
     runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
-    kinds = [json.loads(line) for line in next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()]
+    kinds = [json.loads(line)
+             for line in next((tmp_path / "records").glob("*.jsonl")).read_text().splitlines()]
     assert [r["kind"] for r in kinds] == ["pre_reduction", "nonfinite_grad_norm"]
     assert kinds[1]["pre_reduction"] == "nonfinite"
 

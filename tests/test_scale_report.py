@@ -35,7 +35,8 @@ def test_the_text_fits_one_screen_and_starts_with_the_origin(large_job, capsys):
     assert lines[origin_line + 1].startswith(f"  rank {origin} (tp3 pp7 dp4)")
     dp_size, model_parallel = coords_of(0, WORLD)["dp_size"], WORLD // coords_of(0, WORLD)["dp_size"]
     text = "\n".join(lines)
-    assert f"\n  {dp_size - 1} data-parallel peer(s) of the origin (same tp/pp), holding the NaN/Inf: " in text
+    assert (f"\n  {dp_size - 1} data-parallel peer(s) of the origin (same tp/pp), holding the NaN/Inf: "
+            in text)
     assert f"\n  {model_parallel - 1} model-parallel peer(s) of the origin (same dp replica): " in text
     assert f"\n  {WORLD - dp_size - model_parallel + 1} other rank(s): " in text
 
@@ -46,7 +47,8 @@ def test_json_keeps_every_rank(large_job):
     assert [entry["global_rank"] for entry in incident["origin"]] == [origin]
     assert len(incident["receivers"]) == WORLD - 1
     holders = sorted(view["global_rank"] for view in incident["receivers"] if view["holds_nonfinite"])
-    assert holders == [rank for rank in range(WORLD) if rank != origin and (rank % TP, coords_of(rank, WORLD)["pp"])
+    assert holders == [rank for rank in range(WORLD)
+                       if rank != origin and (rank % TP, coords_of(rank, WORLD)["pp"])
                        == (origin % TP, coords_of(origin, WORLD)["pp"])]
 
 
@@ -55,8 +57,10 @@ def test_the_table_and_the_plot_are_centred_on_the_origin(large_job):
     _, ranks, grid = incident_grid(analyze(read_run(run_dir, params=False)).incident)
     holders = {view["global_rank"] for view in report["incident"]["receivers"] if view["holds_nonfinite"]}
     assert origin in ranks and holders <= set(ranks)
-    peers = {rank for rank in range(WORLD) if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
-    assert len(peers & set(ranks)) == MAX_RANKS - 1 - len(holders), "the other columns: its model-parallel peers"
+    peers = {rank for rank in range(WORLD)
+             if rank != origin and coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"]}
+    assert (len(peers & set(ranks))
+            == MAX_RANKS - 1 - len(holders)), "the other columns: its model-parallel peers"
     assert any(2 in row for row in grid) and any(1 in row for row in grid), "origin and received cells drawn"
 
 
@@ -79,7 +83,8 @@ def test_maps_of_one_rank_read_one_table(large_job):
     chosen = read_maps(run_dir, wanted)
     assert len(seen) == WORLD and not any("params" in header for header in seen)
     [document] = chosen
-    assert document["rank"]["global_rank"] == origin and len(document["params"]) == document["params_count"] > 0
+    assert (document["rank"]["global_rank"] == origin
+            and len(document["params"]) == document["params_count"] > 0)
 
 
 @pytest.mark.parametrize("ranks, text", [
@@ -93,7 +98,8 @@ def test_rank_ranges(ranks, text):
 
 
 def test_rank_ranges_are_cut_with_a_count():
-    text = rank_ranges(list(range(0, 300, 7)) + list(range(1000, 1100, 3)) + [5000, 5002, 7001, 9999, 12345, 13000],
+    text = rank_ranges(list(range(0, 300, 7)) + list(range(1000, 1100, 3))
+                       + [5000, 5002, 7001, 9999, 12345, 13000],
                        max_chars=30)
     assert len(text) <= 50 and text.endswith("in all)")
 
@@ -108,7 +114,8 @@ def test_the_report_reads_maps_and_records_without_their_lists(large_job, monkey
     assert all("params" not in document for document in lean.maps.values())
     assert [document["params_count"] for document in lean.maps.values()] == [
         len(document["params"]) for document in full.maps.values()]
-    assert {document["params_count"] for document in lean.maps.values()} == {290, 288}  # the first stage embeds
+    # the first stage embeds
+    assert {document["params_count"] for document in lean.maps.values()} == {290, 288}
     lean_records, full_records = lean.all_records(), full.all_records()
     inline = sum(len(record["params"]) for record in lean_records if "params" in record)
     assert inline <= kept and (inline > 0) == (kept > 0)
@@ -123,7 +130,9 @@ def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):
     run_dir, origin, _ = large_job
     ranks = focus_ranks(analyze(read_run(run_dir, params=False)).incident, 16)
     position = (coords_of(origin, WORLD)["tp"], coords_of(origin, WORLD)["pp"])
-    holders = [rank for rank in ranks if (coords_of(rank, WORLD)["tp"], coords_of(rank, WORLD)["pp"]) == position
+    holders = [rank for rank in ranks
+               if (coords_of(rank, WORLD)["tp"], coords_of(rank, WORLD)["pp"]) == position
                and rank != origin]
-    peers = [rank for rank in ranks if coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"] and rank != origin]
+    peers = [rank for rank in ranks
+             if coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"] and rank != origin]
     assert origin in ranks and len(holders) == 7 and len(peers) == 8, (holders, peers)

@@ -301,7 +301,8 @@ def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
 
 def largest_allocation(fn):
     """The largest single allocation (bytes) ``fn`` makes on CPU, as torch's profiler records them."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
         fn()
     return max(event.cpu_memory_usage for event in prof.events())
 
@@ -335,7 +336,8 @@ def test_locate_dtype_without_a_scan_is_a_clear_error():
 
 def found_by_definition(tensors):
     return [(index, result) for index, result in
-            ((index, locate_by_definition(tensor)) for index, tensor in enumerate(tensors) if tensor is not None)
+            ((index, locate_by_definition(tensor)) for index, tensor in enumerate(tensors)
+             if tensor is not None)
             if result is not None]
 
 

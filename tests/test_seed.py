@@ -31,7 +31,8 @@ def global_state(monkeypatch):
     for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO"):
         monkeypatch.delenv(name, raising=False)  # records the original value for monkeypatch to restore
     states = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+    flags = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     yield
     random.setstate(states[0])
@@ -169,7 +170,8 @@ def _train(seed: int, junk: int) -> Dict[str, Any]:
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                          max_sequence_length=SEQ, position_embedding_type="learned_absolute")
         initial = _checksum(model)
-        chunk = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=model)
+        chunk = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
+                                        module=model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0), [chunk])
         losses = []
         for _ in range(STEPS):
@@ -203,7 +205,8 @@ def runs():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gradnan-seed-") as out_dir:
-        mp.spawn(_worker, args=(free_port(), [[11, 101], [11, 202], [12, 303]], out_dir), nprocs=TP, join=True)
+        mp.spawn(_worker, args=(free_port(), [[11, 101], [11, 202], [12, 303]], out_dir), nprocs=TP,
+                 join=True)
         per_rank = [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(TP)]
     return [[per_rank[rank][run] for rank in range(TP)] for run in range(3)]
 

@@ -161,7 +161,8 @@ def test_the_selftest_package_imports_torch_only_when_it_runs():
     builds the parser holds no torch module."""
     script = "\n".join(["import argparse, json, sys", "from gradnan import selftest",
                         "selftest.add_arguments(argparse.ArgumentParser())",
-                        "print(json.dumps(sorted(name for name in sys.modules if name.split('.')[0] == 'torch')))"])
+                        "print(json.dumps(sorted(name for name in sys.modules"
+                        " if name.split('.')[0] == 'torch')))"])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
@@ -231,7 +232,8 @@ def _start(world_size: int, ranks: List[int], options: Tuple[str, ...], *, srun:
     port = str(free_port())
     processes = {}
     for rank in ranks:
-        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if srun else ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        names = (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if srun
+                 else ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         launch = dict(zip(names, (str(rank), str(world_size), str(rank))))
         processes[rank] = subprocess.Popen(
             [sys.executable, *_entry((hosts or {}).get(rank)), *options],
@@ -293,7 +295,8 @@ def test_healthy_world_under_torchrun_passes(tmp_path):
 
 def test_layout_groups_are_checked_under_srun_variables(tmp_path):
     out = tmp_path / "run"
-    results = _finish(_start(2, [0, 1], (*SMALL, "--tp", "2", "--timeout", "60", "--out", str(out)), srun=True))
+    results = _finish(_start(2, [0, 1], (*SMALL, "--tp", "2", "--timeout", "60", "--out", str(out)),
+                             srun=True))
     assert [code for code, _, _ in results.values()] == [0, 0], results
     assert "layout tp2 pp1 dp1" in results[0][1] and "PASS" in results[0][1]
     document = _result(out)
@@ -309,7 +312,8 @@ def test_layout_groups_are_checked_under_srun_variables(tmp_path):
 
 def test_perturbed_rank_is_the_only_rank_named(tmp_path):
     out = tmp_path / "run"
-    results = _finish(_start(3, [0, 1, 2], (*SMALL, "--timeout", "60", "--out", str(out)), **{PERTURB_ENV: "1"}))
+    results = _finish(_start(3, [0, 1, 2], (*SMALL, "--timeout", "60", "--out", str(out)),
+                             **{PERTURB_ENV: "1"}))
     assert [code for code, _, _ in results.values()] == [1, 1, 1], results
     stdout = results[0][1]
     named = [line for line in stdout.splitlines() if line.startswith("  rank ")]

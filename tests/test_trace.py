@@ -80,7 +80,8 @@ def modules():
 
 def call_inputs(name, dtype):
     x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
-    kwargs = {"attention_mask": torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)} if name == "attention" else {}
+    kwargs = ({"attention_mask": torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)} if name == "attention"
+              else {})
     return x, kwargs
 
 
@@ -266,7 +267,8 @@ def test_cast_replay_maps_floating_dtype_arguments():
 
 
 def test_cast_replay_drops_half_to_float():
-    """CUDA's F.softmax(fp16, dtype=float32) is ``_softmax(x, dim, half_to_float=True)``: legal for fp16 only."""
+    """CUDA's F.softmax(fp16, dtype=float32) is ``_softmax(x, dim, half_to_float=True)``: legal for fp16
+    only."""
     x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float16)
     ops = [{"op": "aten._softmax.default", "args": [{"t": "x"}, -1, True], "kwargs": {}, "out": {"t": "%0"}}]
     trace = Trace(ops=ops, leaves={"x": x}, outputs={"t": "%0"}, first_nonfinite=None)

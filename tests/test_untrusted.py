@@ -65,17 +65,17 @@ def valid_documents() -> Dict[str, Any]:
     frames = [{"step": 1, "module": "decoder.layers.0.mlp", "class": "MLP", "call": 0, "recomputed": 0,
                "entries": [{"name": "output", "kind": "output", "dtype": "torch.float16", "abs_min": 0.5,
                             "abs_max": 6.5e4}]}]
-    probe = {"label": "x", "module": "decoder", "step": 1, "recompute": False, "nan": 1, "inf": 0, "abs_min": 0.5,
-             "abs_max": 2.0, "shape": [2], "dtype": "torch.float16"}
+    probe = {"label": "x", "module": "decoder", "step": 1, "recompute": False, "nan": 1, "inf": 0,
+             "abs_min": 0.5, "abs_max": 2.0, "shape": [2], "dtype": "torch.float16"}
     return {
         "map": a_map(0, PARAM_NAMES, [None] * 3 + [(0, 4)] * 3, run),
         "selftest": a_selftest([{"rank": 0, "host": "node-0", "device": "cuda:0", "reasons": ["matmul"]}]),
         "pre_reduction": a_record(run=run, optimizer_index=0, iteration=1),
         "grad_norm": a_record(kind="nonfinite_grad_norm", grad_norm="nan", rank=coords(1), run=run),
-        "overflow": a_record(kind="loss_scale_overflow", loss_scale=1024.0, min_loss_scale=1.0, sub_optimizer=0,
-                             consecutive_skips=3, scale_collapsed=False, run=run),
-        "frames": a_record(kind="frames", params=[], params_total=0, mode="trace", frames=frames, frames_total=1,
-                           first_nonfinite=0, run=run),
+        "overflow": a_record(kind="loss_scale_overflow", loss_scale=1024.0, min_loss_scale=1.0,
+                             sub_optimizer=0, consecutive_skips=3, scale_collapsed=False, run=run),
+        "frames": a_record(kind="frames", params=[], params_total=0, mode="trace", frames=frames,
+                           frames_total=1, first_nonfinite=0, run=run),
         "probe": a_record(kind="probe", params=[], params_total=0, probes=[probe], run=run),
         "bundle": {"schema": "gradnan.bundle", "version": 1, "created": 1.7e9, "step": 1, "iteration": 1,
                    "module": {"path": "decoder", "class": "MLP"}, "rank": coords(0), "run": run,
@@ -89,7 +89,8 @@ RECORD_KINDS = ("pre_reduction", "grad_norm", "overflow", "frames", "probe")
 def run_files(documents: Dict[str, Any]) -> Dict[str, bytes]:
     tag = rank_tag(coords(0))
     return {f"maps/{tag}.json": as_json(documents["map"]), "selftest/s.json": as_json(documents["selftest"]),
-            f"records/{tag}.jsonl": b"".join(as_record_line(documents[kind]) + b"\n" for kind in RECORD_KINDS),
+            f"records/{tag}.jsonl": b"".join(as_record_line(documents[kind]) + b"\n"
+                                             for kind in RECORD_KINDS),
             f"bundles/{tag}/step0000001_decoder/{MANIFEST}": as_json(documents["bundle"])}
 
 
@@ -139,8 +140,9 @@ ALL_COMMANDS = (["report"], ["report", "--json"], ["maps"], ["frames"], ["frames
 
 def commands_reading(name: str, text_only: bool = False) -> List[List[str]]:
     """The commands that use a document: the report uses all, ``maps`` the map, ``frames`` the frames."""
-    commands = [["report"], ["report", "--json"]] + {"map": [["maps"]], "frames": [["frames"], ["frames", "--json"]]
-                                                      }.get(name, [])
+    commands = [["report"], ["report", "--json"]] + {"map": [["maps"]],
+                                                     "frames": [["frames"], ["frames", "--json"]]
+                                                     }.get(name, [])
     return [command for command in commands if not (text_only and "--json" in command)]
 
 
@@ -156,7 +158,8 @@ def assert_clean_outcome(code: int, out: str, err: str, where: str) -> None:
     """A result (exit 0), or exactly one line on stderr with exit code 2."""
     assert code in (0, 2), (where, code, err)
     if code == 2:
-        assert err.endswith("\n") and err.count("\n") == 1 and err.startswith("gradnan: error: "), (where, err)
+        assert (err.endswith("\n") and err.count("\n") == 1
+                and err.startswith("gradnan: error: ")), (where, err)
     else:
         assert out and not err, (where, err)
 
@@ -230,8 +233,8 @@ def directory(path: Path) -> Path:
 
 NOT_REGULAR = {"fifo": (fifo, "a FIFO"), "dev-zero": (dev_zero, "a character device"),
                "directory": (directory, "a directory")}
-RUN_FILES = {"map": "maps/rank00001.json", "records": "records/rank00001.jsonl", "selftest": "selftest/x.json",
-             "manifest": f"bundles/rank00001/step0000001_m/{MANIFEST}"}
+RUN_FILES = {"map": "maps/rank00001.json", "records": "records/rank00001.jsonl",
+             "selftest": "selftest/x.json", "manifest": f"bundles/rank00001/step0000001_m/{MANIFEST}"}
 
 
 @pytest.mark.parametrize("kind", NOT_REGULAR)
@@ -338,7 +341,8 @@ def test_replay_refuses_the_from_file_exploit_and_leaves_the_victim_untouched(tm
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "aten.from_file.default" in result.stderr and "not on the replay allowlist" in result.stderr
-    assert victim.read_bytes() == b"print('victim')\n" and sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (victim.read_bytes() == b"print('victim')\n"
+            and sorted(p.name for p in tmp_path.iterdir()) == before)
 
 
 def test_the_crafted_bundle_replays_when_its_ops_are_allowed(tmp_path, crafted_bundle):
@@ -347,7 +351,8 @@ def test_the_crafted_bundle_replays_when_its_ops_are_allowed(tmp_path, crafted_b
 
 
 FORBIDDEN_OPS = ("from_file", "_from_file", "set_", "_copy_from", "_copy_from_and_resize", "record_stream",
-                 "_amp_foreach_non_finite_check_and_unscale_", "_fused_adam_", "save", "_nested_tensor_from_mask")
+                 "_amp_foreach_non_finite_check_and_unscale_", "_fused_adam_", "save",
+                 "_nested_tensor_from_mask")
 
 
 def test_the_allowlist_holds_only_pure_computation():
@@ -415,7 +420,8 @@ def test_a_manifest_replay_cannot_use_is_refused_before_anything_runs(tmp_path, 
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
-def test_huge_and_nonfinite_numbers_anywhere_in_a_manifest_give_a_result_or_one_line(tmp_path, crafted_bundle):
+def test_huge_and_nonfinite_numbers_anywhere_in_a_manifest_give_a_result_or_one_line(tmp_path,
+                                                                                     crafted_bundle):
     path = crafted_bundle(tmp_path / "b", "healthy")
     manifest = json.loads((path / MANIFEST).read_text())
     count, failures = 0, []
@@ -517,7 +523,8 @@ def test_a_full_disk_part_way_through_a_record_loses_only_that_record(tmp_path):
     assert [record["step"] for record in found] == [1, 4]  # 2 torn, 3 refused; 4 readable after the tear
     assert len(problems) == 1 and problems[0].startswith(f"{records_file}:2:")
     refused = [message for message in outcome["messages"] if message.startswith("cannot write")]
-    assert len(refused) == 2, "\n".join(outcome["messages"])  # once for the records (two failed), once for the bundle
+    # once for the records (two failed), once for the bundle
+    assert len(refused) == 2, "\n".join(outcome["messages"])
     assert refused[0].startswith(f"cannot write the record {records_file}: File too large")
     assert refused[1].startswith("cannot write the bundle ") and "torch.save could not write it" in refused[1]
     assert not outcome["bundle_written"]
@@ -526,7 +533,8 @@ def test_a_full_disk_part_way_through_a_record_loses_only_that_record(tmp_path):
 
 def test_a_failing_torch_save_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed"
+                           " writing file")
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError) as info:
@@ -542,15 +550,16 @@ def test_a_failing_torch_save_is_an_oserror_naming_the_file(tmp_path, monkeypatc
 def test_an_empty_out_dir_is_refused_not_the_current_directory(tmp_path):
     with pytest.raises(ConfigError, match="'out_dir' is empty"):
         resolve_config(environ={"GRADNAN_OUT_DIR": ""})
-    result = subprocess.run([sys.executable, "-m", "gradnan.run", "-m", "json.tool"], cwd=tmp_path, input="{}",
-                            capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", "-m", "json.tool"], cwd=tmp_path,
+                            input="{}", capture_output=True, text=True, timeout=120,
                             env={**environ_without_gradnan(), "GRADNAN_OUT_DIR": ""})
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "out_dir" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_range_as_wide_as_int64_costs_nothing():
-    config = resolve_config(environ={"GRADNAN_STEPS": "0-100000000000", "GRADNAN_RANKS": "3,7-9223372036854775807"})
+    config = resolve_config(environ={"GRADNAN_STEPS": "0-100000000000",
+                                     "GRADNAN_RANKS": "3,7-9223372036854775807"})
     assert 99_999_999_999 in config.ranges("steps") and 100_000_000_001 not in config.ranges("steps")
     assert 2**62 in config.ranges("ranks") and 4 not in config.ranges("ranks")
 
