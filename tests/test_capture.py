@@ -220,13 +220,14 @@ def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_inst
 
 def test_the_old_capture_mode_name_still_works_with_one_deprecation_warning(monkeypatch, caplog):
     """``on_nonfinite`` clashed with the configuration field of that name; the mode is now ``incident``."""
+    from gradnan.patches.module_hooks import ModuleHooks
     from gradnan.training import capture
     from gradnan.training.error_guard import ErrorGuard
 
     monkeypatch.setattr(capture, "_warned_renames", set())
     with caplog.at_level("WARNING", logger="gradnan"):
-        modes = [capture.ModuleCapture("lin", torch.nn.Linear(2, 2), "on_nonfinite", ErrorGuard(False)).mode
-                 for _ in range(2)]
+        modes = [capture.ModuleCapture("lin", torch.nn.Linear(2, 2), "on_nonfinite", ErrorGuard(False),
+                                       ModuleHooks()).mode for _ in range(2)]
     assert modes == ["incident", "incident"]
     warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert warnings == ["capture mode 'on_nonfinite' is deprecated, use 'incident'"

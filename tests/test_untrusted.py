@@ -498,7 +498,7 @@ def _write_under_a_file_size_limit(out_dir: str, room: int, results: "multiproce
                        named_modules=lambda chunks: [])
     writer = Writer(GradnanConfig(out_dir=out_dir), facts)
     param = [{"id": 0, "name": "w" * 300, "nan": 1, "inf": 0}]
-    written = Path(writer.record("pre_reduction", 1, param, {})["_path"])
+    written = Path(writer.record("pre_reduction", 1, param, {}).path)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (written.stat().st_size + room, hard))
     for step in (2, 3):

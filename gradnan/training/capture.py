@@ -288,7 +288,7 @@ class CaptureManager:
 
     def write_call(self, step: int, capture: ModuleCapture, call: ModuleCall, context: Dict[str, Any],
                    observed: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
-        """One bundle (its manifest with ``_path``); None when nothing more can be written (not recording,
+        """One bundle (its manifest with its ``path``); None when nothing more can be written (not recording,
         or a bound reached)."""
         if not self._window.recording():
             return None
@@ -297,7 +297,7 @@ class CaptureManager:
         if written is not None:
             logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written),
                            capture.name, where(written), context.get("trigger", capture.mode),
-                           written["_path"])
+                           written.path)
         return written
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:

@@ -83,7 +83,7 @@ class ForwardWatch:
             "first_nonfinite": len(window) - 1, "local_nonfinite": True})
         logger.error("%s: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
                      " %s; frame detection now stops", when(record), last.module or "<model>", last.cls,
-                     where(record), len(window) - 1, record["_path"])
+                     where(record), len(window) - 1, record.path)
         self.frames.detach()
         stop_if_asked(self.config, record)
 
@@ -101,4 +101,4 @@ class ForwardWatch:
         first = bad[0]
         logger.error("%s: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", when(record),
                      first["label"], first["nan"], first["inf"], first["module"] or "code outside any module",
-                     where(record), record["_path"])
+                     where(record), record.path)

@@ -120,7 +120,7 @@ class Detections:
         logger.log(level if first else logging.DEBUG,
                    "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s; produced in this"
                    " data-parallel replica, not received through that collective; record: %s", when(record),
-                   where(record), describe_params(record), record["_path"])
+                   where(record), describe_params(record), record.path)
         return True
 
     def _flush_deferred(self, level: int) -> str:
@@ -169,11 +169,11 @@ class Detections:
             logger.error("%s: grad norm is %s; %s on %s; record: %s. Without a loss scaler"
                          " Megatron applies this update: the weights become non-finite.",
                          when(record), record["grad_norm"], describe_params(record), where(record),
-                         record["_path"])
+                         record.path)
         else:
             logger.warning("%s: grad norm is %s; the gradients on %s are finite (the bad value"
                            " came from another rank through the norm's all-reduce); record: %s",
-                           when(record), record["grad_norm"], where(record), record["_path"])
+                           when(record), record["grad_norm"], where(record), record.path)
         self._capture_after(record, len(slots))
         return record
 
@@ -208,12 +208,12 @@ class Detections:
             state.scale_collapse_reported = True
             logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
                          " %s; record: %s", when(record), scale, skips, describe_params(record),
-                         record["_path"])
+                         record.path)
             return record
         if not warmup and skips >= first and is_power_of_two(skips // first) and skips % first == 0:
             logger.warning("%s: %d consecutive fp16 steps skipped for gradient overflow"
                            " (loss scale %s); %s; record: %s", when(record), skips, scale,
-                           describe_params(record), record["_path"])
+                           describe_params(record), record.path)
         else:
             logger.debug("%s: loss-scale overflow (scale %s), step skipped", when(record), scale)
         return None

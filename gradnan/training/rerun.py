@@ -293,7 +293,7 @@ class StepRerun:
         written = self._captures.write_call(self._clock.current(), capture, call, {
             "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch,
             "frames": frames})
-        return None if written is None else written["_path"]
+        return None if written is None else written.path
 
     def _keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
         """The failing micro-batch as this rank's data iterator gave it, where it gave one."""

@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
 from ..config import GradnanConfig, OnNonfinite
 from ..errors import AbortRequested, NonFiniteGradientError
 from .messages import when, where
+from .writer import Written
 
 
-def stop_if_asked(config: GradnanConfig, record: Dict[str, Any]) -> None:
+def stop_if_asked(config: GradnanConfig, record: Written) -> None:
     if config.on_nonfinite is OnNonfinite.RAISE:
         raise NonFiniteGradientError(
             f"gradnan: {record['kind']} at {when(record)} on {where(record)}; stopping as"
-            f" configured (on_nonfinite=raise); record: {record['_path']}")
+            f" configured (on_nonfinite=raise); record: {record.path}")
 
 
 def abort_if_asked(config: GradnanConfig, finished: int) -> None:

@@ -27,6 +27,17 @@ from ..log import logger
 from .events import ModelFacts
 
 
+class Written(dict):
+    """A document as the writer wrote it (or would have, past ``max_records_bytes``), and ``path``: where
+    it is on disk, for the log line that points the user at it."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, document: Mapping[str, Any], path: Path) -> None:
+        super().__init__(document)
+        self.path = str(path)
+
+
 class Writer:
     def __init__(self, config: GradnanConfig, facts: ModelFacts) -> None:
         self.config, self._facts = config, facts
@@ -86,9 +97,9 @@ class Writer:
         return str(path)
 
     def record(self, kind: str, step: int, found: List[Dict[str, Any]],
-               extra: Mapping[str, Any]) -> Dict[str, Any]:
+               extra: Mapping[str, Any]) -> Written:
         """Append one record (``found`` capped at ``max_params_per_record``, all counted); returns it with
-        ``_path``, also when ``max_records_bytes`` kept it off the disk."""
+        its ``path``, also when ``max_records_bytes`` kept it off the disk."""
         coords = self.coords()
         record = records.to_json(kind, step, self._facts.iteration(), coords, self.run,
                                  found[:self.config.max_params_per_record], len(found), extra)
@@ -102,11 +113,11 @@ class Writer:
                 append_json_line(path, record)
         except OSError as error:
             self._unwritable("record", path, error)
-        return {**record, "_path": str(path)}
+        return Written(record, path)
 
     def bundle(self, step: int, module_name: str, manifest: Dict[str, Any],
-               tensors: Mapping[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
-        """Write one capture bundle; its manifest with ``_path``, or None when a bound kept it off the
+               tensors: Mapping[str, torch.Tensor]) -> Optional[Written]:
+        """Write one capture bundle; its manifest with its ``path``, or None when a bound kept it off the
         disk."""
         bound = ("max_bundles" if self._bundles_written >= self.config.max_bundles
                  else "max_bundle_bytes" if bundle.tensors_bytes(tensors) > self.config.max_bundle_bytes
@@ -126,7 +137,7 @@ class Writer:
             self._unwritable("bundle", path, error)
             return None
         self._bundles_written += 1
-        return {**manifest, "_path": str(path)}
+        return Written(manifest, path)
 
     def batch(self, step: int, micro_batch: int, tensors: Mapping[str, torch.Tensor],
               left_out_bytes: int) -> Optional[Dict[str, Any]]:
