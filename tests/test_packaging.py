@@ -8,6 +8,7 @@ import configparser
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,11 @@ def test_the_editable_install_maps_the_patches_folder_into_gradnan(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_built_wheel_holds_gradnan_patches_and_runs_the_demo(tmp_path):
-    source, wheels, target = tmp_path / "source", tmp_path / "wheels", tmp_path / "installed"
+def test_a_built_wheel_installed_into_a_fresh_venv_holds_gradnan_patches_and_runs_the_demo(tmp_path):
+    """The wheel, installed by pip into a new virtual environment: torch and megatron-core come from this
+    environment's site-packages through a path entry (no .pth file of it runs there, so neither does
+    the editable install's finder); gradnan comes from the wheel alone."""
+    source, wheels, venv = tmp_path / "source", tmp_path / "wheels", tmp_path / "venv"
     source.mkdir()
     for name in BUILD_INPUTS:  # built from a copy: no build/ folder left in the worktree, none reused from it
         if (ROOT / name).is_dir():
@@ -81,12 +85,20 @@ def test_a_built_wheel_holds_gradnan_patches_and_runs_the_demo(tmp_path):
             shutil.copy(ROOT / name, source / name)
     _pip(source, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), ".")
     [wheel] = wheels.glob("*.whl")
-    _pip(source, "install", "--no-deps", "--target", str(target), str(wheel))
-    assert not (target / "patches").exists()
-    environ = {**environ_without_gradnan(), "PYTHONPATH": str(target)}
-    assert _where_from(tmp_path, environ) == [str(target / "gradnan" / "patches" / "__init__.py"),
-                                              "no top-level patches"]
-    demo = subprocess.run([sys.executable, "-m", "gradnan", "demo", "--out", str(tmp_path / "demo")],
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    _pip(source, "install", "--no-deps", "--prefix", str(venv), str(wheel))
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    assert not (site / "patches").exists() and (site / "gradnan" / "patches" / "__init__.py").is_file()
+    environ = {key: value for key, value in environ_without_gradnan().items() if key != "PYTHONPATH"}
+    where = subprocess.run([str(python), "-c", WHERE_FROM], cwd=tmp_path, env=environ, capture_output=True,
+                           text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.splitlines() == [str(site / "gradnan" / "patches" / "__init__.py"),
+                                         "no top-level patches"]
+    demo = subprocess.run([str(python), "-m", "gradnan", "demo", "--out", str(tmp_path / "demo")],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stderr
     assert DEMO_MODULE in demo.stdout
