@@ -74,8 +74,8 @@ def test_the_editable_install_maps_the_patches_folder_into_gradnan(tmp_path):
 @pytest.mark.slow
 def test_a_built_wheel_installed_into_a_fresh_venv_holds_gradnan_patches_and_runs_the_demo(tmp_path):
     """The wheel, installed by pip into a new virtual environment: torch and megatron-core come from this
-    environment's site-packages through a path entry (no .pth file of it runs there, so neither does
-    the editable install's finder); gradnan comes from the wheel alone."""
+    environment's site-packages through a path entry added after the install (no .pth file of it runs
+    there, so neither does the editable install's finder); gradnan comes from the wheel alone."""
     source, wheels, venv = tmp_path / "source", tmp_path / "wheels", tmp_path / "venv"
     source.mkdir()
     for name in BUILD_INPUTS:  # built from a copy: no build/ folder left in the worktree, none reused from it
@@ -85,12 +85,16 @@ def test_a_built_wheel_installed_into_a_fresh_venv_holds_gradnan_patches_and_run
             shutil.copy(ROOT / name, source / name)
     _pip(source, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), ".")
     [wheel] = wheels.glob("*.whl")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    # the new environment's own pip: this one's would first uninstall the gradnan installed here
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
+    install = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "-q", "install",
+                              "--no-deps", "--no-index", str(wheel)],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    _pip(source, "install", "--no-deps", "--prefix", str(venv), str(wheel))
-    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    (site / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")  # after the install
     assert not (site / "patches").exists() and (site / "gradnan" / "patches" / "__init__.py").is_file()
     environ = {key: value for key, value in environ_without_gradnan().items() if key != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", WHERE_FROM], cwd=tmp_path, env=environ, capture_output=True,
@@ -102,3 +106,6 @@ def test_a_built_wheel_installed_into_a_fresh_venv_holds_gradnan_patches_and_run
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stderr
     assert DEMO_MODULE in demo.stdout
+    here = subprocess.run([sys.executable, "-c", "import gradnan"], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0, f"this environment's gradnan install was touched: {here.stderr}"
