@@ -50,6 +50,13 @@ def test_every_package_folder_is_listed_in_setup_cfg():
     assert (ROOT / "patches" / "__init__.py").is_file() and not (ROOT / "gradnan" / "patches").exists()
 
 
+def test_megatron_core_has_no_upper_bound_in_install_requires():
+    """A patch kit that caps megatron-core makes pip downgrade or refuse the user's the day a newer release
+    ships; outside the tested range ``install()`` warns instead (docs/megatron-versions.md)."""
+    [requirement] = [line for line in _listed("install_requires") if line.startswith("megatron-core")]
+    assert requirement == "megatron-core>=0.12"
+
+
 def _where_from(tmp_path: Path, environ: dict) -> list:
     """Where a fresh interpreter, started outside the source tree, imports ``gradnan.patches`` from, and
     whether it finds a top-level ``patches``."""
