@@ -59,17 +59,22 @@ def imports(source: str, module: str, is_package: bool) -> Iterator[Tuple[int, s
     """(line, imported module) for every import in ``source``, at any depth (lazy imports count)."""
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            yield from ((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            if node.module is None:  # ``from . import selftest``: the modules named
-                yield from ((node.lineno, f"{base}.{alias.name}") for alias in node.names)
-            else:
-                yield node.lineno, base
+        yield from ((node.lineno, name) for name in _imported(node, package))
+
+
+def _imported(node: ast.AST, package: str) -> Iterator[str]:
+    """The modules one import statement names (none for any other node), relative ones resolved."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        if node.module is None:  # ``from . import selftest``: the modules named
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+        else:
+            yield base
 
 
 def violations(source: str, module: str, is_package: bool = False) -> List[str]:
@@ -134,15 +139,16 @@ def _is_type_checking(node: ast.AST) -> bool:
 def eager_imports(source: str, module: str, is_package: bool) -> Iterator[str]:
     """The modules ``source`` imports when it is imported: module level and class bodies, not function
     bodies (lazy imports) nor ``if TYPE_CHECKING:`` blocks."""
+    package = module if is_package else module.rpartition(".")[0]
+
     def walk(nodes):
         for node in nodes:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_type_checking(node):
                 continue
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for _, name in imports(ast.unparse(node), module, is_package):
-                    yield name
-                    if isinstance(node, ast.ImportFrom) and node.module is not None:  # names may be modules
-                        yield from (f"{name}.{alias.name}" for alias in node.names)
+            for name in _imported(node, package):
+                yield name
+                if isinstance(node, ast.ImportFrom) and node.module is not None:  # names may be modules
+                    yield from (f"{name}.{alias.name}" for alias in node.names)
             for field in ("body", "orelse", "finalbody", "handlers"):
                 yield from walk(getattr(node, field, []) or [])
 

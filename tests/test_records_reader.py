@@ -604,3 +604,11 @@ def test_each_document_kind_is_versioned_on_its_own(tmp_path, monkeypatch):
     assert bundle.load_manifest(path)["version"] == 2
     record_line = write_text(tmp_path / "r.jsonl", json.dumps({**a_record(1), "version": 2}) + "\n")
     assert load_records(record_line)[0] == []  # records are still at version 1
+
+
+def test_the_readers_dtype_limits_are_torchs():
+    """``DTYPE_MAX`` is written out so that readers load no torch: it must stay what torch says."""
+    from gradnan.formats.records import DTYPE_MAX
+
+    assert DTYPE_MAX == {str(dtype): torch.finfo(dtype).max
+                         for dtype in (torch.float16, torch.bfloat16, torch.float32)}

@@ -210,10 +210,10 @@ def _rank_entry(record: Dict[str, Any]) -> View:
             "params": [_param_view(p) for p in params]}
 
 
-def _receiver(entry: View) -> View:
-    """An origin entry as a receiver: its coordinates, and the modules its own gradients went bad in."""
-    return {**{key: value for key, value in entry.items() if key not in ("params", "params_total", "kind")},
-            "holds_nonfinite": True, "modules": sorted({module_of(p["name"]) for p in entry["params"]})}
+def _receiver(view: View, params: Sequence[Dict[str, Any]]) -> View:
+    """A rank that received the value: its coordinates, and the modules its own gradients went bad in."""
+    return {**view, "holds_nonfinite": bool(params),
+            "modules": sorted({module_of(param["name"]) for param in params})}
 
 
 def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
@@ -418,11 +418,11 @@ def _incident(files: RunFiles, at_step: List[Dict[str, Any]], launch: List[Dict[
         # the rerun named the forward origin: the replica's other ranks whose gradients went bad received it
         basis = OriginBasis.RERUN
         origin = [entry for entry in gradient_origin if entry["global_rank"] in rerun_ranks]
-        moved = [_receiver(entry) for entry in gradient_origin if entry["global_rank"] not in rerun_ranks]
+        moved = [_receiver({key: value for key, value in entry.items()
+                            if key not in ("params", "params_total", "kind")}, entry["params"])
+                 for entry in gradient_origin if entry["global_rank"] not in rerun_ranks]
     gradient_ranks = {entry["global_rank"] for entry in gradient_origin}
-    receivers = [{**rank_view(r["rank"]), "holds_nonfinite": bool(r["params"]),
-                  "modules": sorted({module_of(p["name"]) for p in r["params"]})}
-                 for r in at_step
+    receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
                  if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
     recorded = {r["rank"].get("global_rank") for r in at_step}
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)), None)

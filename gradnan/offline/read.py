@@ -63,8 +63,10 @@ def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dic
     for line in records.stream(path):
         if line.record is None:
             problems.append(line.problem)
-        elif params or len(line.record["params"]) <= budget[0]:
-            budget[0] -= 0 if params else len(line.record["params"])
+        elif params:
+            found.append(line.record)
+        elif len(line.record["params"]) <= budget[0]:
+            budget[0] -= len(line.record["params"])
             found.append(line.record)
         else:
             budget[0] = 0  # spent: from here only records without offenders stay whole
