@@ -214,6 +214,16 @@ class KeptStep:
         return tensor.tolist()
 
 
+def megatron_reruns_in_place() -> bool:
+    """Whether this call is Megatron's own rerun of the step (``RerunStateMachine`` in its
+    ``RERUNNING_IN_PLACE`` state): the step kept from its first call stays kept, with the failing pass's
+    losses (the rerun's may be finite) and the same micro-batches (Megatron rewinds its data iterators)."""
+    from megatron.core import rerun_state_machine
+
+    machine = rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE  # None until a run creates it
+    return getattr(getattr(machine, "state", None), "name", "") == "RERUNNING_IN_PLACE"
+
+
 class ScheduleInstrumentor(Instrumentor):
     name = "schedules"
     description = "forward-backward schedules (megatron.core.pipeline_parallel.schedules.forward_backward_*)"
@@ -224,7 +234,8 @@ class ScheduleInstrumentor(Instrumentor):
 
         def make_wrapper(original):
             def wrapper(*args, **kwargs):
-                if args or kwargs.get("forward_only") or not runtime.keeps_steps():
+                if (args or kwargs.get("forward_only") or not runtime.keeps_steps()
+                        or megatron_reruns_in_place()):
                     return original(*args, **kwargs)
                 kept = runtime.guarded("rerun", KeptStep, original, kwargs)
                 if kept is None:

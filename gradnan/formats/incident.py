@@ -42,20 +42,35 @@ class RerunRole(str, enum.Enum):
     """Every traced value stayed finite on this rank."""
 
 
+class OwnFailure(str, enum.Enum):
+    """What of one data-parallel replica's own went non-finite in the failing pass (a ``rerun`` record's
+    ``own_failure``): the facts a transient conclusion rests on, and its wording."""
+
+    LOSS = "loss"
+    """Its loss (on its last pipeline stage)."""
+    GRADIENTS = "gradients"
+    """Its own gradients before the data-parallel collective (its loss was finite, or not seen)."""
+
+
 class Conclusion(str, enum.Enum):
-    """One data-parallel replica's conclusion from the rerun, the same on every rank of its model-parallel
-    group. Declared strongest first: a replica that failed again outweighs one that was clean."""
+    """One data-parallel replica's conclusion from the rerun, from that replica's own facts (its loss, its
+    forward pass, its gradients before the data-parallel collective), the same on every rank of its
+    model-parallel group. Declared strongest first: a replica that failed again outweighs one that was
+    clean."""
 
     REPRODUCIBLE = "reproducible"
     """The forward pass went non-finite again with the same micro-batches and RNG state."""
     TRANSIENT = "transient"
-    """Finite this time although the failing pass's loss was not, or Megatron's own rerun was finite."""
+    """The replica's own loss (or, where Megatron's rerun of forward and backward was finite, its own
+    gradients) was non-finite in the failing pass, and finite when run again."""
     BACKWARD = "backward"
     """The forward pass and the loss were finite in both passes: the values arose in backward."""
     AFTER_COLLECTIVE = "after_collective"
-    """Forward pass, loss and own gradients before the data-parallel collective finite: at or after it."""
+    """Forward pass, loss and own gradients before the data-parallel collective finite: at or after it (the
+    replica received the values)."""
     NOT_REPRODUCED = "not_reproduced"
-    """Finite this time, and no loss was seen to tell a transient fault from a clean step."""
+    """Finite this time, and neither a loss nor the gradients were seen to tell a transient fault from a
+    clean step."""
 
     @classmethod
     def strongest(cls, conclusions) -> "Conclusion":
@@ -67,17 +82,19 @@ class Conclusion(str, enum.Enum):
         """The conclusion as the report's headline states it."""
         return _HEADLINES[self]
 
-    @property
-    def explanation(self) -> str:
-        """The conclusion as a sentence (a rank's log line)."""
+    def explain(self, own: Optional[OwnFailure]) -> str:
+        """The conclusion as a sentence (a rank's log line), from what of the replica's own failed."""
+        if self is Conclusion.TRANSIENT:
+            return _TRANSIENT_EXPLANATIONS[own or OwnFailure.LOSS]
         return _EXPLANATIONS[self]
 
-    def verdict(self, module: Optional[str], rank: Any, micro_batch: Any) -> Optional[Tuple["Cause", str]]:
+    def verdict(self, module: Optional[str], rank: Any, micro_batch: Any,
+                own: Optional[OwnFailure]) -> Optional[Tuple["Cause", str]]:
         """The cause and summary this conclusion decides by itself (it saw the same step again), or None
         where the gradients' evidence keeps the verdict. A reproducible failure decides only where the
         rerun named its module."""
         if self is Conclusion.TRANSIENT:
-            return Cause.HARDWARE, _TRANSIENT_VERDICT
+            return Cause.HARDWARE, _TRANSIENT_VERDICT.format(failed=_FAILED[own or OwnFailure.LOSS])
         if self is Conclusion.REPRODUCIBLE and module:
             return Cause.DATA_OR_NUMERICS, _REPRODUCIBLE_VERDICT.format(module=module, rank=rank,
                                                                          micro_batch=micro_batch)
@@ -101,18 +118,28 @@ _HEADLINES = {
 _EXPLANATIONS = {
     Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics,"
                              " not the device",
-    Conclusion.TRANSIENT: "the forward pass was finite this time with the same micro-batches and RNG state,"
-                          " although the loss was not: a transient fault; suspect the device of the ranks"
-                          " that reported (gradnan selftest)",
     Conclusion.BACKWARD: "the forward pass was finite in both passes: the non-finite values arose in the"
                          " backward pass",
     Conclusion.AFTER_COLLECTIVE: "this replica's forward pass, loss and own gradients before the"
                                  " data-parallel collective were finite: the non-finite values arose at or"
                                  " after that collective (from another replica, or a corruption after it)",
     Conclusion.NOT_REPRODUCED: "the forward pass was finite this time with the same micro-batches and RNG"
-                               " state",
+                               " state; neither its loss nor its own gradients were seen to tell a transient"
+                               " fault from a clean replica",
 }
 
+_TRANSIENT_EXPLANATIONS = {
+    OwnFailure.LOSS: "the forward pass was finite this time with the same micro-batches and RNG state,"
+                     " although this replica's loss was not in the failing pass: a transient fault;"
+                     " suspect this replica's devices (gradnan selftest)",
+    OwnFailure.GRADIENTS: "Megatron's own rerun of the step (forward and backward) was finite, although this"
+                          " replica's own gradients were non-finite before the data-parallel collective in"
+                          " the failing pass: a transient fault; suspect this replica's devices (gradnan"
+                          " selftest)",
+}
+
+_FAILED = {OwnFailure.LOSS: "its loss was not",
+           OwnFailure.GRADIENTS: "its own gradients were not (before the data-parallel collective)"}
 
 _REPRODUCIBLE_VERDICT = (
     "the failing step, run again in place with the same micro-batches and RNG state, went non-finite again"
@@ -121,8 +148,8 @@ _REPRODUCIBLE_VERDICT = (
     " persistently faulty device apart")
 _TRANSIENT_VERDICT = (
     "the failing step, run again in place with the same micro-batches and RNG state, was finite on every"
-    " rank of the replica that failed, although its loss was not: a transient fault; suspect the device of"
-    " the ranks named below and run gradnan selftest there")
+    " rank of the replica that failed, although {failed} in the failing pass: a transient fault; suspect"
+    " the device of the ranks named below and run gradnan selftest there")
 _BACKWARD_EVIDENCE = (
     "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed,"
     " and so was the loss: the non-finite values arose in the backward pass")
@@ -152,6 +179,9 @@ class OriginBasis(str, enum.Enum):
     """Every checked rank was clean before the collective; these hold the non-finite gradients after it."""
     UNCONFIRMED = "unconfirmed"
     """They hold the non-finite gradients; no pre-reduction check ran to say whether they produced them."""
+    OWN_FAILURE = "own_failure"
+    """No gradient was recorded (Megatron's validation stopped the step before the norm): the replica whose
+    own loss or gradients the rerun's facts show non-finite in the failing pass."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -164,6 +194,8 @@ _BASIS_TEXT = {
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
+    OriginBasis.OWN_FAILURE: "the replica whose own loss or gradients were non-finite in the failing pass,"
+                             " by the rerun's facts",
     OriginBasis.NONE: "",
     OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
                        " place",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
-from .incident import Conclusion, RerunRole, values
+from .incident import Conclusion, OwnFailure, RerunRole, values
 from .schema import (
     Schema,
     check_rank,
@@ -96,11 +96,13 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
 
 RERUN_ROLES = values(RerunRole)
 RERUN_CONCLUSIONS = values(Conclusion)  # strongest first
+OWN_FAILURES = values(OwnFailure)
 
 
 def _check_rerun(record: Dict[str, Any], where: str) -> None:
     batch = record.get("batch")
     if (record.get("role") not in RERUN_ROLES or record.get("conclusion") not in RERUN_CONCLUSIONS
+            or record.get("own_failure") not in (None, *OWN_FAILURES)
             or not all(optional(record.get(key), is_text)
                        for key in ("trigger", "megatron", "module", "class", "bundle"))
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
@@ -108,8 +110,8 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
                          f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
-                         " integer or null 'micro_batch'/'call', and 'batch' null or an object with a text"
-                         " 'path'")
+                         " integer or null 'micro_batch'/'call', 'own_failure' null or one of"
+                         f" {', '.join(OWN_FAILURES)}, and 'batch' null or an object with a text 'path'")
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:

@@ -26,8 +26,10 @@ from ..formats.incident import (
     Conclusion,
     GradientPass,
     OriginBasis,
+    OwnFailure,
     RecordKind,
     RerunRole,
+    values,
 )
 from ..formats.layout import shown_axes
 from ..formats.records import FORWARD_SHARE
@@ -67,10 +69,25 @@ class Pattern:
 
 
 @dataclass(frozen=True)
+class Concluded:
+    """One conclusion and the ranks whose rerun records reached it (whole replicas: a replica's ranks all
+    agree), with what of those replicas' own failed (``own_failure``; transient only)."""
+
+    conclusion: str
+    ranks: Tuple[int, ...]
+    own_failure: Optional[OwnFailure] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"conclusion": self.conclusion, "ranks": list(self.ranks),
+                "own_failure": None if self.own_failure is None else self.own_failure.value}
+
+
+@dataclass(frozen=True)
 class RerunFinding:
     """What the in-place rerun of the failing step found: the forward origin (the earliest non-finite call
-    on its tensor-parallel group; several only on a tie), the ranks that only received it, and the
-    strongest conclusion any replica reached."""
+    on its tensor-parallel group; several only on a tie), the ranks that only received it, the strongest
+    conclusion any replica reached and every other one (``conclusions``), and Megatron's own conclusions
+    where its ranks disagree (``megatron_split``: each rank's state machine concludes for itself)."""
 
     step: int
     iteration: Optional[int]
@@ -78,6 +95,9 @@ class RerunFinding:
     megatron: Optional[str]
     conclusion: Conclusion
     concluded_by: Tuple[int, ...]
+    own_failure: Optional[OwnFailure]
+    conclusions: Tuple[Concluded, ...]
+    megatron_split: Tuple[Concluded, ...]
     module: Optional[str]
     module_class: Optional[str]
     rank: Optional[View]
@@ -96,6 +116,9 @@ class RerunFinding:
         return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger,
                 "megatron": self.megatron, "conclusion": self.conclusion.value,
                 "concluded_by": list(self.concluded_by),
+                "own_failure": None if self.own_failure is None else self.own_failure.value,
+                "conclusions": [group.to_json() for group in self.conclusions],
+                "megatron_split": [group.to_json() for group in self.megatron_split],
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
@@ -277,8 +300,9 @@ def _pattern(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern
 
 
 def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Pattern,
-                      parameters: Sequence[Dict[str, Any]]) -> Verdict:
-    """The verdict the gradients alone give (the pattern-based reading)."""
+                      parameters: Sequence[Dict[str, Any]], recorded_norm: bool) -> Verdict:
+    """The verdict the gradients alone give (the pattern-based reading). ``recorded_norm``: some rank
+    recorded the step's grad norm or its gradients."""
     evidence = []
     # a file may lack the dp coordinate
     replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})
@@ -299,7 +323,10 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
     if basis is OriginBasis.AFTER_COLLECTIVE:
         evidence.append("every rank's local gradients were finite before the data-parallel collective: "
                         "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
-    if not origin:
+    if not origin and basis is OriginBasis.NONE and not recorded_norm:
+        cause, summary = Cause.UNKNOWN, ("no gradient was recorded at this step: Megatron's result validation"
+                                         " ran it again and the job stopped before the grad norm")
+    elif not origin:
         cause, summary = Cause.UNKNOWN, "no rank held a non-finite gradient (only the norm was non-finite)"
     elif dp_size == 1 and not forward and not overflow:  # before_collective from here
         where = ", ".join(f"rank {e['global_rank']} ({e['host']} {e['device']})" for e in origin)
@@ -332,8 +359,22 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
     return Verdict(cause, summary, tuple(evidence))
 
 
+def _grouped(records: Sequence[Dict[str, Any]], key: str, order: Sequence[str]) -> List[Concluded]:
+    """The records' ranks grouped by the value of ``key``, in ``order`` (strongest first)."""
+    groups: Dict[str, List[int]] = {}
+    own: Dict[str, Optional[OwnFailure]] = {}
+    for record in records:
+        value = record.get(key)
+        if value is not None:
+            groups.setdefault(value, []).append(record["rank"].get("global_rank"))
+            if record.get("own_failure") and value == Conclusion.TRANSIENT:
+                own.setdefault(value, OwnFailure(record["own_failure"]))
+    return [Concluded(value, tuple(groups[value]), own.get(value)) for value in order if value in groups]
+
+
 def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
-    """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion."""
+    """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
+    and Megatron's own conclusion as that rank's state machine reached it."""
     reruns = [r for r in records if r.get("kind") == RecordKind.RERUN]
     if not reruns:
         return None
@@ -342,15 +383,19 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     origins = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
     first = origins[0] if origins else None
     batch = next((r["batch"] for r in at_step if r.get("batch")), None)
-    conclusion = Conclusion.strongest(r["conclusion"] for r in at_step)
+    conclusions = _grouped(at_step, "conclusion", values(Conclusion))
+    megatron = _grouped(at_step, "megatron", values(Conclusion))
+    strongest = conclusions[0]
     return RerunFinding(
         step=step, iteration=at_step[0].get("iteration"), trigger=at_step[0].get("trigger"),
-        megatron=at_step[0].get("megatron"), conclusion=conclusion,
-        concluded_by=tuple(r["rank"].get("global_rank") for r in at_step if r["conclusion"] == conclusion),
+        megatron=megatron[0].conclusion if megatron else None, conclusion=Conclusion(strongest.conclusion),
+        concluded_by=strongest.ranks, own_failure=strongest.own_failure, conclusions=tuple(conclusions),
+        megatron_split=tuple(megatron) if len(megatron) > 1 else (),
         module=first["module"] if first else None, module_class=first["class"] if first else None,
         rank=rank_view(first["rank"]) if first else None,
         micro_batch=first["micro_batch"] if first else next(
-            (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None), None),
+            (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None
+             and r["conclusion"] == strongest.conclusion), None),
         output_abs_max=first.get("output_abs_max") if first else None,
         bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
         batch=batch["path"] if batch else None,
@@ -381,10 +426,13 @@ def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Seq
     reading where it decides (it saw the same step again); the reading then stays as one line of
     evidence. The self-tests of the (final) origin's devices are added as evidence."""
     decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
-                                                                  rerun.micro_batch)
+                                                                  rerun.micro_batch, rerun.own_failure)
     if decided is not None:
         cause, summary = decided
-        evidence = [f"pattern-based reading: {reading.cause.value}: {reading.summary}"]
+        outranked = (" (outranked: the rerun ran the same step again with the same data)"
+                     if reading.cause is not cause else "")
+        evidence = ([reading.summary] if reading.cause is Cause.UNKNOWN
+                    else [f"pattern-based reading{outranked}: {reading.cause.value}: {reading.summary}"])
     else:
         cause, summary, evidence = reading.cause, reading.summary, list(reading.evidence)
         if rerun is not None and rerun.conclusion.evidence:
@@ -404,9 +452,10 @@ def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
             "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in origin)}
 
 
-def _incident(files: RunFiles, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
+def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
-    step = at_step[0]["step"]
+    """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
+    exited before any norm (only ``rerun`` records then)."""
     gradient_basis, origin_records = _gradient_origin(at_step)
     gradient_origin = [_rank_entry(r) for r in origin_records]
     parameters = _parameters_by_module(gradient_origin)
@@ -421,20 +470,37 @@ def _incident(files: RunFiles, at_step: List[Dict[str, Any]], launch: List[Dict[
         moved = [_receiver({key: value for key, value in entry.items()
                             if key not in ("params", "params_total", "kind")}, entry["params"])
                  for entry in gradient_origin if entry["global_rank"] not in rerun_ranks]
+    reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
+    if not at_step and rerun is not None:
+        # Megatron's validation ran the step again and stopped before any norm: the replicas whose own facts
+        # failed are the origin
+        failed = {rank for group in rerun.conclusions if group.own_failure for rank in group.ranks}
+        basis = OriginBasis.OWN_FAILURE if failed else OriginBasis.NONE
+        origin = [{**rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
+                   "own_failure": r.get("own_failure")}
+                  for r in reruns_here if r["rank"].get("global_rank") in failed]
     gradient_ranks = {entry["global_rank"] for entry in gradient_origin}
     receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
                  if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
-    recorded = {r["rank"].get("global_rank") for r in at_step}
-    iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)), None)
-    reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters)
+    recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here}
+    iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
+                     rerun.iteration if rerun is not None and rerun.step == step else None)
+    reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters, bool(at_step))
     return Incident(
-        step=step, iteration=iteration, kinds=tuple(sorted({r["kind"] for r in at_step})), origin_basis=basis,
+        step=step, iteration=iteration,
+        kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,), origin_basis=basis,
         origin=tuple(origin),
         receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
         verdict=_decide_verdict(reading, rerun, origin, selftests),
         rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration))
+
+
+def _marks_failure(record: Dict[str, Any]) -> bool:
+    """An incident record, or a ``rerun`` record: written only at an incident, it is the only record of one
+    where Megatron's validation ran the step again and exited before the grad norm."""
+    return record.get("kind") in INCIDENT_KINDS or record.get("kind") == RecordKind.RERUN
 
 
 def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[str] = None) -> Report:
@@ -444,7 +510,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
     runs = split_runs(files.all_records())
     if run is not None and run not in runs:
         raise InputError(f"{files.run_dir}: no run {run!r} (runs: {', '.join(runs) or 'none'})")
-    failing = {key: failing_step([r for r in records if r.get("kind") in INCIDENT_KINDS], serious_skips)
+    failing = {key: failing_step([r for r in records if _marks_failure(r)], serious_skips)
                for key, records in runs.items()}
     chosen = run or next((key for key in reversed(list(runs)) if failing[key] is not None),
                          next(reversed(list(runs)), None))
@@ -461,13 +527,13 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                                           for key in ("rank", "host", "device", "reasons")}
                                          for entry in doc["failing_ranks"]]}
                       for path, doc in sorted(files.selftests.items()))
-    first_step = failing_step(incidents, serious_skips)
+    first_step = failing[chosen] if chosen is not None else None
     incident, later = None, {}
     if first_step is not None:
         at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
                          key=lambda r: (r["rank"].get("global_rank", -1),
                                         r["kind"] != RecordKind.PRE_REDUCTION))
-        incident = _incident(files, at_step, launch, ranks, selftests)
+        incident = _incident(files, first_step, at_step, launch, ranks, selftests)
         for record in incidents:
             if record["step"] > first_step:
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..formats.incident import Conclusion
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -172,20 +173,31 @@ def _selftest_lines(result: Dict[str, Any]) -> List[str]:
     return [f"Self-test {result['time']}: {state}"]
 
 
+def _megatron_line(rerun: RerunFinding) -> List[str]:
+    """Megatron's own conclusion, per rank where its ranks' state machines disagree."""
+    if rerun.megatron_split:
+        split = "; ".join(f"{group.conclusion} on rank(s) {rank_ranges(group.ranks)}"
+                          for group in rerun.megatron_split)
+        return [f"  Megatron's own rerun of it (validate_results): split: {split}"]
+    return [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
+
+
 def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
-    """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion."""
+    """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion (the
+    strongest; every other replica's below it)."""
     if rerun is None:
         return []
     when = step_label(rerun.step, rerun.iteration)
     conclusion = rerun.conclusion.headline
-    megatron = ([f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron
-                else [])
     if rerun.module is None:
-        return [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
-                f" {rank_ranges(rerun.concluded_by)}"] + megatron
-    lines = [f"Forward origin ({when} run again in place): {rerun.module} ({rerun.module_class})",
-             f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
-    lines += megatron
+        lines = [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
+                 f" {rank_ranges(rerun.concluded_by)}"]
+    else:
+        lines = [f"Forward origin ({when} run again in place): {rerun.module} ({rerun.module_class})",
+                 f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
+    lines += [f"  rank(s) {rank_ranges(group.ranks)}: {Conclusion(group.conclusion).headline}"
+              for group in rerun.conclusions[1:]]
+    lines += _megatron_line(rerun)
     ties = rerun.origins[1:]
     if ties:
         same = all(o["module"] == rerun.module for o in ties)
@@ -202,6 +214,13 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     return lines
 
 
+def _origin_holds(entry: Dict[str, Any]) -> str:
+    """What an origin rank is named for: its offending parameters, or its own non-finite loss/gradients."""
+    if entry.get("own_failure"):
+        return f"its own {entry['own_failure']} non-finite in the failing pass"
+    return f"{entry['params_total']} parameter(s)"
+
+
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:
     verdict = incident.verdict
     iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
@@ -213,8 +232,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
-    lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)"
-              for entry in origin[:MAX_ORIGIN_LINES]]
+    lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
                      f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")
@@ -223,7 +241,8 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers,
                             origin)
     lines += _ranks_section("No record at this step (finite norm, or died first)", incident.silent, origin)
-    lines += _module_table(incident, max_modules)
+    if incident.parameters:
+        lines += _module_table(incident, max_modules)
     if later_steps:
         lines.append(f"Later steps with records: {', '.join(str(s['step']) for s in later_steps[:8])}"
                      + (" ..." if len(later_steps) > 8 else ""))

@@ -68,4 +68,6 @@ def failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optiona
         if serious:
             start = step - max((r.get("consecutive_skips") or 1) for r in serious) + 1
             return min((s for s in by_step if start <= s <= step), default=step)
+        if any(r["kind"] == RecordKind.RERUN for r in records):  # run again in place: never routine
+            return step
     return None

@@ -43,8 +43,8 @@ class Injection:
       hands ``baddbmm`` with ``beta=0``, never written) with ``value`` before the step's forward, as
       uninitialized memory may hold it (``target`` is not used).
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
-    ``transient``: a ``"forward"`` fault that fires in the step's first forward pass only, as a glitch
-    would: a rerun of the same step (``gradnan``'s ``rerun``) does not meet it again.
+    ``transient``: a ``"forward"`` or ``"backward"`` fault that fires in the step's first pass only, as a
+    glitch would: a rerun of the same step (``gradnan``'s, or Megatron's own) does not meet it again.
     """
 
     rank: int
@@ -282,6 +282,18 @@ def _fails_without_grad(module, args):
         raise RuntimeError("injected failure in a forward pass without gradients")
 
 
+def _gradient_fault(index: int, value: float, transient: bool):
+    fired = []
+
+    def hook(grad):
+        if transient and fired:
+            return grad
+        fired.append(True)
+        return _poisoned(grad, index, value)
+
+    return hook
+
+
 def _forward_fault(index: int, value: float, transient: bool):
     fired = []
 
@@ -299,9 +311,7 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
     handles = []
     for injection in _due(job, rank, step, "backward"):
         param, index = _resolve(injection, chunks, optimizer)
-        value = injection.number()
-        handles.append(param.register_hook(
-            lambda grad, index=index, value=value: _poisoned(grad, index, value)))
+        handles.append(param.register_hook(_gradient_fault(index, injection.number(), injection.transient)))
         result.injected.append({**dataclasses.asdict(injection), "index": index})
     for injection in _due(job, rank, step, "fails_without_grad"):
         module = _module_by_global_name(chunks, injection.target)

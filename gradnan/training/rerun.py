@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import GradnanConfig, RerunMode
-from ..formats.incident import Conclusion, RerunRole
+from ..formats.incident import Conclusion, OwnFailure, RerunRole
 from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager, ModuleCapture
@@ -143,20 +144,41 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-def conclusion(reproduced: bool, original_loss: float, megatron: Optional[str],
-               own_gradients: float) -> Conclusion:
-    """One model-parallel group's conclusion. ``original_loss``: the loss of the failing pass (1 non-finite
-    somewhere, 0 finite everywhere it was seen, -1 seen nowhere). ``megatron``: the conclusion of
-    Megatron's own rerun of the step (forward and backward), which the kept pass then is: finite there is
-    transient, failing again with a clean forward pass is the backward pass. ``own_gradients``: the
-    group's gradients before the data-parallel collective (1 non-finite, 0 clean, -1 unchecked)."""
-    if reproduced:
-        return Conclusion.REPRODUCIBLE
-    if megatron == Conclusion.TRANSIENT or (megatron is None and original_loss > 0):
-        return Conclusion.TRANSIENT
-    if megatron is None and original_loss < 0:
-        return Conclusion.NOT_REPRODUCED
-    return Conclusion.AFTER_COLLECTIVE if own_gradients == 0 else Conclusion.BACKWARD
+@dataclass(frozen=True)
+class ReplicaFacts:
+    """One data-parallel replica's own facts about the failing step, all-reduced over its model-parallel
+    group (so the same on each of its ranks). ``loss``: the failing pass's loss, 1 non-finite, 0 finite,
+    -1 seen nowhere. ``gradients``: its own gradients before the data-parallel collective, 1 non-finite,
+    0 clean, -1 unchecked. ``megatron``: the conclusion of Megatron's own rerun of the step (forward and
+    backward), which Megatron reaches for the whole job and so only speaks for a replica that failed."""
+
+    reproduced: bool
+    loss: float
+    gradients: float
+    megatron: Optional[str]
+
+    @property
+    def own_failure(self) -> Optional[OwnFailure]:
+        """What of this replica's own went non-finite in the failing pass (None: nothing seen)."""
+        if self.loss > 0:
+            return OwnFailure.LOSS
+        return OwnFailure.GRADIENTS if self.gradients > 0 else None
+
+    def conclusion(self) -> Conclusion:
+        """Failing again is reproducible; finite again although its own loss was not (or its own gradients,
+        where Megatron's rerun of backward was finite too) is transient; a replica whose own loss and
+        gradients were clean received the values; a clean forward pass with only its gradients bad points
+        at backward."""
+        own = self.own_failure
+        if self.reproduced:
+            return Conclusion.REPRODUCIBLE
+        if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and self.megatron == Conclusion.TRANSIENT):
+            return Conclusion.TRANSIENT
+        if own is OwnFailure.GRADIENTS:
+            return Conclusion.BACKWARD
+        if self.gradients == 0:
+            return Conclusion.AFTER_COLLECTIVE
+        return Conclusion.BACKWARD if self.loss == 0 else Conclusion.NOT_REPRODUCED
 
 
 class StepRerun:
@@ -254,17 +276,19 @@ class StepRerun:
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
         reproduced, original_loss, own_gradients = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients], "max", "model")
+        facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron)
         micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
                                        NONE if loss_micro_batch is None else loss_micro_batch],
                                       "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
-        verdict = conclusion(bool(reproduced), original_loss, megatron, own_gradients)
+        if failing_mb is None and facts.own_failure is not None and len(kept.micro_batches()) == 1:
+            failing_mb = 0  # the step's only micro-batch is the failing one
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
         batch = self._keep_batch(kept, failing_mb)
         if role is RerunRole.CLEAN and batch is None and not kept.leads_replica():
             return None
-        return self._report(trigger, megatron, role, module, seen, failing_mb, verdict, bundle, batch)
+        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch)
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
                       micro_batch: Optional[int]) -> Optional[str]:
@@ -305,15 +329,17 @@ class StepRerun:
             return None
         return self._writer.batch(self._clock.current(), micro_batch, tensors, left_out)
 
-    def _report(self, trigger: str, megatron: Optional[str], role: RerunRole, frame: Optional[Frame],
-                seen: PassResult, micro_batch: Optional[int], verdict: Conclusion, bundle: Optional[str],
+    def _report(self, trigger: str, role: RerunRole, frame: Optional[Frame], seen: PassResult,
+                micro_batch: Optional[int], facts: ReplicaFacts, bundle: Optional[str],
                 batch: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
         record = self._writer.record("rerun", self._clock.current(), [], {
-            "trigger": trigger, "megatron": megatron, "role": role.value, "conclusion": verdict.value,
+            "trigger": trigger, "megatron": facts.megatron, "role": role.value,
+            "conclusion": facts.conclusion().value,
+            "own_failure": None if facts.own_failure is None else facts.own_failure.value,
             "micro_batch": micro_batch,
             "module": frame.module if frame is not None else None,
             "class": frame.cls if frame is not None else None,
@@ -325,17 +351,18 @@ class StepRerun:
 
     def _log(self, record: Dict[str, Any]) -> None:
         verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
+        explanation = verdict.explain(OwnFailure(record["own_failure"]) if record["own_failure"] else None)
         tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
                 if record["bundle"] else "")
         if role is RerunRole.ORIGIN:
             logger.error("%s, run again in place: a forward value first went non-finite in %s (%s) on %s,"
                          " micro-batch %s; %s%s", when(record), record["module"], record["class"],
-                         where(record), record["micro_batch"], verdict.explanation, tail)
+                         where(record), record["micro_batch"], explanation, tail)
         elif role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
         elif verdict is not Conclusion.REPRODUCIBLE:
             logger.log(logging.WARNING if verdict is Conclusion.TRANSIENT else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
-                       where(record), verdict.explanation)
+                       where(record), explanation)
 
