@@ -2,20 +2,29 @@
 
 Not needed, and not to be used, on GPUs. Put this directory on ``PYTHONPATH`` with
 ``MEGATRON_LM_ON_CPU=1`` (docs/recipes.md has the whole command). It acts only inside torchrun's
-workers (``LOCAL_RANK`` set) and changes nothing in Megatron-LM's files: it tells Megatron-LM that one
-CUDA device is there, gives it the device properties it asks for, points the legacy fused-
-kernel loader at a stand-in ``nvcc`` that only prints a version, and activates gradnan's CPU shim
-(``gradnan.testing.cpu_shim``), which sends every CUDA tensor to the CPU and stands in for CUDA streams.
+workers (``LOCAL_RANK`` set; not in the processes a worker starts) and changes nothing in Megatron-LM's
+files: it tells Megatron-LM that one CUDA device is there, gives it the device properties it asks for,
+points the legacy fused-kernel loader at a stand-in ``nvcc`` that only prints a version, and activates
+gradnan's CPU shim (``gradnan.testing.cpu_shim``), which sends every CUDA tensor to the CPU and stands in
+for CUDA streams.
 
-To see gradnan at work it can also plant a fault, at one iteration on one rank, from outside the script:
-- ``PLANT_NAN=RANK:ITERATION:PARAMETER``: a NaN in that parameter's gradient during backward;
-- ``PLANT_OVERFLOW=RANK:ITERATION:MODULE``: an Inf in that module's forward output.
-ITERATION is the one Megatron-LM's log prints; names are global (``decoder.layers.1.mlp.linear_fc1``).
+To see gradnan at work it can also plant a fault on one rank from outside the script:
+- ``PLANT_NAN=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE, e.g. ``1e30``) in that parameter's
+  gradient during backward;
+- ``PLANT_OVERFLOW=RANK:ITERATION:MODULE[:VALUE]``: an Inf (or VALUE, e.g. ``3.9e28``) in that module's
+  forward output.
+ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
+it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
+iteration N only: a one-off glitch that a rerun does not meet again). Names are global
+(``decoder.layers.1.mlp.linear_fc1``).
 """
 
 import os
 
-if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
+# torchrun's worker itself, not the processes it starts (make, pybind11, compilers): they inherit the marker
+if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
+        and "MEGATRON_LM_ON_CPU_WORKER" not in os.environ):
+    os.environ["MEGATRON_LM_ON_CPU_WORKER"] = str(os.getpid())
     import stat
     import sys
     import tempfile
@@ -45,12 +54,22 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
 
     SHIM.activate()
 
-    def _planted(variable):
+    def _planted(variable, default):
+        """(rank, iteration spec, name, value) from ``RANK:ITERATION:NAME[:VALUE]``, or None."""
         spec = os.environ.get(variable)
         if not spec:
             return None
-        rank, iteration, name = spec.split(":", 2)
-        return int(rank), int(iteration), name
+        rank, iteration, name, *value = spec.split(":", 3)
+        return int(rank), iteration, name, float(value[0]) if value else default
+
+    def _due(spec, fired):
+        """Whether a fault planted at ``spec`` (``N``, ``N-``, ``N!``) fires in this pass."""
+        current = _iteration()
+        if spec.endswith("-"):
+            return current >= int(spec[:-1])
+        if spec.endswith("!"):
+            return current == int(spec[:-1]) and not fired
+        return current == int(spec)
 
     def _iteration():
         from megatron.training.global_vars import get_args
@@ -63,7 +82,7 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
 
         from gradnan.patches.model import global_named_modules, global_named_parameters
 
-        nan, overflow = _planted("PLANT_NAN"), _planted("PLANT_OVERFLOW")
+        nan, overflow = _planted("PLANT_NAN", float("nan")), _planted("PLANT_OVERFLOW", float("inf"))
         original = DistributedDataParallel.__init__
         rank = int(os.environ.get("RANK", "0"))
 
@@ -72,28 +91,31 @@ if "LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1":
             if nan is not None and nan[0] == rank:
                 for name, param in global_named_parameters([self]):
                     if name == nan[2]:
-                        param.register_hook(_poisoning(nan[1], float("nan")))
+                        param.register_hook(_poisoning(nan[1], nan[3]))
             if overflow is not None and overflow[0] == rank:
                 for name, module in global_named_modules([self]):
                     if name == overflow[2]:
-                        module.register_forward_hook(_overflowing(overflow[1]))
+                        module.register_forward_hook(_overflowing(overflow[1], overflow[3]))
 
         DistributedDataParallel.__init__ = init
 
-    def _poisoning(iteration, value):
-        """A tensor's first element set to ``value`` at ``iteration`` (a copy: autograd's tensors
+    def _poisoning(spec, value):
+        """A tensor's first element set to ``value`` when ``spec`` is due (a copy: autograd's tensors
         untouched)."""
+        fired = []
+
         def poison(tensor):
-            if _iteration() != iteration:
+            if not _due(spec, fired):
                 return tensor
+            fired.append(_iteration())
             tensor = tensor.clone()
             tensor.view(-1)[0] = value
             return tensor
 
         return poison
 
-    def _overflowing(iteration):
-        poison = _poisoning(iteration, float("inf"))
+    def _overflowing(spec, value):
+        poison = _poisoning(spec, value)
 
         def hook(module, inputs, output):
             if isinstance(output, tuple):
