@@ -7,7 +7,7 @@ conclusion's wording lives here and nowhere else, so a log line and a report hea
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class RecordKind(str, enum.Enum):
@@ -50,6 +50,9 @@ class Conclusion(str, enum.Enum):
     """The forward pass went non-finite again with the same micro-batches and RNG state."""
     TRANSIENT = "transient"
     """Finite this time although the failing pass's loss was not, or Megatron's own rerun was finite."""
+    NORM_OVERFLOW = "norm_overflow"
+    """Forward pass clean, every gradient finite, and the grad norm overflowed: a finite gradient so large
+    that its square (or the sum of squares) passed float32's range (exploding gradients)."""
     BACKWARD = "backward"
     """The forward pass and the loss were finite in both passes: the values arose in backward."""
     AFTER_COLLECTIVE = "after_collective"
@@ -86,12 +89,16 @@ class Conclusion(str, enum.Enum):
     @property
     def evidence(self) -> Optional[str]:
         """What this conclusion adds to a verdict the gradients' evidence decides, or None."""
-        return _BACKWARD_EVIDENCE if self is Conclusion.BACKWARD else None
+        return {Conclusion.BACKWARD: _BACKWARD_EVIDENCE,
+                Conclusion.NORM_OVERFLOW: _NORM_OVERFLOW_EVIDENCE}.get(self)
 
+
+NORM_OVERFLOW_WORDS = "the grad norm overflowed although every gradient is finite"
 
 _HEADLINES = {
     Conclusion.REPRODUCIBLE: "REPRODUCIBLE (same micro-batches, same RNG state)",
     Conclusion.TRANSIENT: "NOT reproduced: transient",
+    Conclusion.NORM_OVERFLOW: f"forward pass clean and {NORM_OVERFLOW_WORDS}",
     Conclusion.BACKWARD: "forward pass clean: the backward pass",
     Conclusion.AFTER_COLLECTIVE: "forward pass and local gradients clean: it arose at or after the"
                                  " data-parallel collective",
@@ -104,6 +111,9 @@ _EXPLANATIONS = {
     Conclusion.TRANSIENT: "the forward pass was finite this time with the same micro-batches and RNG state,"
                           " although the loss was not: a transient fault; suspect the device of the ranks"
                           " that reported (gradnan selftest)",
+    Conclusion.NORM_OVERFLOW: f"the forward pass was finite in both passes and {NORM_OVERFLOW_WORDS}: a"
+                              " gradient too large for the norm's float32 sum of squares (exploding"
+                              " gradients), not a NaN/Inf produced by a rank",
     Conclusion.BACKWARD: "the forward pass was finite in both passes: the non-finite values arose in the"
                          " backward pass",
     Conclusion.AFTER_COLLECTIVE: "this replica's forward pass, loss and own gradients before the"
@@ -126,6 +136,28 @@ _TRANSIENT_VERDICT = (
 _BACKWARD_EVIDENCE = (
     "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed,"
     " and so was the loss: the non-finite values arose in the backward pass")
+
+_NORM_OVERFLOW_EVIDENCE = (
+    "the step's forward pass, run again in place, was finite, and every gradient was finite: the grad norm"
+    " overflowed in its float32 sum of squares")
+
+
+def describe_largest(largest: Optional[Dict[str, Any]]) -> str:
+    """A record's ``largest_grad`` as a log line and a report name it: "decoder.x.weight[3, 5] = 1e+30"."""
+    if not largest:
+        return "none"
+    index = ", ".join(str(i) for i in largest.get("index") or [])
+    value = largest["value"]
+    return f"{largest['name']}[{index}] = {value:.4g}" if isinstance(value, (int, float)) else \
+        f"{largest['name']}[{index}] = {value}"
+
+
+def norm_overflow_summary(rank: str, largest: Dict[str, Any], before_collective: bool) -> str:
+    """The verdict's summary for exploding gradients: the rank (``rank_label``), parameter, element, value."""
+    when = " before the data-parallel collective" if before_collective else ""
+    return (f"exploding gradients: {NORM_OVERFLOW_WORDS}: {rank} held the largest gradient{when},"
+            f" {describe_largest(largest)}, whose square passes float32's range; the data or the numerics"
+            " (a diverging loss, a bad batch, a learning rate too high), not one device")
 
 
 class Cause(str, enum.Enum):
@@ -152,6 +184,9 @@ class OriginBasis(str, enum.Enum):
     """Every checked rank was clean before the collective; these hold the non-finite gradients after it."""
     UNCONFIRMED = "unconfirmed"
     """They hold the non-finite gradients; no pre-reduction check ran to say whether they produced them."""
+    NORM_OVERFLOW = "norm_overflow"
+    """No rank held a non-finite gradient; these held the largest, finite, gradient, whose square overflowed
+    the float32 grad norm (before the data-parallel collective where the pre-reduction check saw it)."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -164,6 +199,8 @@ _BASIS_TEXT = {
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
+    OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
+                               " overflowed",
     OriginBasis.NONE: "",
     OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
                        " place",
