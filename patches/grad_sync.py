@@ -1,13 +1,12 @@
 """The data-parallel gradient sync: ``_ParamAndGradBucketGroup.start_grad_sync`` (core 0.9+).
 
 Wrapped so each rank's LOCAL gradients are checked before the reduce-scatter / all-reduce (and before
-Megatron's own ``check_grads`` can raise): one fused finite flag per bucket (``bucket.grad_data`` is
-contiguous): its largest magnitude, read in one pass, NaN or Inf where the bucket holds one, and large
-enough to say whether a finite gradient's square overflows a float32 grad norm (exploding gradients; what
-makes Megatron's own bucket check find Inf from finite gradients). Covers dense and expert bucket groups,
-``overlap_grad_reduce`` on and off (the sync is
-started from the backward hooks or from ``finish_grad_sync``), and gradient accumulation (the sync runs
-once, after the last micro-batch).
+Megatron's own ``check_grads`` can raise): one fused statistic per bucket (``bucket.grad_data`` is
+contiguous), its largest magnitude, read in one pass: NaN or Inf where the bucket holds one, and, where all
+are finite, whether the largest squares past float32's range, overflowing the grad norm (exploding
+gradients; what makes Megatron's own bucket check find Inf from finite gradients). Covers dense and expert
+bucket groups, ``overlap_grad_reduce`` on and off (the sync is started from the backward hooks or from
+``finish_grad_sync``), and gradient accumulation (the sync runs once, after the last micro-batch).
 
 Modes (``GradnanConfig.pre_reduction``):
 - ``sync``: read the maxima at once (one host read per bucket group); on a bad bucket scan its parameters'

@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..formats.incident import RecordKind, describe_largest
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -202,6 +203,14 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     return lines
 
 
+def _origin_holds(entry: Dict[str, Any]) -> str:
+    """What an origin rank holds: its non-finite parameters, or (a norm overflow) its largest gradient."""
+    if entry["params_total"] or not entry.get("largest_grad"):
+        return f"{entry['params_total']} parameter(s)"
+    when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
+    return f"largest gradient{when}: {describe_largest(entry['largest_grad'])} (finite)"
+
+
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:
     verdict = incident.verdict
     iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
@@ -213,8 +222,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
-    lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)"
-              for entry in origin[:MAX_ORIGIN_LINES]]
+    lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
                      f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")

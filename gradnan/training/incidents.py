@@ -127,7 +127,8 @@ class Detections:
             return False
         # deferred, the bucket holds the reduced gradient now: its magnitude before the collective is the one
         # read with the flag
-        largest["value"] = json_float(math.copysign(max(read[i] for i in huge), largest["value"]))
+        largest.update(value=json_float(math.copysign(max(read[i] for i in huge), largest["value"])),
+                       overflows=True)
         self._pre_reduction_record(group, [], buckets, mode, level, largest)
         return True
 
