@@ -1,16 +1,18 @@
 """The data-parallel gradient sync: ``_ParamAndGradBucketGroup.start_grad_sync`` (core 0.9+).
 
 Wrapped so each rank's LOCAL gradients are checked before the reduce-scatter / all-reduce (and before
-Megatron's own ``check_grads`` can raise): one fused finite flag per bucket (``bucket.grad_data`` is
-contiguous). Covers dense and expert bucket groups, ``overlap_grad_reduce`` on and off (the sync is
-started from the backward hooks or from ``finish_grad_sync``), and gradient accumulation (the sync runs
-once, after the last micro-batch).
+Megatron's own ``check_grads`` can raise): one fused statistic per bucket (``bucket.grad_data`` is
+contiguous), its largest magnitude, read in one pass: NaN or Inf where the bucket holds one, and, where all
+are finite, whether the largest squares past float32's range, overflowing the grad norm (exploding
+gradients; what makes Megatron's own bucket check find Inf from finite gradients). Covers dense and expert
+bucket groups, ``overlap_grad_reduce`` on and off (the sync is started from the backward hooks or from
+``finish_grad_sync``), and gradient accumulation (the sync runs once, after the last micro-batch).
 
 Modes (``GradnanConfig.pre_reduction``):
-- ``sync``: read the flags at once (one host read per bucket group); on a bad bucket scan its parameters'
+- ``sync``: read the maxima at once (one host read per bucket group); on a bad bucket scan its parameters'
   ``main_grad`` and write the record before the collective runs.
 - ``auto`` (default): ``sync`` where Megatron's ``check_for_nan_in_grad`` is on (it reads every bucket
-  norm on the host anyway), otherwise keep the flags on the device and read them only when the grad
+  norm on the host anyway), otherwise keep the maxima on the device and read them only when the grad
   norm turns out non-finite: healthy steps pay the flag kernels and no host sync.
 - ``off``.
 """
@@ -25,7 +27,7 @@ import torch
 from ..config import PreReduction
 from ..formats.maps import ParamSlot
 from ..training.events import Events
-from ..training.scan import finite_flag
+from ..training.scan import abs_max
 from .instrumentor import Instrumentor, SurfaceMissing
 from .model import global_named_parameters
 from .undo_log import Patcher
@@ -71,12 +73,12 @@ class GradSyncInstrumentor(Instrumentor):
             mode = runtime.config.pre_reduction
             if mode is PreReduction.OFF or not runtime.first_sync_of_step(group):
                 return
-            flags = torch.stack([finite_flag(bucket.grad_data) for bucket in group.buckets])
+            maxima = torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets])
             megatron_checks = bool(getattr(group.ddp_config, "check_for_nan_in_grad", False))
             if mode is PreReduction.SYNC or megatron_checks:
-                runtime.pre_reduction_flags(group, flags, describe, mode="sync")
+                runtime.pre_reduction_flags(group, maxima, describe, mode="sync")
             else:
-                runtime.defer_pre_reduction_flags(group, flags, describe)
+                runtime.defer_pre_reduction_flags(group, maxima, describe)
 
         def make_wrapper(original):
             def wrapper(self, *args, **kwargs):

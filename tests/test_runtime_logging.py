@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -201,7 +202,7 @@ def test_in_sync_mode_the_norm_record_says_the_local_gradients_were_bad(tmp_path
     runtime.begin_step(optimizer, lambda: [_slot()])
     group = FakeOptimizer()  # any weak-referenceable object stands for a bucket group
     assert runtime.first_sync_of_step(group)
-    runtime.pre_reduction_flags(group, torch.tensor([False]),
+    runtime.pre_reduction_flags(group, torch.tensor([math.nan]),
                                 lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]), mode="sync")
     runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
     kinds = [json.loads(line)
@@ -239,9 +240,56 @@ def test_a_rank_producing_a_nonfinite_gradient_is_one_error_whichever_way_it_was
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="gradnan"):
             if mode == "sync":
-                runtime.pre_reduction_flags(group, torch.tensor([False]), describe, mode="sync")
+                runtime.pre_reduction_flags(group, torch.tensor([math.nan]), describe, mode="sync")
             else:
-                runtime.defer_pre_reduction_flags(group, torch.tensor([False]), describe)
+                runtime.defer_pre_reduction_flags(group, torch.tensor([math.nan]), describe)
                 runtime.nonfinite_grad_norm(optimizer, float("nan"), [_slot()], [grad])
         [levels[mode]] = [r.levelname for r in caplog.records if "BEFORE the data-parallel" in r.getMessage()]
     assert levels == {"sync": "ERROR", "deferred": "ERROR"}
+
+
+def _records(tmp_path):
+    import json
+
+    path = next((tmp_path / "records").glob("*.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_finite_gradient_whose_square_overflows_is_a_pre_reduction_record_not_a_nonfinite_one(
+        tmp_path, make_runtime, caplog):
+    """Issue 23, case 3: a bucket's largest magnitude, finite, squares past float32's range: recorded before
+    the collective as a norm overflow naming the element; the norm record says this rank produced it."""
+    runtime, optimizer, group = make_runtime(), FakeOptimizer(), FakeOptimizer()
+    grad = torch.tensor([0.5, -1e30, 1.0, 1.0])
+    runtime.begin_step(optimizer, lambda: [_slot()])
+    assert runtime.first_sync_of_step(group)
+    runtime.defer_pre_reduction_flags(group, torch.tensor([1e30]),
+                                      lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]))
+    with caplog.at_level(logging.DEBUG, logger="gradnan"):
+        runtime.nonfinite_grad_norm(optimizer, float("inf"), [_slot()], [grad])
+    pre, norm = _records(tmp_path)[:2]
+    assert pre["kind"] == "pre_reduction" and pre["norm_overflow"] is True and pre["params"] == []
+    huge = float(torch.tensor(-1e30))  # as float32 holds it
+    assert pre["largest_grad"] == {"id": 0, "name": _slot().name, "flat": 1, "index": [1], "value": huge,
+                                   "overflows": True}
+    assert norm["pre_reduction"] == "overflow" and norm["largest_grad"]["overflows"] is True
+    assert runtime.detections.last_at_norm == "overflow"
+    [line] = [r.getMessage() for r in caplog.records
+              if r.levelname == "ERROR" and "grad norm is" in r.getMessage()]
+    assert "the grad norm overflowed although every gradient is finite" in line
+    assert "produced in this replica" in line
+
+
+def test_a_bucket_below_the_square_limit_is_clean_and_the_norm_record_names_the_largest(tmp_path,
+                                                                                      make_runtime):
+    runtime, optimizer, group = make_runtime(), FakeOptimizer(), FakeOptimizer()
+    grad = torch.tensor([0.5, 3.0, 1.0, 1.0])
+    runtime.begin_step(optimizer, lambda: [_slot()])
+    assert runtime.first_sync_of_step(group)
+    runtime.defer_pre_reduction_flags(group, torch.tensor([3.0]),
+                                      lambda g, bad: ([_slot()], [grad], [{"bucket": 0}]))
+    runtime.nonfinite_grad_norm(optimizer, float("inf"), [_slot()], [grad])
+    [norm] = _records(tmp_path)[:1]
+    assert norm["kind"] == "nonfinite_grad_norm" and norm["pre_reduction"] == "clean"
+    assert norm["largest_grad"]["value"] == 3.0 and norm["largest_grad"]["overflows"] is False
+    assert runtime.detections.last_at_norm == "finite"

@@ -7,7 +7,7 @@ conclusion's wording lives here and nowhere else, so a log line and a report hea
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class RecordKind(str, enum.Enum):
@@ -63,6 +63,9 @@ class Conclusion(str, enum.Enum):
     TRANSIENT = "transient"
     """The replica's own loss (or, where Megatron's rerun of forward and backward was finite, its own
     gradients) was non-finite in the failing pass, and finite when run again."""
+    NORM_OVERFLOW = "norm_overflow"
+    """Forward pass clean, every gradient finite, and the grad norm overflowed: a finite gradient so large
+    that its square (or the sum of squares) passed float32's range (exploding gradients)."""
     BACKWARD = "backward"
     """The forward pass and the loss were finite in both passes: the values arose in backward."""
     AFTER_COLLECTIVE = "after_collective"
@@ -103,12 +106,16 @@ class Conclusion(str, enum.Enum):
     @property
     def evidence(self) -> Optional[str]:
         """What this conclusion adds to a verdict the gradients' evidence decides, or None."""
-        return _BACKWARD_EVIDENCE if self is Conclusion.BACKWARD else None
+        return {Conclusion.BACKWARD: _BACKWARD_EVIDENCE,
+                Conclusion.NORM_OVERFLOW: _NORM_OVERFLOW_EVIDENCE}.get(self)
 
+
+NORM_OVERFLOW_WORDS = "the grad norm overflowed although every gradient is finite"
 
 _HEADLINES = {
     Conclusion.REPRODUCIBLE: "REPRODUCIBLE (same micro-batches, same RNG state)",
     Conclusion.TRANSIENT: "NOT reproduced: transient",
+    Conclusion.NORM_OVERFLOW: f"forward pass clean and {NORM_OVERFLOW_WORDS}",
     Conclusion.BACKWARD: "forward pass clean: the backward pass",
     Conclusion.AFTER_COLLECTIVE: "forward pass and local gradients clean: it arose at or after the"
                                  " data-parallel collective",
@@ -118,6 +125,9 @@ _HEADLINES = {
 _EXPLANATIONS = {
     Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics,"
                              " not the device",
+    Conclusion.NORM_OVERFLOW: f"the forward pass was finite in both passes and {NORM_OVERFLOW_WORDS}: a"
+                              " gradient too large for the norm's float32 sum of squares (exploding"
+                              " gradients), not a NaN/Inf produced by a rank",
     Conclusion.BACKWARD: "the forward pass was finite in both passes: the non-finite values arose in the"
                          " backward pass",
     Conclusion.AFTER_COLLECTIVE: "this replica's forward pass, loss and own gradients before the"
@@ -154,6 +164,28 @@ _BACKWARD_EVIDENCE = (
     "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed,"
     " and so was the loss: the non-finite values arose in the backward pass")
 
+_NORM_OVERFLOW_EVIDENCE = (
+    "the step's forward pass, run again in place, was finite, and every gradient was finite: the grad norm"
+    " overflowed in its float32 sum of squares")
+
+
+def describe_largest(largest: Optional[Dict[str, Any]]) -> str:
+    """A record's ``largest_grad`` as a log line and a report name it: "decoder.x.weight[3, 5] = 1e+30"."""
+    if not largest:
+        return "none"
+    index = ", ".join(str(i) for i in largest.get("index") or [])
+    value = largest["value"]
+    return f"{largest['name']}[{index}] = {value:.4g}" if isinstance(value, (int, float)) else \
+        f"{largest['name']}[{index}] = {value}"
+
+
+def norm_overflow_summary(rank: str, largest: Dict[str, Any], before_collective: bool) -> str:
+    """The verdict's summary for exploding gradients: the rank (``rank_label``), parameter, element, value."""
+    when = " before the data-parallel collective" if before_collective else ""
+    return (f"exploding gradients: {NORM_OVERFLOW_WORDS}: {rank} held the largest gradient{when},"
+            f" {describe_largest(largest)}, whose square passes float32's range; the data or the numerics"
+            " (a diverging loss, a bad batch, a learning rate too high), not one device")
+
 
 class Cause(str, enum.Enum):
     """The report's verdict: what most likely made the step non-finite."""
@@ -182,6 +214,9 @@ class OriginBasis(str, enum.Enum):
     OWN_FAILURE = "own_failure"
     """No gradient was recorded (Megatron's validation stopped the step before the norm): the replica whose
     own loss or gradients the rerun's facts show non-finite in the failing pass."""
+    NORM_OVERFLOW = "norm_overflow"
+    """No rank held a non-finite gradient; these held the largest, finite, gradient, whose square overflowed
+    the float32 grad norm (before the data-parallel collective where the pre-reduction check saw it)."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -196,6 +231,8 @@ _BASIS_TEXT = {
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
     OriginBasis.OWN_FAILURE: "the replica whose own loss or gradients were non-finite in the failing pass,"
                              " by the rerun's facts",
+    OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
+                               " overflowed",
     OriginBasis.NONE: "",
     OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
                        " place",

@@ -35,6 +35,10 @@ DTYPE_MAX = {
     "torch.float32": 3.4028234663852886e38,
 }
 
+# a finite float32 value at least this large squares past float32's maximum: a grad norm computed in
+# float32 (Megatron's, and its per-bucket check) overflows to Inf although the value itself is finite
+FLOAT32_SQUARE_LIMIT = DTYPE_MAX["torch.float32"] ** 0.5
+
 _PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
 
 
@@ -82,6 +86,7 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
             optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed' and 'warmup' booleans")
     check_run(record.get("run"), where)
+    _check_largest(record.get("largest_grad"), where)
     for key in ("kind", "pre_reduction", "mode", "map"):
         if not optional(record.get(key), is_text):
             raise InputError(f"{where}: '{key}' must be text")
@@ -92,6 +97,18 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "rerun":
         _check_rerun(record, where)
     return record
+
+
+def _check_largest(largest: Any, where: str) -> None:
+    """``largest_grad`` (optional): the largest gradient of a rank whose gradients were all finite."""
+    if largest is None:
+        return
+    if not (isinstance(largest, dict) and is_text(largest.get("name")) and is_stat(largest.get("value"))
+            and all(optional(largest.get(key), is_int) for key in ("id", "flat"))
+            and isinstance(largest.get("index"), list) and all(is_int(i) for i in largest["index"])
+            and isinstance(largest.get("overflows"), bool)):
+        raise InputError(f"{where}: 'largest_grad' needs a text 'name', a numeric 'value', an 'index' list of"
+                         " integers and a boolean 'overflows'")
 
 
 RERUN_ROLES = values(RerunRole)

@@ -5,7 +5,10 @@ decided by evidence, best first: where the in-place rerun of that step saw a for
 non-finite; ranks whose LOCAL gradients were non-finite before the data-parallel collective
 (``pre_reduction`` records); else, where every checked rank was clean before the collective, the ranks
 holding non-finite gradients at the grad norm (the value arose after the collective); else, with no
-pre-reduction check at all, the holders, marked unconfirmed. Every other rank with a record at that step
+pre-reduction check at all, the holders, marked unconfirmed. Where no rank held a non-finite gradient but
+the norm overflowed from finite ones (exploding gradients), the ranks with the largest gradient: those that
+held it before the data-parallel collective, else those whose own float32 sum of squares overflowed at the
+norm, else the largest. Every other rank with a record at that step
 only received it.
 
 The verdict is decided in one place (``_decide_verdict``) from all of it: the gradients' pattern, the
@@ -29,9 +32,10 @@ from ..formats.incident import (
     OwnFailure,
     RecordKind,
     RerunRole,
+    norm_overflow_summary,
     values,
 )
-from ..formats.layout import shown_axes
+from ..formats.layout import rank_label, shown_axes
 from ..formats.records import FORWARD_SHARE
 from ..formats.schema import Schema
 from .frames_view import frames_summary, probes_summary
@@ -228,9 +232,12 @@ def _param_view(param: Dict[str, Any]) -> Dict[str, Any]:
 
 def _rank_entry(record: Dict[str, Any]) -> View:
     params = sorted(record["params"], key=lambda p: _backward_key(record["rank"], p))
-    return {**rank_view(record["rank"]), "kind": record["kind"],
-            "params_total": record.get("params_total", len(params)),
-            "params": [_param_view(p) for p in params]}
+    entry = {**rank_view(record["rank"]), "kind": record["kind"],
+             "params_total": record.get("params_total", len(params)),
+             "params": [_param_view(p) for p in params]}
+    if record.get("largest_grad"):
+        entry["largest_grad"] = record["largest_grad"]
+    return entry
 
 
 def _receiver(view: View, params: Sequence[Dict[str, Any]]) -> View:
@@ -275,14 +282,37 @@ def _gradient_origin(at_step: List[Dict[str, Any]]) -> Tuple[OriginBasis, List[D
     pre = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]]
     norm = [r for r in at_step if r["kind"] in NORM_KINDS]
     holders = [r for r in norm if r["params"]]
-    checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite")]
+    checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite", "overflow")]
     if pre:
         return OriginBasis.BEFORE_COLLECTIVE, _per_rank(pre)
     if holders and checked:
         return OriginBasis.AFTER_COLLECTIVE, holders
     if holders:
         return OriginBasis.UNCONFIRMED, holders
-    return OriginBasis.NONE, []
+    overflow = norm_overflow_origin(at_step)
+    return (OriginBasis.NORM_OVERFLOW, overflow) if overflow else (OriginBasis.NONE, [])
+
+
+def _magnitude(record: Dict[str, Any]) -> float:
+    value = record["largest_grad"]["value"]
+    return abs(value) if isinstance(value, (int, float)) else float("inf")
+
+
+def norm_overflow_origin(at_step: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Where no rank held a non-finite gradient: the records of the ranks that held the largest finite
+    gradient, whose square overflowed the grad norm. Best evidence first: pre-reduction records of a norm
+    overflow (their own gradients before the data-parallel collective, where a replica that only received
+    the value through it does not appear); else the grad-norm records whose own float32 sum of squares
+    overflowed, the largest of them; else the largest. Empty when no record names a largest gradient."""
+    before = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r.get("norm_overflow")]
+    if before:
+        return _per_rank(before)
+    named = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_GRAD_NORM and r.get("largest_grad")]
+    candidates = [r for r in named if r["largest_grad"]["overflows"]] or named
+    if not candidates:
+        return []
+    top = max(_magnitude(r) for r in candidates)
+    return [r for r in candidates if _magnitude(r) == top]
 
 
 def _pattern(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern:
@@ -323,7 +353,14 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
     if basis is OriginBasis.AFTER_COLLECTIVE:
         evidence.append("every rank's local gradients were finite before the data-parallel collective: "
                         "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
-    if not origin and basis is OriginBasis.NONE and not recorded_norm:
+    if basis is OriginBasis.NORM_OVERFLOW:
+        first = min(origin, key=lambda entry: entry["global_rank"])
+        cause = Cause.DATA_OR_NUMERICS
+        summary = norm_overflow_summary(rank_label(first), first["largest_grad"],
+                                        first["kind"] == RecordKind.PRE_REDUCTION)
+        if len(origin) > 1:
+            summary += f" (and on rank(s) {', '.join(str(e['global_rank']) for e in origin[1:])})"
+    elif not origin and basis is OriginBasis.NONE and not recorded_norm:
         cause, summary = Cause.UNKNOWN, ("no gradient was recorded at this step: Megatron's result validation"
                                          " ran it again and the job stopped before the grad norm")
     elif not origin:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.incident import Conclusion
+from ..formats.incident import Conclusion, RecordKind, describe_largest
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -215,10 +215,14 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
 
 
 def _origin_holds(entry: Dict[str, Any]) -> str:
-    """What an origin rank is named for: its offending parameters, or its own non-finite loss/gradients."""
+    """What an origin rank is named for: its non-finite parameters, its own non-finite loss/gradients, or (a
+    norm overflow) its largest gradient."""
     if entry.get("own_failure"):
         return f"its own {entry['own_failure']} non-finite in the failing pass"
-    return f"{entry['params_total']} parameter(s)"
+    if entry["params_total"] or not entry.get("largest_grad"):
+        return f"{entry['params_total']} parameter(s)"
+    when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
+    return f"largest gradient{when}: {describe_largest(entry['largest_grad'])} (finite)"
 
 
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:

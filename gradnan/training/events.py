@@ -149,8 +149,8 @@ class Events(Protocol):
 
     def first_sync_of_step(self, group: Any) -> bool: ...
 
-    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets,
+    def pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets,
                             mode: str) -> bool: ...
 
-    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor,
+    def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor,
                                   describe: DescribeBuckets) -> None: ...

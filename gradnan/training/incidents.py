@@ -5,6 +5,7 @@ whose level follows how serious and how repeated it is, and a hint to capture.""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -12,15 +13,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..config import GradnanConfig
+from ..formats.incident import RecordKind, describe_largest
 from ..formats.maps import ParamSlot
-from ..formats.records import FORWARD_SHARE
+from ..formats.records import FLOAT32_SQUARE_LIMIT, FORWARD_SHARE
 from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
 from .events import DescribeBuckets, Grads
 from .messages import describe_params, is_power_of_two, when, where
-from .offenders import offending_params
+from .offenders import largest_gradient, offending_params
 from .writer import Writer
 
 
@@ -52,9 +54,13 @@ class Detections:
         self._deferred: List[Tuple[Any, torch.Tensor, DescribeBuckets]] = []
         self._pre_reduction_checked = False
         self._pre_reduction_found = False
+        self._pre_reduction_overflow = False
         self._pre_reduction_logged = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.last_pre_reduction: Optional[str] = None  # this step's: were this rank's own gradients bad?
+        # this step's, at the grad norm: "nonfinite", "overflow" (every gradient finite, the rank's own
+        # float32 sum of squares not) or "finite"; None: no non-finite norm was recorded
+        self.last_at_norm: Optional[str] = None
 
     def optimizer(self, optimizer: Any) -> Tuple[OptimizerState, bool]:
         """The state of ``optimizer``, and whether it was seen for the first time."""
@@ -70,8 +76,8 @@ class Detections:
         """``skipped``: the step applied no update (fp16 overflow); counts consecutive skips."""
         with self._lock:
             self._deferred = []
-            self._pre_reduction_checked = self._pre_reduction_found = False
-        self.last_pre_reduction = None
+            self._pre_reduction_checked = self._pre_reduction_found = self._pre_reduction_overflow = False
+        self.last_pre_reduction = self.last_at_norm = None
         state, _ = self.optimizer(optimizer)
         if skipped is not None:
             state.consecutive_skips = state.consecutive_skips + 1 if skipped else 0
@@ -92,51 +98,86 @@ class Detections:
             self._pre_reduction_checked = True
             return True
 
-    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None:
-        """Keep a bucket group's on-device flags until a non-finite norm asks for them (no host sync)."""
+    def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets) -> None:
+        """Keep a bucket group's on-device abs maxima until a non-finite norm asks for them (no host sync)."""
         with self._lock:
-            self._deferred.append((group, flags, describe))
+            self._deferred.append((group, maxima, describe))
 
-    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets, mode: str,
+    def pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets, mode: str,
                             level: int = logging.ERROR) -> bool:
-        """Read a bucket group's flags; on a bad bucket record its parameters. True if one was bad. Logged at
-        ERROR whether it is read at once (``pre_reduction="sync"``, or Megatron's own check is on) or at the
-        non-finite norm, DEBUG only under a routine fp16 overflow."""
-        bad = [index for index, finite in enumerate(flags.tolist()) if not finite]
-        if not bad:
+        """Read a bucket group's abs maxima (one per bucket, as it was before the collective); record a bucket
+        that held a non-finite gradient, or else one whose largest gradient squares past float32's range (the
+        grad norm, and Megatron's own bucket check, overflow from finite gradients). True if one did. Logged
+        at ERROR whether it is read at once (``pre_reduction="sync"``, or Megatron's own check is on) or at
+        the non-finite norm, DEBUG only under a routine fp16 overflow."""
+        read = maxima.tolist()
+        bad = [index for index, value in enumerate(read) if not math.isfinite(value)]
+        if bad:
+            slots, grads, buckets = describe(group, bad)
+            found = offending_params(slots, grads)
+            if found:
+                self._pre_reduction_record(group, found, buckets, mode, level, None)
+                return True
+        huge = [index for index, value in enumerate(read) if FLOAT32_SQUARE_LIMIT <= value < math.inf]
+        if not huge:
             return False
-        slots, grads, buckets = describe(group, bad)
-        found = offending_params(slots, grads)
-        if not found:
+        slots, grads, buckets = describe(group, huge)
+        largest = largest_gradient(slots, grads)
+        if largest is None:
             return False
-        with self._lock:
-            group_index = self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
-        record = self._writer.record("pre_reduction", self._clock.current(), found, {
-            "mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
-            "micro_batch": None})
-        with self._lock:
-            self._pre_reduction_found = True
-            first, self._pre_reduction_logged = not self._pre_reduction_logged, True
-        logger.log(level if first else logging.DEBUG,
-                   "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s; produced in this"
-                   " data-parallel replica, not received through that collective; record: %s", when(record),
-                   where(record), describe_params(record), record.path)
+        # deferred, the bucket holds the reduced gradient now: its magnitude before the collective is the one
+        # read with the flag
+        largest.update(value=json_float(math.copysign(max(read[i] for i in huge), largest["value"])),
+                       overflows=True)
+        self._pre_reduction_record(group, [], buckets, mode, level, largest)
         return True
 
+    def _pre_reduction_record(self, group: Any, found: List[Dict[str, Any]], buckets: List[dict], mode: str,
+                              level: int, largest: Optional[Dict[str, Any]]) -> None:
+        """Write and log a pre-reduction record: non-finite gradients (``found``), or a norm overflow from
+        finite ones (``largest``: the largest gradient before the collective)."""
+        with self._lock:
+            group_index = self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
+        extra = {"mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
+                 "micro_batch": None}
+        if largest is not None:
+            extra.update(norm_overflow=True, largest_grad=largest)
+        record = self._writer.record("pre_reduction", self._clock.current(), found, extra)
+        with self._lock:
+            if largest is None:
+                self._pre_reduction_found = True
+            else:
+                self._pre_reduction_overflow = True
+            first, self._pre_reduction_logged = not self._pre_reduction_logged, True
+        if largest is None:
+            logger.log(level if first else logging.DEBUG,
+                       "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s; produced in"
+                       " this data-parallel replica, not received through that collective; record: %s",
+                       when(record), where(record), describe_params(record), record.path)
+        else:
+            logger.log(level if first else logging.DEBUG,
+                       "%s: every gradient on %s is finite BEFORE the data-parallel collective, but its"
+                       " largest, %s, squares past float32's range: the grad norm overflows (exploding"
+                       " gradients), produced in this data-parallel replica; record: %s", when(record),
+                       where(record), describe_largest(largest), record.path)
+
     def _flush_deferred(self, level: int) -> str:
-        """Read the deferred bucket flags of this step: "nonfinite", "clean" or "unchecked"."""
+        """Read the deferred bucket abs maxima of this step: "nonfinite", "overflow" (all finite, one squares
+        past float32's range), "clean" or "unchecked"."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
             checked = self._pre_reduction_checked
         bad = [self.pre_reduction_flags(group, flags, describe, mode="deferred", level=level)
                for group, flags, describe in deferred]
-        if any(bad) or self._pre_reduction_found:
+        if self._pre_reduction_found:
             return "nonfinite"
+        if any(bad) or self._pre_reduction_overflow:
+            return "overflow"
         return "clean" if checked else "unchecked"
 
     def own_gradients(self) -> str:
-        """This step's pre-reduction finding: "nonfinite", "clean" or "unchecked" (reads and records the
-        deferred bucket flags, as a detection does)."""
+        """This step's pre-reduction finding: "nonfinite", "overflow", "clean" or "unchecked" (reads and
+        records the deferred bucket abs maxima, as a detection does)."""
         self.last_pre_reduction = self._flush_deferred(logging.ERROR)
         return self.last_pre_reduction
 
@@ -149,7 +190,11 @@ class Detections:
                                              else logging.DEBUG)
         self.last_pre_reduction = pre_reduction
         state, _ = self.optimizer(optimizer)
-        return self._writer.record(kind, self._clock.current(optimizer), offending_params(slots, grads), {
+        found = offending_params(slots, grads)
+        if kind == RecordKind.NONFINITE_GRAD_NORM:
+            # every gradient here finite: the largest says whether this rank's own norm overflowed
+            extra = {**extra, "largest_grad": None if found else largest_gradient(slots, grads)}
+        return self._writer.record(kind, self._clock.current(optimizer), found, {
             "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra})
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
@@ -161,6 +206,8 @@ class Detections:
         state.consecutive_nonfinite = state.consecutive_nonfinite + 1 if consecutive else 1
         state.last_nonfinite_step = record["step"]
         count = state.consecutive_nonfinite
+        largest = record["largest_grad"]
+        self.last_at_norm = at_norm(record)
         if count > 1:
             logger.log(logging.WARNING if is_power_of_two(count) else logging.DEBUG,
                        "%s: grad norm non-finite for %d consecutive steps on %s; %s",
@@ -170,10 +217,16 @@ class Detections:
                          " Megatron applies this update: the weights become non-finite.",
                          when(record), record["grad_norm"], describe_params(record), where(record),
                          record.path)
+        elif largest is not None and largest["overflows"]:
+            logger.error("%s: grad norm is %s: the grad norm overflowed although every gradient is finite"
+                         " (exploding gradients); on %s the largest gradient, %s, squares past float32's"
+                         " range; %s; record: %s", when(record), record["grad_norm"], where(record),
+                         describe_largest(largest), _overflow_source(record["pre_reduction"]), record.path)
         else:
-            logger.warning("%s: grad norm is %s; the gradients on %s are finite (the bad value"
-                           " came from another rank through the norm's all-reduce); record: %s",
-                           when(record), record["grad_norm"], where(record), record.path)
+            logger.warning("%s: grad norm is %s; the gradients on %s are finite and their own sum of squares"
+                           " too (largest: %s): the bad value came from another rank through the norm's"
+                           " all-reduce; record: %s", when(record), record["grad_norm"], where(record),
+                           describe_largest(largest), record.path)
         self._capture_after(record, len(slots))
         return record
 
@@ -226,6 +279,29 @@ class Detections:
         first = max(record["params"], key=lambda p: p.get("order", -1))["name"] if implicated else None
         arm = bool(implicated) and not (forward and self._rerun_expected())
         self._captures.on_detection(record["step"], bool(forward), first, arm=arm)
+
+
+def at_norm(record: Dict[str, Any]) -> str:
+    """A grad-norm record's rank at the norm: "nonfinite" (it holds a non-finite gradient), "overflow"
+    (every gradient finite, its own float32 sum of squares, or before the collective its largest gradient's
+    square, not), or "finite"."""
+    if record["params"]:
+        return "nonfinite"
+    largest = record.get("largest_grad")
+    overflows = bool(largest and largest["overflows"]) or record.get("pre_reduction") == "overflow"
+    return "overflow" if overflows else "finite"
+
+
+def _overflow_source(pre_reduction: Optional[str]) -> str:
+    """Where this rank's huge gradient came from, as its pre-reduction check saw it."""
+    return _OVERFLOW_SOURCES.get(pre_reduction or "", "no pre-reduction check says whether it was produced"
+                                                      " here")
+
+
+_OVERFLOW_SOURCES = {
+    "overflow": "it was this large before the data-parallel collective: produced in this replica",
+    "clean": "before the data-parallel collective every gradient here was small: received through it from"
+             " another replica"}
 
 
 def _collapsed(scale: Optional[float], min_scale: Optional[float]) -> bool:

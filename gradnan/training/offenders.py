@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -10,6 +11,31 @@ from ..formats.maps import ParamSlot
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import json_float
 from .scan import find_nonfinite, unravel
+
+
+@torch.no_grad()
+def largest_gradient(slots: Sequence[ParamSlot],
+                     grads: Sequence[Optional[torch.Tensor]]) -> Optional[Dict[str, Any]]:
+    """The largest-magnitude gradient element of a rank whose gradients are all finite, as a record's
+    ``largest_grad``: parameter, element (in the model parameter: a shard's offset added) and signed value;
+    ``overflows`` says the rank's own sum of squares overflows float32 the way Megatron computes the grad
+    norm (a float32 norm per tensor, squared and summed). Read on the failing path only: one host read.
+    None without a gradient."""
+    present = [(position, grad.detach().reshape(-1)) for position, grad in enumerate(grads)
+               if grad is not None and grad.numel()]
+    if not present:
+        return None
+    norms = torch.stack([torch.linalg.vector_norm(flat, dtype=torch.float32) for _, flat in present])
+    where = torch.stack([flat.abs().argmax() for _, flat in present])
+    found = torch.stack([flat[index].to(torch.float64) for (_, flat), index in zip(present, where)])
+    read = torch.cat([(norms ** 2).sum().to(torch.float64).reshape(1), found.cpu(),
+                      where.to(torch.float64).cpu()]).tolist()
+    square_sum, values, flats = read[0], read[1:len(present) + 1], read[len(present) + 1:]
+    best = max(range(len(present)), key=lambda i: abs(values[i]))
+    slot = slots[present[best][0]]
+    flat_index = int(flats[best]) + (slot.shard[0] if slot.shard else 0)
+    return {"id": slot.id, "name": slot.name, "flat": flat_index, "index": unravel(flat_index, slot.shape),
+            "value": json_float(values[best]), "overflows": not math.isfinite(square_sum)}
 
 
 def backward_position(slot: ParamSlot) -> tuple:

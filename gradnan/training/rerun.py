@@ -150,12 +150,15 @@ class ReplicaFacts:
     group (so the same on each of its ranks). ``loss``: the failing pass's loss, 1 non-finite, 0 finite,
     -1 seen nowhere. ``gradients``: its own gradients before the data-parallel collective, 1 non-finite,
     0 clean, -1 unchecked. ``megatron``: the conclusion of Megatron's own rerun of the step (forward and
-    backward), which Megatron reaches for the whole job and so only speaks for a replica that failed."""
+    backward), which Megatron reaches for the whole job and so only speaks for a replica that failed.
+    ``norm_overflow``: every gradient of the group was finite and a rank's own float32 sum of squares was not
+    (``norm_overflowed``): the grad norm overflowed, no rank produced a NaN/Inf."""
 
     reproduced: bool
     loss: float
     gradients: float
     megatron: Optional[str]
+    norm_overflow: bool = False
 
     @property
     def own_failure(self) -> Optional[OwnFailure]:
@@ -174,11 +177,20 @@ class ReplicaFacts:
             return Conclusion.REPRODUCIBLE
         if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and self.megatron == Conclusion.TRANSIENT):
             return Conclusion.TRANSIENT
+        if self.norm_overflow:
+            return Conclusion.NORM_OVERFLOW
         if own is OwnFailure.GRADIENTS:
             return Conclusion.BACKWARD
         if self.gradients == 0:
             return Conclusion.AFTER_COLLECTIVE
         return Conclusion.BACKWARD if self.loss == 0 else Conclusion.NOT_REPRODUCED
+
+
+def norm_overflowed(overflow: float, nonfinite: float) -> bool:
+    """From the model-parallel group's all-reduced (max) facts at the norm: a rank's gradients overflowed
+    the float32 norm (``at_norm`` "overflow") and no rank held a non-finite gradient (``at_norm``
+    "nonfinite")."""
+    return overflow > 0 and not nonfinite > 0
 
 
 class StepRerun:
@@ -207,12 +219,14 @@ class StepRerun:
         return (self.keeps_steps() and self._kept is not None
                 and self._kept.cannot_rerun(job_wide=False) is None)
 
-    def incident(self, trigger: str, megatron: Optional[str] = None,
-                 local_gradients: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    def incident(self, trigger: str, megatron: Optional[str] = None, local_gradients: Optional[str] = None,
+                 at_norm: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """The first incident: run the kept step again on every rank; this rank's ``rerun`` record.
         ``megatron``: Megatron's own rerun of the step concluded this ("reproducible"/"transient").
         ``local_gradients``: this rank's own gradients before the data-parallel collective, as the
-        pre-reduction check saw them ("nonfinite", "clean", "unchecked"; None: not known)."""
+        pre-reduction check saw them ("nonfinite", "overflow", "clean", "unchecked"; None: not known).
+        ``at_norm``: this rank's gradients at the grad norm ("nonfinite", "overflow": all finite, their
+        float32 sum of squares not, "finite"; None: not known)."""
         if not self.keeps_steps():
             return None
         self.done = True
@@ -228,7 +242,7 @@ class StepRerun:
             logger.info("step %d: no rerun of the failing step: %s", self._clock.current(),
                         reason or "not possible on another rank of this model-parallel group")
             return None
-        return self._rerun(kept, trigger, megatron, local_gradients)
+        return self._rerun(kept, trigger, megatron, local_gradients, at_norm)
 
     def too_late(self, trigger: str) -> None:
         """The incident was seen after its step's update was applied: no rerun, now or later (said once)."""
@@ -263,7 +277,7 @@ class StepRerun:
         return PassResult(frames, counter.of_frame)
 
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[str],
-               local_gradients: Optional[str]) -> Optional[Dict[str, Any]]:
+               local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
         seen = self._traced_pass(kept)
         earliest = kept.all_reduce([seen.key(seen.candidate)], "min", "tensor")[0]
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
@@ -274,9 +288,11 @@ class StepRerun:
         loss_state = -1.0 if loss_finite is None else (0.0 if loss_finite else 1.0)
         found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
-        reproduced, original_loss, own_gradients = kept.all_reduce(
-            [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients], "max", "model")
-        facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron)
+        reproduced, original_loss, own_gradients, overflow, nonfinite = kept.all_reduce(
+            [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients, float(at_norm == "overflow"),
+             float(at_norm == "nonfinite" or local_gradients == "nonfinite")], "max", "model")
+        facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron,
+                             norm_overflowed(overflow, nonfinite))
         micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
                                        NONE if loss_micro_batch is None else loss_micro_batch],
                                       "min", "model")
@@ -362,7 +378,8 @@ class StepRerun:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
         elif verdict is not Conclusion.REPRODUCIBLE:
-            logger.log(logging.WARNING if verdict is Conclusion.TRANSIENT else logging.INFO,
+            logger.log(logging.WARNING if verdict in (Conclusion.TRANSIENT, Conclusion.NORM_OVERFLOW)
+                       else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
                        where(record), explanation)
 

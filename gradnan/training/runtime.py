@@ -149,7 +149,8 @@ class Runtime:
         then the run stops if asked to. A norm read after its step (one Megatron returned as a device
         tensor) comes after the update: that step can no longer be run again as it was."""
         if megatron is not None or self.clock.stepping() is not None:
-            self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction)
+            self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
+                         self.detections.last_at_norm)
         else:
             self.rerun.too_late(trigger)
         if stop is not None:
@@ -168,12 +169,12 @@ class Runtime:
     def first_sync_of_step(self, group: Any) -> bool:
         return self.window.recording() and self.detections.first_sync_of_step(group)
 
-    def pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets,
+    def pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets,
                             mode: str) -> bool:
-        return self.detections.pre_reduction_flags(group, flags, describe, mode)
+        return self.detections.pre_reduction_flags(group, maxima, describe, mode)
 
-    def defer_pre_reduction_flags(self, group: Any, flags: torch.Tensor, describe: DescribeBuckets) -> None:
-        self.detections.defer_pre_reduction_flags(group, flags, describe)
+    def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets) -> None:
+        self.detections.defer_pre_reduction_flags(group, maxima, describe)
 
     # -- the user's controls -------------------------------------------------------------------------
 

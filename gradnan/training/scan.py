@@ -67,6 +67,14 @@ def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(_sum(tensor))
 
 
+def abs_max(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float32 tensor on the tensor's device: its largest magnitude, NaN or Inf where it holds one
+    (``aminmax`` propagates both). One pass, no temporary the size of the tensor, no host sync: the same
+    read as ``finite_flag``, and it also tells a finite value whose square overflows a float32 norm."""
+    low, high = torch.aminmax(tensor.detach().reshape(-1))
+    return torch.maximum(low.abs(), high.abs()).to(torch.float32)
+
+
 def _row_sums(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     """Sum of each ``chunk``-element row of a 1-D tensor (the last row may be shorter)."""
     if flat.numel() <= chunk:
