@@ -77,10 +77,11 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
             raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    flags = ("scale_collapsed", "warmup")
+    flags = ("scale_collapsed", "warmup", "loss_finite")
     if not optional(record.get("time"), is_number) or not all(
             optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
-        raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed' and 'warmup' booleans")
+        raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
+                         " booleans")
     check_run(record.get("run"), where)
     for key in ("kind", "pre_reduction", "mode", "map"):
         if not optional(record.get(key), is_text):

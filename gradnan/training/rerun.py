@@ -170,6 +170,7 @@ class StepRerun:
         self._guard, self._named_modules, self._recording = guard, named_modules, recording
         self._hooking = hooking
         self._kept: Optional[RerunnableStep] = None
+        self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
 
     def keeps_steps(self) -> bool:
@@ -179,6 +180,21 @@ class StepRerun:
 
     def step_kept(self, kept: RerunnableStep) -> None:
         self._kept = kept
+
+    def step_loss_finite(self) -> Optional[bool]:
+        """Whether the kept step's losses were all finite on every rank of this model-parallel group (its
+        last pipeline stage holds them): a MAX all-reduce over that group, which every rank of it enters
+        together (an fp16 overflow flag is reduced over at least that group). Asked at an fp16 skip only,
+        once per step; None where no step is kept (``rerun`` off, or after the run's rerun)."""
+        step = self._clock.current()
+        if self._loss_seen is not None and self._loss_seen[0] == step:
+            return self._loss_seen[1]
+        finite = None
+        if self.keeps_steps() and self._kept is not None:
+            own, _ = self._kept.original_losses()
+            finite = not self._kept.all_reduce([0.0 if own is None or own else 1.0], "max", "model")[0]
+        self._loss_seen = (step, finite)
+        return finite
 
     def expected(self) -> bool:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""

@@ -132,8 +132,10 @@ class Runtime:
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None:
-        incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
-        stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
+        loss_finite = self.guarded("rerun", self.rerun.step_loss_finite)
+        incident = self.detections.overflow_is_incident(optimizer, scale, min_scale, loss_finite)
+        stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads,
+                                                    loss_finite)
                 if self.window.recording() else None)
         if incident:
             self._incident("loss_scale_overflow", stop)
