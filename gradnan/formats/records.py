@@ -1,6 +1,7 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
-Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``
+Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
+``nonfinite_loss``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -92,7 +93,20 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_probes(record, where)
     elif record.get("kind") == "rerun":
         _check_rerun(record, where)
+    elif record.get("kind") == "nonfinite_loss":
+        _check_nonfinite_loss(record, where)
     return record
+
+
+def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:
+    batch = record.get("batch")
+    if (not optional(record.get("micro_batch"), is_int) or not is_stat(record.get("loss"))
+            or not all(optional(record.get(key), is_text)
+                       for key in ("message", "megatron_mode", "rerun_skipped"))
+            or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
+        raise InputError(f"{where}: a nonfinite_loss record needs integer or null 'micro_batch', a numeric"
+                         " 'loss', text or null 'message'/'megatron_mode'/'rerun_skipped', and 'batch' null"
+                         " or an object with a text 'path'")
 
 
 RERUN_ROLES = values(RerunRole)

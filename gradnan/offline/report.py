@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..formats.incident import RecordKind
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -213,7 +214,9 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
-    lines += [f"  {_rank_label(entry)}: {entry['params_total']} parameter(s)"
+    lines += [f"  {_rank_label(entry)}: " + (
+        f"non-finite loss ({entry['loss']}) at micro-batch {entry['micro_batch']}"
+        if entry.get("kind") == RecordKind.NONFINITE_LOSS else f"{entry['params_total']} parameter(s)")
               for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "

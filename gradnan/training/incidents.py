@@ -229,6 +229,20 @@ class Detections:
             logger.debug("%s: loss-scale overflow (scale %s), step skipped", when(record), scale)
         return None
 
+    def nonfinite_loss(self, micro_batch: Optional[int], message: str, loss: float,
+                       batch: Optional[Dict[str, Any]], rerun_skipped: Optional[str]) -> Dict[str, Any]:
+        """Megatron's loss check rejected this rank's loss (``--rerun-mode disabled``): record and log it
+        before Megatron's RuntimeError goes on to the user."""
+        record = self._writer.record("nonfinite_loss", self._clock.current(), [], {
+            "micro_batch": micro_batch, "loss": json_float(loss), "message": message,
+            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped})
+        logger.error("%s: Megatron's loss check rejected a non-finite loss (%s) on %s, micro-batch %s"
+                     " (%r); Megatron raises next; %s%s; record: %s", when(record), record["loss"],
+                     where(record), micro_batch, message,
+                     f"the micro-batch: {batch['path']}" if batch else "no micro-batch kept",
+                     f"; not run again: {rerun_skipped}" if rerun_skipped else "", record.path)
+        return record
+
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
         """Capture: write what retention kept of this step; arm the implicated module where this rank may
         be the origin (not where its own gradients were clean before the data-parallel collective)."""

@@ -277,7 +277,7 @@ class StepRerun:
         verdict = conclusion(bool(reproduced), original_loss, megatron, own_gradients)
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
-        batch = self._keep_batch(kept, failing_mb)
+        batch = self.keep_batch(kept, failing_mb)
         if role is RerunRole.CLEAN and batch is None and not kept.leads_replica():
             return None
         return self._report(trigger, megatron, role, module, seen, failing_mb, verdict, bundle, batch)
@@ -311,7 +311,7 @@ class StepRerun:
             "frames": frames})
         return None if written is None else written.path
 
-    def _keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
+    def keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
         """The failing micro-batch as this rank's data iterator gave it, where it gave one."""
         items = kept.micro_batches()
         if micro_batch is None or micro_batch >= len(items) or not self._recording():
