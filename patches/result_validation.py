@@ -1,26 +1,63 @@
 """Megatron's own result validation: ``RerunStateMachine.should_checkpoint_and_exit``, which Megatron-LM's
-``train_step`` calls after its forward-backward loop and before the optimizer's step.
+``train_step`` calls after its forward-backward loop and before the optimizer's step, and
+``RerunStateMachine.validate_result``, which Megatron-LM's loss_func calls on every loss.
 
 Under ``--rerun-mode validate_results`` (Megatron-LM's default) a NaN loss or gradient makes Megatron run
 the step again in place, then checkpoint and exit before the optimizer is reached: gradnan's own incident
 (at the grad norm) would never come. Here, when Megatron has just rerun a step, gradnan runs its rerun of
 the same step (``Events.megatron_reran``) with Megatron's conclusion: "reproducible" (Megatron will ask
 for another GPU) or "transient" (Megatron's rerun was finite). Every rank calls this with the same state.
+
+Under ``--rerun-mode disabled`` a rejected result raises RuntimeError from ``validate_result`` at once.
+Where that happens while the schedule computes a loss (``schedules.forward_step_calc_loss``, which calls
+the user's loss_func), gradnan is told the loss that was rejected (``Events.loss_rejected``) and lets the
+exception go on unchanged; the schedule wrapper (``schedules``) then runs the incident before it reaches
+the user. The rejection function is never called here (it would add a host sync): Megatron's own call
+decides. Megatron DDP's ``check_for_nan_in_grad`` also raises from ``validate_result``, outside the loss
+computation: the pre-reduction check (``grad_sync``) has written its record by then.
 """
 
 from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+import torch
 
 from ..training.events import Events
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 
 _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLACE": "transient"}
+_LOSS_COMPUTATION = "forward_step_calc_loss"
+
+
+class _InLoss(threading.local):
+    """How deep this thread is in the schedule's loss computation (the user's loss_func)."""
+
+    depth = 0
+
+
+def _arguments(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``validate_result``'s arguments by name, however they were passed."""
+    bound = inspect.signature(original).bind(None, *args, **kwargs)
+    return dict(bound.arguments)
+
+
+def _as_number(result: Any) -> float:
+    """The rejected result as a number (a host read, on the failing path only)."""
+    if isinstance(result, torch.Tensor):
+        return float(result.detach().float().reshape(-1)[0])
+    return float(result)
 
 
 class ResultValidationInstrumentor(Instrumentor):
     name = "result_validation"
-    description = "result validation (RerunStateMachine.should_checkpoint_and_exit)"
-    without = "no rerun of a step that Megatron's validate_results mode ran again before exiting"
+    description = "result validation (RerunStateMachine.should_checkpoint_and_exit, validate_result)"
+    without = ("no rerun of a step that Megatron's validate_results mode ran again before exiting; no record"
+               " of a loss Megatron's check rejected in disabled mode")
 
     def _apply(self, patcher: Patcher, runtime: Events) -> None:
         from megatron.core.rerun_state_machine import RerunStateMachine
@@ -35,3 +72,44 @@ class ResultValidationInstrumentor(Instrumentor):
             return wrapper
 
         patcher.wrap(RerunStateMachine, "should_checkpoint_and_exit", make_wrapper)
+        self._wrap_loss_check(patcher, runtime)
+
+    @staticmethod
+    def _wrap_loss_check(patcher: Patcher, runtime: Events) -> None:
+        """A result rejected in disabled mode while the schedule computes a loss: told to the runtime
+        before Megatron's RuntimeError leaves ``validate_result``. Without ``forward_step_calc_loss``
+        (megatron-core before 0.13) no rejection is known to be a loss: nothing is told."""
+        from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
+
+        schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+        if not hasattr(schedules, _LOSS_COMPUTATION):
+            return
+        in_loss = _InLoss()
+
+        def loss_wrapper(original):
+            def wrapper(*args, **kwargs):
+                in_loss.depth += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    in_loss.depth -= 1
+
+            return wrapper
+
+        def tell(original, machine, args, kwargs):
+            arguments = _arguments(original, args, kwargs)
+            runtime.loss_rejected(str(arguments.get("message", "")), _as_number(arguments.get("result")))
+
+        def validate_wrapper(original):
+            def wrapper(self, *args, **kwargs):
+                try:
+                    return original(self, *args, **kwargs)
+                except RuntimeError:
+                    if in_loss.depth and getattr(self, "mode", None) == RerunMode.DISABLED:
+                        runtime.guarded("rerun", tell, original, self, args, kwargs)
+                    raise
+
+            return wrapper
+
+        patcher.wrap(schedules, _LOSS_COMPUTATION, loss_wrapper)
+        patcher.wrap(RerunStateMachine, "validate_result", validate_wrapper)

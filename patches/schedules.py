@@ -149,6 +149,7 @@ class KeptStep:
         self.kwargs = {**kwargs, "data_iterator": self._kept_iterator}
         self.rng = rng_states()
         self._losses: Any = None
+        self._rejected_micro_batch: Optional[int] = None
         model = kwargs.get("model")
         self.chunks: List[torch.nn.Module] = list(model) if isinstance(model, list) else [model]
 
@@ -158,7 +159,23 @@ class KeptStep:
 
     def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
         """The training pass's losses: all finite?, and the first micro-batch whose loss was not."""
+        if self._rejected_micro_batch is not None:
+            return False, self._rejected_micro_batch
         return loss_state(self._losses)
+
+    def ended_early(self, micro_batch: int) -> None:
+        """The pass raised at ``micro_batch``: a pass again runs the micro-batches it had yielded."""
+        self._rejected_micro_batch = micro_batch
+        self.kwargs = {**self.kwargs, "num_microbatches": len(self.micro_batches())}
+
+    def not_raised_together(self) -> Optional[str]:
+        """Why this model-parallel group's other ranks did not raise with this one at a rejected loss."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            return ("pipeline parallelism: only the last stage computes the loss, the other stages wait in"
+                    " their point-to-point exchange and cannot run the step again with it")
+        return None
 
     def micro_batches(self) -> List[Any]:
         """The items the first data iterator yielded this step, in order (empty without one)."""
@@ -238,9 +255,15 @@ class ScheduleInstrumentor(Instrumentor):
                         or megatron_reruns_in_place()):
                     return original(*args, **kwargs)
                 kept = runtime.guarded("rerun", KeptStep, original, kwargs)
-                if kept is None:
-                    return original(*args, **kwargs)
-                result = kept.run()
+                try:
+                    if kept is None:
+                        return original(*args, **kwargs)
+                    result = kept.run()
+                except Exception:
+                    # Megatron's loss check may have raised (--rerun-mode disabled): gradnan's incident
+                    # first, then the very same exception goes on to the user
+                    runtime.guarded("rerun", runtime.schedule_raised, kept)
+                    raise
                 runtime.guarded("rerun", runtime.step_kept, kept)
                 return result
 

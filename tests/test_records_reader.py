@@ -612,3 +612,27 @@ def test_the_readers_dtype_limits_are_torchs():
 
     assert DTYPE_MAX == {str(dtype): torch.finfo(dtype).max
                          for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+# --- issue 23: a rejected loss, an fp16 skip's loss ------------------------------------------------
+
+def a_nonfinite_loss_record(**overrides: Any) -> Dict[str, Any]:
+    return {**a_record(2), "kind": "nonfinite_loss", "params": [], "params_total": 0, "micro_batch": 0,
+            "loss": "nan", "message": "found NaN in local forward loss calculation",
+            "megatron_mode": "disabled", "batch": {"path": "/run/batches/x.pt"}, "rerun_skipped": None,
+            **overrides}
+
+
+def test_a_nonfinite_loss_record_is_read_and_a_malformed_one_named():
+    assert records.from_json(a_nonfinite_loss_record(), "f:1")["micro_batch"] == 0
+    for bad in ({"micro_batch": "0"}, {"loss": [1]}, {"batch": {"path": 3}}, {"rerun_skipped": 5}):
+        with pytest.raises(InputError, match="nonfinite_loss"):
+            records.from_json(a_nonfinite_loss_record(**bad), "f:1")
+
+
+def test_an_overflow_records_loss_finite_is_a_boolean_or_null():
+    overflow = {**a_record(3), "kind": "loss_scale_overflow", "consecutive_skips": 3}
+    for value in (True, False, None):
+        assert records.from_json({**overflow, "loss_finite": value}, "f:1")["loss_finite"] is value
+    with pytest.raises(InputError, match="loss_finite"):
+        records.from_json({**overflow, "loss_finite": "no"}, "f:1")

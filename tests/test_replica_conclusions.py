@@ -25,9 +25,9 @@ SCENARIOS = {
     # a one-off forward fault on rank 1 (dp1): gradnan's own rerun at the grad norm
     "forward_glitch": BASE.with_(injections=(FORWARD_GLITCH,)),
     # the same under Megatron's validate_results: Megatron reruns the step, finds it finite, exits
-    "forward_glitch_validated": BASE.with_(validate_results=True, injections=(FORWARD_GLITCH,)),
+    "forward_glitch_validated": BASE.with_(rerun_mode="validate_results", injections=(FORWARD_GLITCH,)),
     # a one-off NaN in one weight gradient on rank 1: Megatron's bucket check, its rerun finite
-    "gradient_glitch_validated": BASE.with_(validate_results=True, check_for_nan_in_grad=True, injections=(
+    "gradient_glitch_validated": BASE.with_(rerun_mode="validate_results", check_for_nan_in_grad=True, injections=(
         Injection(1, 2, FC1, "nan", where="backward", index=3, transient=True),)),
 }
 

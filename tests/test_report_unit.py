@@ -47,6 +47,15 @@ def test_a_collapsed_scale_is_a_failure_at_once():
     assert build_report(_files(_overflow(4, 1, collapsed=True)))["first_step"] == 4
 
 
+def test_a_skip_with_a_nonfinite_loss_is_a_failure_at_its_own_step_even_during_warm_up():
+    """Skips before the first applied update are the scale warming up, unless the loss was non-finite:
+    then the fault began at that step, not where the run of skips began."""
+    warm = [{**_overflow(step, step), "warmup": True, "loss_finite": True} for step in (1, 2)]
+    forward = {**_overflow(3, 3), "warmup": False, "loss_finite": False}
+    assert build_report(_files(*warm))["first_step"] is None
+    assert build_report(_files(*warm, forward))["first_step"] == 3
+
+
 def test_a_nonfinite_grad_norm_is_always_a_failure():
     records = [_overflow(1, 1), _record(3, "nonfinite_grad_norm", params=["w"], pre_reduction="unchecked")]
     assert build_report(_files(*records))["first_step"] == 3

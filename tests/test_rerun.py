@@ -34,7 +34,8 @@ SCENARIOS = {
     "bf16_one_off_dp2": BASE.with_(dtype="bf16",
                                    injections=(Injection(1, 2, QKV, "1e20", where="scale_to"),
                                                Injection(1, 2, "", "nan", where="memory_buffer"))),
-    # the same overflow in fp16 on tensor-parallel rank 1, persistent: skips from step 2, escalation at 4
+    # the same overflow in fp16 on tensor-parallel rank 1, persistent from step 2: its loss is non-finite,
+    # so that first skip is the incident (issue 23), not the escalation of the skips at step 4
     "fp16_persistent_tp2": BASE.with_(tp=2, dtype="fp16", steps=4, injections=(
         Injection(1, 2, QKV, "300", where="scale_to"),)),
     "bf16_second_stage_pp2": BASE.with_(pp=2, dtype="bf16", num_layers=2, injections=(
@@ -59,9 +60,9 @@ SCENARIOS = {
         Injection(1, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan", where="main_grad", index=3),)),
     # Megatron's RerunStateMachine in validate_results mode (Megatron-LM's default): it reruns the step on a
     # NaN loss and exits before the optimizer; gradnan rides on it
-    "validate_results_reproducible": BASE.with_(dtype="bf16", validate_results=True, injections=(
+    "validate_results_reproducible": BASE.with_(dtype="bf16", rerun_mode="validate_results", injections=(
         Injection(1, 2, QKV, "1e20", where="scale_to"),)),
-    "validate_results_transient": BASE.with_(dtype="bf16", validate_results=True, injections=(
+    "validate_results_transient": BASE.with_(dtype="bf16", rerun_mode="validate_results", injections=(
         Injection(1, 2, CORE, "inf", where="forward", transient=True),)),
 }
 
@@ -124,12 +125,12 @@ def test_the_failing_steps_bundle_replays_and_names_the_first_operator(runs):
 def test_fp16_persistent_overflow_origin_on_tp1_and_tp0_is_a_receiver(runs):
     found = reruns(runs["fp16_persistent_tp2"])
     assert found[1]["role"] == "origin" and found[1]["module"] == CORE
-    assert found[1]["trigger"] == "loss_scale_overflow" and found[1]["step"] == 4  # the escalation step
+    assert found[1]["trigger"] == "loss_scale_overflow" and found[1]["step"] == 2  # the fault's first step
     assert found[0]["role"] == "receiver" and found[0]["module"] != CORE
     assert found[1]["bundle"] and not found[0]["bundle"]
     bundles = sorted(p.parent.name
                      for p in (runs["fp16_persistent_tp2"] / "bundles").glob("*/*/manifest.json"))
-    assert bundles == ["step0000004_" + CORE]  # no later capture of what tp0 only received
+    assert bundles == ["step0000002_" + CORE]  # no later capture of what tp0 only received
 
 
 def test_an_overflow_on_the_second_pipeline_stage_is_named_there(runs):
@@ -212,7 +213,7 @@ def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(ru
     assert [r["global_rank"] for r in rerun["receivers"]] == [0]
     text = format_text(analysis)
     headline = "\n".join(text.splitlines()[:6])
-    assert f"Forward origin (step 4 run again in place): {CORE}" in headline, text
+    assert f"Forward origin (step 2 run again in place): {CORE}" in headline, text
     assert "on rank 1 (tp1 pp0 dp0)" in headline and "micro-batch 0: REPRODUCIBLE" in headline, text
     assert "received it from there (not origins): rank(s) 0" in headline, text
     assert [entry["global_rank"] for entry in report["incident"]["origin"]] == [1]

@@ -25,9 +25,12 @@ class RecordKind(str, enum.Enum):
     """``gradnan.check`` probes: the values a user asked to watch."""
     RERUN = "rerun"
     """What the in-place rerun of the failing step found on this rank."""
+    NONFINITE_LOSS = "nonfinite_loss"
+    """Megatron's loss check (``validate_result``, ``--rerun-mode disabled``) rejected this rank's loss."""
 
 
-INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION)
+INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION,
+                  RecordKind.NONFINITE_LOSS)
 NORM_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW)
 
 
@@ -217,6 +220,9 @@ class OriginBasis(str, enum.Enum):
     NORM_OVERFLOW = "norm_overflow"
     """No rank held a non-finite gradient; these held the largest, finite, gradient, whose square overflowed
     the float32 grad norm (before the data-parallel collective where the pre-reduction check saw it)."""
+    LOSS_CHECK = "loss_check"
+    """Megatron's loss check rejected their non-finite loss (``--rerun-mode disabled``), and no rerun
+    named a forward origin."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -234,6 +240,7 @@ _BASIS_TEXT = {
     OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
                                " overflowed",
     OriginBasis.NONE: "",
+    OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
     OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
                        " place",
 }
@@ -248,6 +255,19 @@ class GradientPass(str, enum.Enum):
     """Only some are: the first in backward order is where it started."""
     UNKNOWN = "unknown"
     """The maps needed to tell are missing."""
+
+
+def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optional[str],
+                          rerun_skipped: Optional[str]) -> str:
+    """The verdict's summary of a loss Megatron's check rejected (``--rerun-mode disabled``): what
+    Megatron did, what gradnan could and could not do before Megatron raised."""
+    kept = f"kept the micro-batch ({batch})" if batch else "kept no micro-batch"
+    again = (f"it could not run the step again ({rerun_skipped}): replay the kept micro-batch, or run with"
+             " --rerun-mode validate_results, to tell the data from the device" if rerun_skipped
+             else "the step's forward pass was run again in place (see the rerun)")
+    return (f"Megatron's loss check rejected a non-finite loss ({loss}) on rank {rank}, micro-batch"
+            f" {micro_batch}, and raised (--rerun-mode disabled): the forward pass went non-finite on that"
+            f" micro-batch; before that gradnan recorded it and {kept}; {again}")
 
 
 def values(enum_type: type) -> Tuple[str, ...]:

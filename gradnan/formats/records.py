@@ -1,6 +1,7 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
-Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``
+Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
+``nonfinite_loss``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -81,10 +82,11 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
             raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    flags = ("scale_collapsed", "warmup")
+    flags = ("scale_collapsed", "warmup", "loss_finite")
     if not optional(record.get("time"), is_number) or not all(
             optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
-        raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed' and 'warmup' booleans")
+        raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
+                         " booleans")
     check_run(record.get("run"), where)
     _check_largest(record.get("largest_grad"), where)
     for key in ("kind", "pre_reduction", "mode", "map"):
@@ -96,6 +98,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_probes(record, where)
     elif record.get("kind") == "rerun":
         _check_rerun(record, where)
+    elif record.get("kind") == "nonfinite_loss":
+        _check_nonfinite_loss(record, where)
     return record
 
 
@@ -109,6 +113,17 @@ def _check_largest(largest: Any, where: str) -> None:
             and isinstance(largest.get("overflows"), bool)):
         raise InputError(f"{where}: 'largest_grad' needs a text 'name', a numeric 'value', an 'index' list of"
                          " integers and a boolean 'overflows'")
+
+
+def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:
+    batch = record.get("batch")
+    if (not optional(record.get("micro_batch"), is_int) or not is_stat(record.get("loss"))
+            or not all(optional(record.get(key), is_text)
+                       for key in ("message", "megatron_mode", "rerun_skipped"))
+            or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
+        raise InputError(f"{where}: a nonfinite_loss record needs integer or null 'micro_batch', a numeric"
+                         " 'loss', text or null 'message'/'megatron_mode'/'rerun_skipped', and 'batch' null"
+                         " or an object with a text 'path'")
 
 
 RERUN_ROLES = values(RerunRole)

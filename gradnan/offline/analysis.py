@@ -33,6 +33,7 @@ from ..formats.incident import (
     RecordKind,
     RerunRole,
     norm_overflow_summary,
+    rejected_loss_summary,
     values,
 )
 from ..formats.layout import rank_label, shown_axes
@@ -441,6 +442,24 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
                         if r["role"] == RerunRole.RECEIVER))
 
 
+def _rejected_losses(losses: List[Dict[str, Any]],
+                     rerun: Optional[RerunFinding]) -> Tuple[OriginBasis, List[View], Verdict]:
+    """Losses Megatron's check rejected before any gradient existed (it raised in the loss function): the
+    origin is where the rerun named a forward origin among those ranks, else the ranks whose loss was
+    rejected; the reading says what Megatron did and what gradnan could and could not do."""
+    rejected = [{**rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
+                 "micro_batch": r.get("micro_batch"), "loss": r.get("loss")} for r in losses]
+    first = losses[0]
+    batch = next((r["batch"]["path"] for r in losses if r.get("batch")), rerun.batch if rerun else None)
+    reading = Verdict(Cause.UNDETERMINED, rejected_loss_summary(
+        first["rank"].get("global_rank"), first.get("micro_batch"), first.get("loss"), batch,
+        first.get("rerun_skipped")), ())
+    named = {view["global_rank"] for view in rerun.origins} if rerun is not None else set()
+    if any(entry["global_rank"] in named for entry in rejected):
+        return OriginBasis.RERUN, [entry for entry in rejected if entry["global_rank"] in named], reading
+    return OriginBasis.LOSS_CHECK, rejected, reading
+
+
 def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any]]) -> List[str]:
     """What self-tests in the run directory say about the origin's devices."""
     devices = {(entry.get("host"), entry.get("device")) for entry in origin}
@@ -523,6 +542,9 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
                      rerun.iteration if rerun is not None and rerun.step == step else None)
     reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters, bool(at_step))
+    losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
+    if losses and not gradient_origin:
+        basis, origin, reading = _rejected_losses(losses, rerun)
     return Incident(
         step=step, iteration=iteration,
         kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,), origin_basis=basis,

@@ -215,10 +215,12 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
 
 
 def _origin_holds(entry: Dict[str, Any]) -> str:
-    """What an origin rank is named for: its non-finite parameters, its own non-finite loss/gradients, or (a
-    norm overflow) its largest gradient."""
+    """What an origin rank is named for: its non-finite parameters, its own non-finite loss/gradients, the
+    loss Megatron's check rejected, or (a norm overflow) its largest gradient."""
     if entry.get("own_failure"):
         return f"its own {entry['own_failure']} non-finite in the failing pass"
+    if entry.get("kind") == RecordKind.NONFINITE_LOSS:
+        return f"non-finite loss ({entry['loss']}) at micro-batch {entry['micro_batch']}"
     if entry["params_total"] or not entry.get("largest_grad"):
         return f"{entry['params_total']} parameter(s)"
     when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""

@@ -52,7 +52,8 @@ def _split_by_start(records: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]
 
 def failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optional[int]:
     """The first step that is a failure, not a routine fp16 loss-scale skip (one of a few in a row, or any
-    number while the scale warms up before the first applied update, short of its collapse). For a run
+    number while the scale warms up before the first applied update, short of its collapse). A skip whose
+    loss was non-finite (``loss_finite: false``) is a failure at its own step, warm-up or not. For a run
     of consecutive skips that became serious, the step where that run began (its origin is the
     interesting one)."""
     by_step: Dict[int, List[Dict[str, Any]]] = {}
@@ -63,7 +64,8 @@ def failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optiona
         overflows = [r for r in records if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW]
         serious = [r for r in overflows if r.get("scale_collapsed")
                    or (not r.get("warmup") and (r.get("consecutive_skips") or 1) >= serious_skips)]
-        if any(r["kind"] == RecordKind.NONFINITE_GRAD_NORM for r in records) or (not overflows and records):
+        if (any(r["kind"] == RecordKind.NONFINITE_GRAD_NORM for r in records) or (not overflows and records)
+                or any(r.get("loss_finite") is False for r in overflows)):
             return step
         if serious:
             start = step - max((r.get("consecutive_skips") or 1) for r in serious) + 1

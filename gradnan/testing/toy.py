@@ -95,9 +95,11 @@ class TinyGPTJob:
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
     # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
     dropout: float = 0.0
-    # Megatron's RerunStateMachine in "validate_results" mode, as Megatron-LM's train_step drives it: a NaN
-    # loss is run again in place, then the job checkpoints and exits (here: stops training) before the update
-    validate_results: bool = False
+    # Megatron's RerunStateMachine in this mode ("disabled", "validate_results", "report_determinism_stats"),
+    # as Megatron-LM's train_step drives it, its loss_func validating every loss (torch.isnan, fatal);
+    # None: no state machine, no loss check. "disabled" raises at a NaN loss; "validate_results" runs the
+    # step again in place, then the job checkpoints and exits (here: stops training) before the update
+    rerun_mode: Optional[str] = None
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -363,10 +365,10 @@ def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> N
 
 
 class _ResultValidation:
-    """Megatron's ``RerunStateMachine`` in "validate_results" mode, driven as Megatron-LM's ``train_step``
-    drives it: data through ``RerunDataIterator``s (rewound for the rerun), RNG state saved and restored."""
+    """Megatron's ``RerunStateMachine`` in ``mode``, driven as Megatron-LM's ``train_step`` drives it: data
+    through ``RerunDataIterator``s (rewound for a rerun), RNG state saved and restored."""
 
-    def __init__(self, batches: List[Iterator[Any]]) -> None:
+    def __init__(self, batches: List[Iterator[Any]], mode: str) -> None:
         from megatron.core.rerun_state_machine import (
             RerunDataIterator,
             RerunMode,
@@ -376,7 +378,7 @@ class _ResultValidation:
         from gradnan.patches.schedules import rng_states, set_rng_states
 
         initialize_rerun_state_machine(state_save_func=rng_states, state_restore_func=set_rng_states,
-                                       mode=RerunMode.VALIDATE_RESULTS)
+                                       mode=RerunMode(mode))
         self.iterators = [RerunDataIterator(batch) for batch in batches]
         self.exit_code: Optional[int] = None
 
@@ -444,7 +446,7 @@ class TinyGPT:
         config.grad_scale_func = self.optimizer.scale_loss
         # one iterator per chunk (the interleaved schedule takes a list), each drawing the same micro-batches
         self.batches = [_batches(job, parallel_state.get_data_parallel_rank()) for _ in self.chunks]
-        self.validation = _ResultValidation(self.batches) if job.validate_results else None
+        self.validation = _ResultValidation(self.batches, job.rerun_mode) if job.rerun_mode else None
         if self.validation is not None:
             self.batches = self.validation.iterators
         self.forward_backward = get_forward_backward_func()

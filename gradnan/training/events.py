@@ -72,6 +72,14 @@ class RerunnableStep(Protocol):
     def micro_batches(self) -> List[Any]:
         """What the data iterator yielded for each micro-batch of the step (empty without one)."""
 
+    def ended_early(self, micro_batch: int) -> None:
+        """The training pass raised at micro-batch ``micro_batch`` (Megatron's loss check rejected its
+        loss): a pass again covers the micro-batches yielded so far, and that loss counts as non-finite."""
+
+    def not_raised_together(self) -> Optional[str]:
+        """Why the other ranks of this model-parallel group did not raise at a rejected loss with this one
+        (pipeline parallelism: only the last stage computes the loss), or None."""
+
     def cannot_rerun(self, job_wide: bool) -> Optional[str]:
         """Why the forward pass cannot run again (FP8 state; peers outside this model-parallel group while
         not ``job_wide``), or None."""
@@ -140,6 +148,10 @@ class Events(Protocol):
     def step_kept(self, kept: RerunnableStep) -> None: ...
 
     def megatron_reran(self, conclusion: str) -> None: ...
+
+    def loss_rejected(self, message: str, loss: float) -> None: ...
+
+    def schedule_raised(self, kept: Optional[RerunnableStep]) -> None: ...
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> None: ...

@@ -230,33 +230,44 @@ class Detections:
         self._capture_after(record, len(slots))
         return record
 
-    def overflow_is_incident(self, optimizer: Any, scale: Optional[float],
-                             min_scale: Optional[float]) -> bool:
-        """An fp16 overflow that is more than routine: the scale collapsed, or skips keep recurring after
-        training had applied updates. The same on every rank (skips are counted whether recorded or not)."""
+    def overflow_is_incident(self, optimizer: Any, scale: Optional[float], min_scale: Optional[float],
+                             loss_finite: Optional[bool]) -> bool:
+        """An fp16 overflow that is more than routine: the step's loss was non-finite (a forward overflow,
+        which no loss scale explains, warm-up or not), the scale collapsed, or skips keep recurring after
+        training had applied updates. The same on every rank (skips are counted whether recorded or not;
+        ``loss_finite`` is agreed over the model-parallel group, None where not known)."""
         state, _ = self.optimizer(optimizer)
-        return _collapsed(scale, min_scale) or (
+        return loss_finite is False or _collapsed(scale, min_scale) or (
             state.warmed_up and state.consecutive_skips + 1 == self.config.skip_warn_after)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
-                            min_scale: Optional[float], slots: Sequence[ParamSlot],
-                            grads: Grads) -> Optional[Dict[str, Any]]:
-        """Record and log it; the record when the scale collapsed (first time), on which to stop if asked."""
+                            min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads,
+                            loss_finite: Optional[bool]) -> Optional[Dict[str, Any]]:
+        """Record and log it; the record when the loss was non-finite or the scale collapsed (first time),
+        on which to stop if asked. ``loss_finite``: the step's loss, agreed over the model-parallel group
+        (None: not known, the step was not kept)."""
         state, _ = self.optimizer(optimizer)
         skips = state.consecutive_skips + 1  # this step's skip is counted when the step returns
         chosen = [i for i, slot in enumerate(slots) if slot.optimizer == leaf]
         collapsed = _collapsed(scale, min_scale)
         # no update applied yet: the scale is still coming down from its initial value (Megatron-LM's is
-        # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident
-        warmup = not state.warmed_up
+        # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident; unless
+        # the loss itself was non-finite: no loss scale makes the forward pass overflow
+        warmup = not state.warmed_up and loss_finite is not False
         record = self._record(
             optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
             {"loss_scale": None if scale is None else json_float(scale),
              "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
-             "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup})
+             "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup,
+             "loss_finite": loss_finite})
         first = self.config.skip_warn_after
-        if self.overflow_is_incident(optimizer, scale, min_scale):
+        if self.overflow_is_incident(optimizer, scale, min_scale, loss_finite):
             self._capture_after(record, len(slots))
+        if loss_finite is False:
+            logger.error("%s: fp16 step skipped with a non-finite loss (loss scale %s): the forward pass"
+                         " overflowed, which no loss scale explains; %s; record: %s", when(record), scale,
+                         describe_params(record), record.path)
+            return record
         if collapsed and not state.scale_collapse_reported:
             state.scale_collapse_reported = True
             logger.error("%s: loss scale collapsed to %s (its minimum) after %d skipped steps;"
@@ -270,6 +281,20 @@ class Detections:
         else:
             logger.debug("%s: loss-scale overflow (scale %s), step skipped", when(record), scale)
         return None
+
+    def nonfinite_loss(self, micro_batch: Optional[int], message: str, loss: float,
+                       batch: Optional[Dict[str, Any]], rerun_skipped: Optional[str]) -> Dict[str, Any]:
+        """Megatron's loss check rejected this rank's loss (``--rerun-mode disabled``): record and log it
+        before Megatron's RuntimeError goes on to the user."""
+        record = self._writer.record("nonfinite_loss", self._clock.current(), [], {
+            "micro_batch": micro_batch, "loss": json_float(loss), "message": message,
+            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped})
+        logger.error("%s: Megatron's loss check rejected a non-finite loss (%s) on %s, micro-batch %s"
+                     " (%r); Megatron raises next; %s%s; record: %s", when(record), record["loss"],
+                     where(record), micro_batch, message,
+                     f"the micro-batch: {batch['path']}" if batch else "no micro-batch kept",
+                     f"; not run again: {rerun_skipped}" if rerun_skipped else "", record.path)
+        return record
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
         """Capture: write what retention kept of this step; arm the implicated module where this rank may

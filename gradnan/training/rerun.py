@@ -204,6 +204,7 @@ class StepRerun:
         self._guard, self._named_modules, self._recording = guard, named_modules, recording
         self._hooking = hooking
         self._kept: Optional[RerunnableStep] = None
+        self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
 
     def keeps_steps(self) -> bool:
@@ -213,6 +214,21 @@ class StepRerun:
 
     def step_kept(self, kept: RerunnableStep) -> None:
         self._kept = kept
+
+    def step_loss_finite(self) -> Optional[bool]:
+        """Whether the kept step's losses were all finite on every rank of this model-parallel group (its
+        last pipeline stage holds them): a MAX all-reduce over that group, which every rank of it enters
+        together (an fp16 overflow flag is reduced over at least that group). Asked at an fp16 skip only,
+        once per step; None where no step is kept (``rerun`` off, or after the run's rerun)."""
+        step = self._clock.current()
+        if self._loss_seen is not None and self._loss_seen[0] == step:
+            return self._loss_seen[1]
+        finite = None
+        if self.keeps_steps() and self._kept is not None:
+            own, _ = self._kept.original_losses()
+            finite = not self._kept.all_reduce([0.0 if own is None or own else 1.0], "max", "model")[0]
+        self._loss_seen = (step, finite)
+        return finite
 
     def expected(self) -> bool:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""
@@ -301,7 +317,7 @@ class StepRerun:
             failing_mb = 0  # the step's only micro-batch is the failing one
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
-        batch = self._keep_batch(kept, failing_mb)
+        batch = self.keep_batch(kept, failing_mb)
         if role is RerunRole.CLEAN and batch is None and not kept.leads_replica():
             return None
         return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch)
@@ -335,7 +351,7 @@ class StepRerun:
             "frames": frames})
         return None if written is None else written.path
 
-    def _keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
+    def keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
         """The failing micro-batch as this rank's data iterator gave it, where it gave one."""
         items = kept.micro_batches()
         if micro_batch is None or micro_batch >= len(items) or not self._recording():

@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import GradnanConfig
 from ..errors import INTENDED_STOPS
+from ..formats.incident import RecordKind
 from ..formats.maps import ParamSlot
 from .capture import CaptureManager
 from .clock import StepClock
@@ -50,6 +51,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
         self._ids_by_name: Dict[str, int] = {}
+        self._rejected_loss: Optional[Tuple[str, float]] = None  # (Megatron's message, the loss)
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -132,8 +134,10 @@ class Runtime:
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None:
-        incident = self.detections.overflow_is_incident(optimizer, scale, min_scale)
-        stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads)
+        loss_finite = self.guarded("rerun", self.rerun.step_loss_finite)
+        incident = self.detections.overflow_is_incident(optimizer, scale, min_scale, loss_finite)
+        stop = (self.detections.loss_scale_overflow(optimizer, leaf, scale, min_scale, slots, grads,
+                                                    loss_finite)
                 if self.window.recording() else None)
         if incident:
             self._incident("loss_scale_overflow", stop)
@@ -143,6 +147,37 @@ class Runtime:
         if self.window.recording():
             self.detections.own_gradients()
         self._incident("megatron_validation", None, conclusion)
+
+    def loss_rejected(self, message: str, loss: float) -> None:
+        """Megatron's loss check rejected this rank's loss in ``--rerun-mode disabled`` and is about to
+        raise. While steps are kept, the schedule wrapper runs the incident once the exception leaves the
+        schedule (``schedule_raised``); otherwise it is recorded now, without its micro-batch."""
+        self._rejected_loss = (message, loss)
+        if not self.keeps_steps():
+            self.schedule_raised(None)
+
+    def schedule_raised(self, kept: Optional[RerunnableStep]) -> None:
+        """The step's schedule raised. After a rejected loss: the step's forward pass run again where every
+        rank of the model-parallel group raised with this one (the micro-batches yielded so far), else
+        the failing micro-batch kept alone; then the ``nonfinite_loss`` record. Megatron's exception then
+        goes on unchanged."""
+        rejected, self._rejected_loss = self._rejected_loss, None
+        if rejected is None:
+            return
+        items = kept.micro_batches() if kept is not None else []
+        micro_batch = len(items) - 1 if items else None
+        skipped = ("the step was not kept (rerun off, after the run's rerun, or a loop outside"
+                   " megatron-core's schedules)" if kept is None else kept.not_raised_together())
+        batch = None
+        if kept is not None and skipped is None and micro_batch is not None:
+            kept.ended_early(micro_batch)
+            self.rerun.step_kept(kept)
+            rerun = self.guarded("rerun", self.rerun.incident, RecordKind.NONFINITE_LOSS.value)
+            batch = rerun.get("batch") if rerun else None
+        elif kept is not None:
+            batch = self.guarded("rerun", self.rerun.keep_batch, kept, micro_batch)
+        if self.window.recording():
+            self.detections.nonfinite_loss(micro_batch, *rejected, batch, skipped)
 
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]], megatron: Optional[str] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
