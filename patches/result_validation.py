@@ -6,7 +6,8 @@ Under ``--rerun-mode validate_results`` (Megatron-LM's default) a NaN loss or gr
 the step again in place, then checkpoint and exit before the optimizer is reached: gradnan's own incident
 (at the grad norm) would never come. Here, when Megatron has just rerun a step, gradnan runs its rerun of
 the same step (``Events.megatron_reran``) with Megatron's conclusion: "reproducible" (Megatron will ask
-for another GPU) or "transient" (Megatron's rerun was finite). Every rank calls this with the same state.
+for another GPU) or "transient" (Megatron's rerun was finite), for the job (every rank calls this with the
+same state) and on this rank (its own comparison, where its own validation failed).
 
 Under ``--rerun-mode disabled`` a rejected result raises RuntimeError from ``validate_result`` at once.
 Where that happens while the schedule computes a loss (``schedules.forward_step_calc_loss``, which calls
@@ -22,11 +23,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..training.events import Events
+from ..training.events import Events, MegatronRerun
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 
@@ -53,6 +54,16 @@ def _as_number(result: Any) -> float:
     return float(result)
 
 
+def _own_conclusion(machine: Any) -> Optional[str]:
+    """This rank's own word where its own validation failed in the failing pass: its rerun of that call
+    reproduced (Megatron then asks this rank for a checkpoint) or not. None where this rank's results were
+    all accepted: the job's word speaks for it. Each rank's state machine compares only its own results,
+    so pipeline stages may conclude differently."""
+    if getattr(machine, "failed_validation_call", None) is None:
+        return None
+    return "reproducible" if getattr(machine, "checkpoint_requested", False) else "transient"
+
+
 class ResultValidationInstrumentor(Instrumentor):
     name = "result_validation"
     description = "result validation (RerunStateMachine.should_checkpoint_and_exit, validate_result)"
@@ -66,7 +77,8 @@ class ResultValidationInstrumentor(Instrumentor):
             def wrapper(self, *args, **kwargs):
                 conclusion = _CONCLUSIONS.get(getattr(self.state, "name", ""))
                 if conclusion is not None:
-                    runtime.guarded("rerun", runtime.megatron_reran, conclusion)
+                    runtime.guarded("rerun", runtime.megatron_reran,
+                                    MegatronRerun(conclusion, _own_conclusion(self) or conclusion))
                 return original(self, *args, **kwargs)
 
             return wrapper

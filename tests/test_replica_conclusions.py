@@ -12,6 +12,7 @@ from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.training.events import MegatronRerun
 from gradnan.training.rerun import ReplicaFacts
 
 from .helpers import records_by_rank
@@ -27,8 +28,9 @@ SCENARIOS = {
     # the same under Megatron's validate_results: Megatron reruns the step, finds it finite, exits
     "forward_glitch_validated": BASE.with_(rerun_mode="validate_results", injections=(FORWARD_GLITCH,)),
     # a one-off NaN in one weight gradient on rank 1: Megatron's bucket check, its rerun finite
-    "gradient_glitch_validated": BASE.with_(rerun_mode="validate_results", check_for_nan_in_grad=True, injections=(
-        Injection(1, 2, FC1, "nan", where="backward", index=3, transient=True),)),
+    "gradient_glitch_validated": BASE.with_(
+        rerun_mode="validate_results", check_for_nan_in_grad=True,
+        injections=(Injection(1, 2, FC1, "nan", where="backward", index=3, transient=True),)),
 }
 
 
@@ -91,18 +93,22 @@ def test_a_gradient_glitch_is_transient_by_its_gradients_not_its_loss(runs):
     assert "loss was not" not in format_text(analysis)
 
 
+REPRODUCIBLE = MegatronRerun("reproducible", "reproducible")
+TRANSIENT = MegatronRerun("transient", "transient")
+
+
 @pytest.mark.parametrize("facts, expected", [
     (ReplicaFacts(True, 1, 1, None), Conclusion.REPRODUCIBLE),
     (ReplicaFacts(False, 1, 1, None), Conclusion.TRANSIENT),
-    (ReplicaFacts(False, 1, 1, "reproducible"), Conclusion.TRANSIENT),
-    (ReplicaFacts(False, 0, 1, "transient"), Conclusion.TRANSIENT),
+    (ReplicaFacts(False, 1, 1, REPRODUCIBLE), Conclusion.TRANSIENT),
+    (ReplicaFacts(False, 0, 1, TRANSIENT), Conclusion.TRANSIENT),
     (ReplicaFacts(False, 0, 1, None), Conclusion.BACKWARD),
-    (ReplicaFacts(False, 0, 1, "reproducible"), Conclusion.BACKWARD),
+    (ReplicaFacts(False, 0, 1, REPRODUCIBLE), Conclusion.BACKWARD),
     # Megatron's word is job-wide: a replica whose own loss and gradients were clean received the values
-    (ReplicaFacts(False, 0, 0, "transient"), Conclusion.AFTER_COLLECTIVE),
+    (ReplicaFacts(False, 0, 0, TRANSIENT), Conclusion.AFTER_COLLECTIVE),
     (ReplicaFacts(False, -1, 0, None), Conclusion.AFTER_COLLECTIVE),
     (ReplicaFacts(False, 0, -1, None), Conclusion.BACKWARD),
-    (ReplicaFacts(False, -1, -1, "transient"), Conclusion.NOT_REPRODUCED),
+    (ReplicaFacts(False, -1, -1, TRANSIENT), Conclusion.NOT_REPRODUCED),
 ])
 def test_each_replica_concludes_from_its_own_facts(facts, expected):
     assert facts.conclusion() is expected
@@ -136,3 +142,18 @@ def test_split_conclusions_across_pipeline_stages_are_shown_as_such():
     assert ("Megatron's own rerun of it (validate_results): split: reproducible on rank(s) 1; transient on"
             " rank(s) 0") in text, text
     assert "  rank(s) 0: NOT reproduced: transient" in text, text
+
+
+def test_each_rank_records_megatrons_word_from_its_own_validation():
+    """Megatron's state machine on each rank compares only that rank's results: a rank whose own check
+    failed says whether its rerun failed again; a rank whose results were all accepted takes the job's."""
+    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
+
+    from gradnan.patches.result_validation import _own_conclusion
+
+    machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
+    assert _own_conclusion(machine) is None
+    machine.failed_validation_call = object()
+    assert _own_conclusion(machine) == "transient"
+    machine.checkpoint_requested = True
+    assert _own_conclusion(machine) == "reproducible"

@@ -55,6 +55,17 @@ class ModelFacts:
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
 
 
+@dataclass(frozen=True)
+class MegatronRerun:
+    """Megatron's own rerun of the failing step (its result validation): ``job``, what its state machine
+    concluded for the whole job ("reproducible" or "transient"); ``here``, this rank's own conclusion where
+    its own validation failed in the failing pass (its rerun failed again, or not), else the job's. Under
+    pipeline parallelism the stages may disagree."""
+
+    job: str
+    here: str
+
+
 class RerunnableStep(Protocol):
     """A training step the adapter kept so that its forward pass can run again
     (``gradnan.training.rerun``)."""
@@ -147,7 +158,7 @@ class Events(Protocol):
 
     def step_kept(self, kept: RerunnableStep) -> None: ...
 
-    def megatron_reran(self, conclusion: str) -> None: ...
+    def megatron_reran(self, conclusion: MegatronRerun) -> None: ...
 
     def loss_rejected(self, message: str, loss: float) -> None: ...
 

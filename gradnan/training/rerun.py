@@ -30,7 +30,7 @@ from ..log import logger
 from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
 from .error_guard import ErrorGuard
-from .events import ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
+from .events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
 from .frames import Frame, FrameTracer, first_nonfinite, forward_origin
 from .messages import when, where
 from .writer import Writer
@@ -149,15 +149,15 @@ class ReplicaFacts:
     """One data-parallel replica's own facts about the failing step, all-reduced over its model-parallel
     group (so the same on each of its ranks). ``loss``: the failing pass's loss, 1 non-finite, 0 finite,
     -1 seen nowhere. ``gradients``: its own gradients before the data-parallel collective, 1 non-finite,
-    0 clean, -1 unchecked. ``megatron``: the conclusion of Megatron's own rerun of the step (forward and
-    backward), which Megatron reaches for the whole job and so only speaks for a replica that failed.
+    0 clean, -1 unchecked. ``megatron``: Megatron's own rerun of the step (forward and backward), whose
+    job-wide conclusion only speaks for a replica that failed.
     ``norm_overflow``: every gradient of the group was finite and a rank's own float32 sum of squares was not
     (``norm_overflowed``): the grad norm overflowed, no rank produced a NaN/Inf."""
 
     reproduced: bool
     loss: float
     gradients: float
-    megatron: Optional[str]
+    megatron: Optional[MegatronRerun]
     norm_overflow: bool = False
 
     @property
@@ -175,7 +175,8 @@ class ReplicaFacts:
         own = self.own_failure
         if self.reproduced:
             return Conclusion.REPRODUCIBLE
-        if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and self.megatron == Conclusion.TRANSIENT):
+        megatron_transient = self.megatron is not None and self.megatron.job == Conclusion.TRANSIENT
+        if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and megatron_transient):
             return Conclusion.TRANSIENT
         if self.norm_overflow:
             return Conclusion.NORM_OVERFLOW
@@ -235,10 +236,11 @@ class StepRerun:
         return (self.keeps_steps() and self._kept is not None
                 and self._kept.cannot_rerun(job_wide=False) is None)
 
-    def incident(self, trigger: str, megatron: Optional[str] = None, local_gradients: Optional[str] = None,
+    def incident(self, trigger: str, megatron: Optional[MegatronRerun] = None,
+                 local_gradients: Optional[str] = None,
                  at_norm: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """The first incident: run the kept step again on every rank; this rank's ``rerun`` record.
-        ``megatron``: Megatron's own rerun of the step concluded this ("reproducible"/"transient").
+        ``megatron``: what Megatron's own rerun of the step concluded, for the job and on this rank.
         ``local_gradients``: this rank's own gradients before the data-parallel collective, as the
         pre-reduction check saw them ("nonfinite", "overflow", "clean", "unchecked"; None: not known).
         ``at_norm``: this rank's gradients at the grad norm ("nonfinite", "overflow": all finite, their
@@ -292,7 +294,7 @@ class StepRerun:
             tracer.detach()
         return PassResult(frames, counter.of_frame)
 
-    def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[str],
+    def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
         seen = self._traced_pass(kept)
         earliest = kept.all_reduce([seen.key(seen.candidate)], "min", "tensor")[0]
@@ -369,7 +371,8 @@ class StepRerun:
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
         record = self._writer.record("rerun", self._clock.current(), [], {
-            "trigger": trigger, "megatron": facts.megatron, "role": role.value,
+            "trigger": trigger, "megatron": facts.megatron.here if facts.megatron else None,
+            "role": role.value,
             "conclusion": facts.conclusion().value,
             "own_failure": None if facts.own_failure is None else facts.own_failure.value,
             "micro_batch": micro_batch,

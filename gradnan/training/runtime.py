@@ -22,7 +22,15 @@ from ..formats.maps import ParamSlot
 from .capture import CaptureManager
 from .clock import StepClock
 from .error_guard import ErrorGuard
-from .events import DescribeBuckets, Grads, ModelFacts, ModuleHooking, NamedModules, RerunnableStep
+from .events import (
+    DescribeBuckets,
+    Grads,
+    MegatronRerun,
+    ModelFacts,
+    ModuleHooking,
+    NamedModules,
+    RerunnableStep,
+)
 from .forward import ForwardWatch
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
@@ -142,8 +150,8 @@ class Runtime:
         if incident:
             self._incident("loss_scale_overflow", stop)
 
-    def megatron_reran(self, conclusion: str) -> None:
-        """Megatron's result validation has just run the step again ("reproducible" or "transient")."""
+    def megatron_reran(self, conclusion: MegatronRerun) -> None:
+        """Megatron's result validation has just run the step again."""
         if self.window.recording():
             self.detections.own_gradients()
         self._incident("megatron_validation", None, conclusion)
@@ -179,7 +187,8 @@ class Runtime:
         if self.window.recording():
             self.detections.nonfinite_loss(micro_batch, *rejected, batch, skipped)
 
-    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]], megatron: Optional[str] = None) -> None:
+    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
+                  megatron: Optional[MegatronRerun] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
         then the run stops if asked to. A norm read after its step (one Megatron returned as a device
         tensor) comes after the update: that step can no longer be run again as it was."""
