@@ -70,7 +70,8 @@ class Pattern:
 class RerunFinding:
     """What the in-place rerun of the failing step found: the forward origin (the earliest non-finite call
     on its tensor-parallel group; several only on a tie), the ranks that only received it, and the
-    strongest conclusion any replica reached."""
+    strongest conclusion any replica reached. ``grew_in``: where a value first grew out of line before it
+    went non-finite (the magnitude path's culprit; the record's ``grew_in`` with its ``global_rank``)."""
 
     step: int
     iteration: Optional[int]
@@ -87,6 +88,7 @@ class RerunFinding:
     batch: Optional[str]
     origins: Tuple[View, ...]
     receivers: Tuple[View, ...]
+    grew_in: Optional[Dict[str, Any]] = None
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -99,7 +101,7 @@ class RerunFinding:
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
-                "receivers": list(self.receivers)}
+                "receivers": list(self.receivers), "grew_in": self.grew_in}
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,15 @@ def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Patte
     return Verdict(cause, summary, tuple(evidence))
 
 
+def _growth(at_step: List[Dict[str, Any]], origin: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Where a value first grew out of line: on the origin's rank where it saw it, else the first rank
+    that did, earliest pipeline stage first (a stage's growth reaches the later stages)."""
+    grown = sorted((r for r in at_step if r.get("grew_in")),
+                   key=lambda r: (r is not origin, r["rank"].get("pp") or 0,
+                                  r["rank"].get("global_rank", -1)))
+    return {**grown[0]["grew_in"], "global_rank": grown[0]["rank"].get("global_rank")} if grown else None
+
+
 def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion."""
     reruns = [r for r in records if r.get("kind") == RecordKind.RERUN]
@@ -356,7 +367,8 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         batch=batch["path"] if batch else None,
         origins=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
-                        if r["role"] == RerunRole.RECEIVER))
+                        if r["role"] == RerunRole.RECEIVER),
+        grew_in=_growth(at_step, first))
 
 
 def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any]]) -> List[str]:
@@ -381,7 +393,7 @@ def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Seq
     reading where it decides (it saw the same step again); the reading then stays as one line of
     evidence. The self-tests of the (final) origin's devices are added as evidence."""
     decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
-                                                                  rerun.micro_batch)
+                                                                  rerun.micro_batch, rerun.grew_in)
     if decided is not None:
         cause, summary = decided
         evidence = [f"pattern-based reading: {reading.cause.value}: {reading.summary}"]

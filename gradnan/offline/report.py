@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..formats.incident import growth_path
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -180,11 +181,19 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     conclusion = rerun.conclusion.headline
     megatron = ([f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron
                 else [])
+    grew_in = rerun.grew_in
     if rerun.module is None:
+        grown = ([f"  {growth_path(grew_in, None, None)}, on rank {grew_in['global_rank']}"] if grew_in
+                 else [])
         return [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
-                f" {rank_ranges(rerun.concluded_by)}"] + megatron
-    lines = [f"Forward origin ({when} run again in place): {rerun.module} ({rerun.module_class})",
+                f" {rank_ranges(rerun.concluded_by)}"] + grown + megatron
+    origin = (growth_path(grew_in, rerun.module, rerun.module_class) if grew_in
+              else f"{rerun.module} ({rerun.module_class})")
+    lines = [f"Forward origin ({when} run again in place): {origin}",
              f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
+    if grew_in and grew_in["global_rank"] != rerun.global_rank:
+        lines.append(f"  the value grew on rank {grew_in['global_rank']},"
+                     f" micro-batch {grew_in['micro_batch']}")
     lines += megatron
     ties = rerun.origins[1:]
     if ties:
