@@ -16,8 +16,10 @@ A computation's output grew out of line when its largest finite output magnitude
   a dropout (scale 1/(1-p)) changes magnitudes by far less. The floor of 1 keeps a normalization of tiny
   inputs (1e-7 in, 3 out) from counting: the output must also be above 2^20 in absolute terms.
 - or comes within ``LIMIT_MARGIN`` (2^4) of its dtype's largest value (fp16: above 4094; bf16 and fp32:
-  above 2.1e37), whatever its inputs: four doublings (a residual sum of 16 such values) from overflowing.
-  A tighter margin (the 2^16 a bf16 run could afford) would flag every fp16 activation above 1.
+  above 2.1e37) while none of its inputs and weights was that close: four doublings (a residual sum of
+  16 such values) from overflowing. A tighter margin (the 2^16 a bf16 run could afford) would flag every
+  fp16 activation above 1. A computation that only passes on a value already that close (a transpose of
+  a 60000 fp16 weight) did not grow it.
 
 Healthy steps of the toy GPT (bf16, fp16, fp32) stay below both by many orders of magnitude (outputs of a
 few units from inputs and weights of a few units: tests/test_magnitude.py). A computation whose inputs,
@@ -31,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
-from .schema import json_float
+from .schema import is_stat, json_float
 
 # torch.finfo(dtype).max of each floating dtype, by its name in maps and frames (readers load no torch)
 DTYPE_MAX = {
@@ -72,7 +74,7 @@ def grew(inputs_abs_max: Optional[float], output_abs_max: float, dtype: str) -> 
     if not math.isfinite(output_abs_max):
         return None
     reference = max(1.0, inputs_abs_max or 0.0)
-    close = near_limit(output_abs_max, dtype)
+    close = near_limit(output_abs_max, dtype) and not near_limit(inputs_abs_max or 0.0, dtype)
     if close or output_abs_max > GROWTH_FACTOR * reference:
         return Growth(inputs_abs_max, output_abs_max, dtype, close)
     return None
@@ -81,9 +83,7 @@ def grew(inputs_abs_max: Optional[float], output_abs_max: float, dtype: str) -> 
 def as_number(stat: Any) -> Optional[float]:
     """An abs-min/abs-max as a frame holds it (a float, or as JSON writes it: "nan"/"inf"/"-inf") as a
     float; None where it was not measured."""
-    if stat is None:
-        return None
-    return float(stat)
+    return float(stat) if stat is not None and is_stat(stat) else None
 
 
 def entries_growth(entries: Iterable[Tuple[str, str, Any]]) -> Optional[Growth]:
@@ -108,7 +108,7 @@ def entries_growth(entries: Iterable[Tuple[str, str, Any]]) -> Optional[Growth]:
 
 def frame_growth(frame: Dict[str, Any]) -> Optional[Growth]:
     """``entries_growth`` of a frame as records and bundle manifests write it."""
-    return entries_growth((entry.get("kind"), entry.get("dtype"), entry.get("abs_max"))
+    return entries_growth((entry.get("kind"), str(entry.get("dtype")), entry.get("abs_max"))
                           for entry in frame.get("entries", ()) if isinstance(entry, dict))
 
 

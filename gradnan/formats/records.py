@@ -102,7 +102,7 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
-            or not optional(record.get("grew_in"), _is_growth)):
+            or not optional(record.get("grew_in"), is_growth)):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
                          f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
                          " integer or null 'micro_batch'/'call', 'batch' null or an object with a text"
@@ -111,7 +111,7 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
                          " and boolean 'near_limit'")
 
 
-def _is_growth(grew_in: Any) -> bool:
+def is_growth(grew_in: Any) -> bool:
     """A ``rerun`` record's ``grew_in``: where a value first grew out of line (optional, added in place)."""
     return (isinstance(grew_in, dict)
             and all(is_text(grew_in.get(key)) for key in ("module", "class", "dtype"))
