@@ -125,4 +125,5 @@ def magnitude_text(value: Any) -> str:
     """A magnitude as a headline writes it: three significant digits, ``3.9e28`` rather than ``3.9e+28``."""
     if value is None:
         return "none"
-    return f"{float(value):.3g}".replace("e+", "e")
+    mantissa, _, exponent = f"{float(value):.3g}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
