@@ -347,10 +347,12 @@ class StepRerun:
             "call": frame.call if frame is not None else None,
             "output_abs_max": largest(highs),
             "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch, "grew_in": grew_in})
-        self._log(record)
+        self.log(record)
         return record
 
-    def _log(self, record: Dict[str, Any]) -> None:
+    @staticmethod
+    def log(record: Dict[str, Any]) -> None:
+        """A ``rerun`` record's log line: where the value grew and went non-finite, and the conclusion."""
         verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
         tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
                 if record["bundle"] else "")
@@ -370,4 +372,3 @@ class StepRerun:
             logger.log(logging.WARNING if verdict is Conclusion.TRANSIENT else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
                        where(record), verdict.explanation)
-
