@@ -114,6 +114,8 @@ def test_replay_names_the_first_operator_that_grew_before_the_first_nonfinite_on
     assert (growth["index"], growth["op"], growth["inputs_abs_max"]) == (0, "aten.exp.default", 30.0)
     assert growth["output_abs_max"] > 1e13 and growth["dtype"] == BF16
     assert replay(recorded(Halves(), torch.tensor([3.0, -2.0], dtype=torch.bfloat16))).first_growth is None
+    text = growth_text({"where": "operator", **growth})
+    assert text == "grew out of line at aten.exp.default (30 -> 1.07e13)"
 
 
 def manifest(frames, grew_in=None, module="decoder.layers.1.input_layernorm"):

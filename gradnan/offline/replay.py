@@ -244,8 +244,15 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                            " training saw came from elsewhere: a transient device fault (run gradnan"
                            " selftest) or a corruption after this computation"}
     return {"verdict": "healthy", "reproduces": False,
-            "summary": "nothing non-finite was captured, and the replay agrees"
-                       + (f"; but a value {growth_text(growth)}" if growth is not None else "")}
+            "summary": "nothing non-finite was captured, and the replay agrees" + _still_grew(growth)}
+
+
+def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
+    """What a healthy replay adds where a value grew out of line all the same (the culprit's own call,
+    captured apart from the call that went non-finite)."""
+    if growth is None:
+        return ""
+    return f"; but {'a value ' if growth['where'] == 'operator' else ''}{growth_text(growth)}"
 
 
 def format_text(result: Dict[str, Any]) -> str:
