@@ -7,7 +7,9 @@ conclusion's wording lives here and nowhere else, so a log line and a report hea
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from .magnitude import LIMIT_MARGIN, magnitude_text
 
 
 class RecordKind(str, enum.Enum):
@@ -95,14 +97,17 @@ class Conclusion(str, enum.Enum):
         return _EXPLANATIONS[self]
 
     def verdict(self, module: Optional[str], rank: Any, micro_batch: Any,
-                own: Optional[OwnFailure]) -> Optional[Tuple["Cause", str]]:
+                own: Optional[OwnFailure],
+                grew_in: Optional[Mapping[str, Any]] = None) -> Optional[Tuple["Cause", str]]:
         """The cause and summary this conclusion decides by itself (it saw the same step again), or None
         where the gradients' evidence keeps the verdict. A reproducible failure decides only where the
-        rerun named its module."""
+        rerun named its module; where a value first grew out of line before it (``grew_in``), that module
+        is named as the culprit next to it."""
         if self is Conclusion.TRANSIENT:
             return Cause.HARDWARE, _TRANSIENT_VERDICT.format(failed=_FAILED[own or OwnFailure.LOSS])
         if self is Conclusion.REPRODUCIBLE and module:
-            return Cause.DATA_OR_NUMERICS, _REPRODUCIBLE_VERDICT.format(module=module, rank=rank,
+            where = f"in {module}" if not grew_in else f"in {module}, after {grew_text(grew_in)}"
+            return Cause.DATA_OR_NUMERICS, _REPRODUCIBLE_VERDICT.format(where=where, rank=rank,
                                                                          micro_batch=micro_batch)
         return None
 
@@ -156,7 +161,7 @@ _FAILED = {OwnFailure.LOSS: "its loss was not",
 
 _REPRODUCIBLE_VERDICT = (
     "the failing step, run again in place with the same micro-batches and RNG state, went non-finite again"
-    " in the forward pass, in {module} on rank {rank}, micro-batch {micro_batch}: the data or the numerics"
+    " in the forward pass, {where} on rank {rank}, micro-batch {micro_batch}: the data or the numerics"
     " (an overflow), not a passing fault; `gradnan replay` of its bundle on another device tells a"
     " persistently faulty device apart")
 _TRANSIENT_VERDICT = (
@@ -188,6 +193,39 @@ def norm_overflow_summary(rank: str, largest: Dict[str, Any], before_collective:
     return (f"exploding gradients: {NORM_OVERFLOW_WORDS}: {rank} held the largest gradient{when},"
             f" {describe_largest(largest)}, whose square passes float32's range; the data or the numerics"
             " (a diverging loss, a bad batch, a learning rate too high), not one device")
+
+
+def _magnitudes(grew_in: Mapping[str, Any]) -> str:
+    """``2.91 -> 3.9e28``, and whether the output came near its dtype's limit."""
+    text = (f"{magnitude_text(grew_in.get('inputs_abs_max'))} ->"
+            f" {magnitude_text(grew_in.get('output_abs_max'))}")
+    if grew_in.get("near_limit"):
+        text += f", within {LIMIT_MARGIN:g}x of the {str(grew_in.get('dtype')).removeprefix('torch.')} limit"
+    return text
+
+
+def grew_text(grew_in: Mapping[str, Any]) -> str:
+    """The culprit of a value that grew out of line (a ``rerun`` record's ``grew_in``), as the verdict
+    names it: ``decoder.layers.0.mlp (MLP) grew a value out of line (2.91 -> 3.9e28)``."""
+    return f"{grew_in['module']} ({grew_in['class']}) grew a value out of line ({_magnitudes(grew_in)})"
+
+
+def growth_path(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
+    """The magnitude path as a report headline says it: where the value grew, then where it went
+    non-finite (``module``; None: it stayed finite on the ranks traced)."""
+    grown = (f"{grew_in['module']} ({grew_in['class']}) grew a value to"
+             f" {magnitude_text(grew_in.get('output_abs_max'))} (from"
+             f" {magnitude_text(grew_in.get('inputs_abs_max'))})")
+    if grew_in.get("near_limit"):
+        grown += f", near the {str(grew_in.get('dtype')).removeprefix('torch.')} limit"
+    return grown + (f", which went non-finite in {module} ({module_class})" if module else "")
+
+
+def growth_log(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
+    """The magnitude path as a rank's log line says it."""
+    grown = (f"values first grew out of line in {grew_in['module']} ({grew_in['class']})"
+             f" ({_magnitudes(grew_in)})")
+    return grown + (f", then went non-finite in {module} ({module_class})" if module else "")
 
 
 class Cause(str, enum.Enum):

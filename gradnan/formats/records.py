@@ -14,10 +14,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
+from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
 from .schema import (
     Schema,
     check_rank,
     check_run,
+    is_finite,
     is_int,
     is_number,
     is_stat,
@@ -29,12 +31,6 @@ from .schema import (
 
 SCHEMA = Schema("gradnan.record", 1)
 FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
-# torch.finfo(dtype).max of each floating dtype, by its name in maps and frames (readers load no torch)
-DTYPE_MAX = {
-    "torch.float16": 65504.0,
-    "torch.bfloat16": 3.3895313892515355e38,
-    "torch.float32": 3.4028234663852886e38,
-}
 
 # a finite float32 value at least this large squares past float32's maximum: a grad norm computed in
 # float32 (Megatron's, and its per-bucket check) overflows to Inf although the value itself is finite
@@ -139,11 +135,25 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
                        for key in ("trigger", "megatron", "module", "class", "bundle"))
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
-            or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))):
+            or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
+            or not optional(record.get("grew_in"), is_growth)):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
                          f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
                          " integer or null 'micro_batch'/'call', 'own_failure' null or one of"
-                         f" {', '.join(OWN_FAILURES)}, and 'batch' null or an object with a text 'path'")
+                         f" {', '.join(OWN_FAILURES)}, 'batch' null or an object with a text 'path',"
+                         " and 'grew_in' absent, null or an object with text 'module'/'class'/'dtype',"
+                         " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
+                         " 'near_limit'")
+
+
+def is_growth(grew_in: Any) -> bool:
+    """A ``rerun`` record's ``grew_in``: where a value first grew out of line (optional, added in place)."""
+    return (isinstance(grew_in, dict)
+            and all(is_text(grew_in.get(key)) for key in ("module", "class", "dtype"))
+            and is_int(grew_in.get("call")) and optional(grew_in.get("micro_batch"), is_int)
+            and is_finite(grew_in.get("output_abs_max"))
+            and optional(grew_in.get("inputs_abs_max"), is_finite)
+            and isinstance(grew_in.get("near_limit"), bool))
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
+from .magnitude import entries_growth
 from .schema import Schema
 
 SCHEMA = Schema("gradnan.trace", 1)
@@ -200,6 +201,11 @@ def replayable_op(name: Any) -> Any:
     return overload
 
 
+def op_packet(name: str) -> str:
+    """``aten.addmm.default`` -> ``addmm``."""
+    return name.split(".")[1]
+
+
 def op_name(func: Any) -> str:
     return f"{func.namespace}.{func.__name__}"
 
@@ -254,8 +260,47 @@ class FirstNonFinite:
         return self.found is None and _finite(read_inputs(name, args, kwargs))
 
     def check(self, index: int, name: str, inputs_finite: bool, out: Any) -> None:
-        if inputs_finite and name.split(".")[1] not in _UNINITIALIZED and not _finite(out):
+        if inputs_finite and op_packet(name) not in _UNINITIALIZED and not _finite(out):
             self.found = {"index": index, "op": name, **self._extra}
+
+
+def _magnitudes(tree: Any, kind: str) -> List[Tuple[str, str, float]]:
+    """(kind, dtype, abs-max) of every non-empty floating tensor of a tree (one host read each), and of
+    every Python float (a multiplier is an input; no dtype). Integers (sizes, dimensions) are not
+    magnitudes."""
+    found = []
+    for value in tree_flatten(tree)[0]:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 0:
+            found.append((kind, str(value.dtype), float(value.detach().abs().max())))
+        elif isinstance(value, float):
+            found.append((kind, "", abs(value)))
+    return found
+
+
+class FirstGrowth:
+    """The first op, before the first non-finite one (``before``), whose output grew out of line over its
+    floating inputs (``gradnan.formats.magnitude``: an abs-max 2^20 times its inputs', or close to its
+    dtype's limit). Ops without a floating tensor input (creation ops) and ops that may return
+    uninitialized memory are not judged."""
+
+    def __init__(self, before: FirstNonFinite, **extra: Any) -> None:
+        self.found: Optional[Dict[str, Any]] = None
+        self._before, self._extra = before, extra
+
+    def inputs(self, name: str, args: Any, kwargs: Any) -> Optional[List[Tuple[str, str, float]]]:
+        """The magnitudes of what the op reads, taken before it runs (an in-place op overwrites its input);
+        None once there is nothing left to look for."""
+        if self.found is not None or self._before.found is not None or op_packet(name) in _UNINITIALIZED:
+            return None
+        inputs = _magnitudes(read_inputs(name, args, kwargs), "input")
+        return inputs if any(dtype for _, dtype, _ in inputs) else None
+
+    def check(self, index: int, name: str, inputs: Optional[List[Tuple[str, str, float]]], out: Any) -> None:
+        if inputs is None or self._before.found is not None:
+            return
+        growth = entries_growth(inputs + _magnitudes(out, "output"))
+        if growth is not None:
+            self.found = {"index": index, "op": name, **growth.to_json(), **self._extra}
 
 
 # --- the trace ------------------------------------------------------------------------------

@@ -91,8 +91,10 @@ class Concluded:
 class RerunFinding:
     """What the in-place rerun of the failing step found: the forward origin (the earliest non-finite call
     on its tensor-parallel group; several only on a tie), the ranks that only received it, the strongest
-    conclusion any replica reached and every other one (``conclusions``), and Megatron's own conclusions
-    where its ranks disagree (``megatron_split``: each rank's state machine concludes for itself)."""
+    conclusion any replica reached and every other one (``conclusions``), Megatron's own conclusions
+    where its ranks disagree (``megatron_split``: each rank's state machine concludes for itself), and
+    ``grew_in``: where a value first grew out of line before it went non-finite (the magnitude path's
+    culprit; the record's ``grew_in`` with its ``global_rank``)."""
 
     step: int
     iteration: Optional[int]
@@ -112,6 +114,7 @@ class RerunFinding:
     batch: Optional[str]
     origins: Tuple[View, ...]
     receivers: Tuple[View, ...]
+    grew_in: Optional[Dict[str, Any]] = None
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -127,7 +130,7 @@ class RerunFinding:
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
-                "receivers": list(self.receivers)}
+                "receivers": list(self.receivers), "grew_in": self.grew_in}
 
 
 @dataclass(frozen=True)
@@ -410,6 +413,15 @@ def _grouped(records: Sequence[Dict[str, Any]], key: str, order: Sequence[str]) 
     return [Concluded(value, tuple(groups[value]), own.get(value)) for value in order if value in groups]
 
 
+def _growth(at_step: List[Dict[str, Any]], origin: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Where a value first grew out of line: on the origin's rank where it saw it, else the first rank
+    that did, earliest pipeline stage first (a stage's growth reaches the later stages)."""
+    grown = sorted((r for r in at_step if r.get("grew_in")),
+                   key=lambda r: (r is not origin, r["rank"].get("pp") or 0,
+                                  r["rank"].get("global_rank", -1)))
+    return {**grown[0]["grew_in"], "global_rank": grown[0]["rank"].get("global_rank")} if grown else None
+
+
 def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -439,7 +451,8 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         batch=batch["path"] if batch else None,
         origins=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
-                        if r["role"] == RerunRole.RECEIVER))
+                        if r["role"] == RerunRole.RECEIVER),
+        grew_in=_growth(at_step, first))
 
 
 def _rejected_losses(losses: List[Dict[str, Any]],
@@ -482,7 +495,8 @@ def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Seq
     reading where it decides (it saw the same step again); the reading then stays as one line of
     evidence. The self-tests of the (final) origin's devices are added as evidence."""
     decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
-                                                                  rerun.micro_batch, rerun.own_failure)
+                                                                  rerun.micro_batch, rerun.own_failure,
+                                                                  rerun.grew_in)
     if decided is not None:
         cause, summary = decided
         outranked = (" (outranked: the rerun ran the same step again with the same data)"

@@ -7,6 +7,9 @@ the captured dtype, in float32 and in float64, each under a watch that names the
 inputs were finite and whose output was not. The verdict:
 
 - ``inputs_nonfinite``: the inputs or parameters were already bad when the module ran: look upstream;
+- ``inputs_out_of_line``: the inputs were finite but already out of line (grown upstream, as the bundle's
+  frames show, or near the dtype's limit) and the module only finished what that growth started: look
+  upstream, at the module named (rather than at the operator that overflowed);
 - ``incoming_gradient_nonfinite``: the gradient flowing into the module was already bad: look downstream;
 - ``precision``: reproduces in the captured dtype, not in float64: overflow or underflow at that operator;
 - ``bad_operator_or_input``: reproduces in every precision at that operator;
@@ -14,10 +17,15 @@ inputs were finite and whose output was not. The verdict:
   from elsewhere (a transient device fault: run ``gradnan selftest``; or a corruption after this
   computation, e.g. in the gradient buffer);
 - ``healthy``: nothing non-finite was captured, and the replay agrees.
+
+Next to the first non-finite operator each run names the first one whose output grew out of line over its
+inputs before it (``first_growth``: the magnitude path, ``gradnan.formats.magnitude``), and ``growth``
+says where the value first grew: at that operator, or upstream of the module.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -27,6 +35,8 @@ import torch
 from ..errors import InputError, UsageError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
+from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
+from ..formats.records import is_growth
 from ..formats.schema import Schema
 from ..formats.trace import Trace, TraceError, has_nonfinite, tensors_in
 from .trace_replay import output_tree, replay
@@ -58,6 +68,7 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
         "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
         "grads_nonfinite": any(has_nonfinite(g) for g in result.grads.values()),
         "first_nonfinite": result.first_nonfinite,
+        "first_growth": result.first_growth,
         "_outputs": outputs,
         "_grads": result.grads,
     }
@@ -103,7 +114,9 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     matches = len(saved_outputs) == len(captured["_outputs"]) and all(
         _same(saved.to(target), replayed.detach())
         for saved, replayed in zip(saved_outputs, captured["_outputs"]))
-    judgement = _judge(seen, runs, tensors, leaf_names, grads)
+    inputs = _largest_input(tensors, leaf_names)
+    growth = _growth(manifest, runs["captured"]["first_growth"], inputs)
+    judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth), "growth": growth}
     if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
         judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from"
                                  " outside it (a collective with other ranks, e.g. a tensor-parallel"
@@ -124,20 +137,86 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     }
 
 
+def _largest_input(tensors: Dict[str, torch.Tensor], leaf_names: List[str]) -> Optional[Dict[str, Any]]:
+    """The module's input (an ``args.``/``kwargs.`` leaf) of the largest finite magnitude: its name,
+    abs-max and dtype."""
+    found = [(float(tensors[name].detach().abs().max()), name) for name in leaf_names
+             if name.startswith(("args.", "kwargs.")) and tensors[name].is_floating_point()
+             and tensors[name].numel() > 0]
+    finite = [(value, name) for value, name in found if math.isfinite(value)]
+    if not finite:
+        return None
+    value, name = max(finite)
+    return {"leaf": name, "abs_max": value, "dtype": str(tensors[name].dtype)}
+
+
+def _upstream(manifest: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Where the manifest shows a value grew out of line before this module's call: the rerun's
+    ``grew_in``, else the first grown frame among the frames it carries; None where that is this module."""
+    module = manifest["module"]["path"]
+    grown = manifest.get("grew_in")
+    if not is_growth(grown):
+        frames = manifest.get("frames")
+        found = first_grown_frame(frames) if isinstance(frames, list) else None
+        grown = None if found is None else {"module": str(found[0].get("module")),
+                                            "class": str(found[0].get("class")), **found[1].to_json()}
+    return grown if grown is not None and grown["module"] != module else None
+
+
+def _growth(manifest: Dict[str, Any], operator: Optional[Dict[str, Any]],
+            inputs: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Where the value first grew out of line: ``upstream`` of the module where its inputs were already
+    out of line (themselves above 2^20, or near the dtype's limit) and the manifest shows where they grew
+    (``module`` named; else only near the limit says so, ``module`` null), else at an ``operator`` of the
+    module (the captured run's ``first_growth``), else None."""
+    if inputs is not None and grew(None, inputs["abs_max"], inputs["dtype"]) is not None:
+        upstream = _upstream(manifest)
+        if upstream is not None or near_limit(inputs["abs_max"], inputs["dtype"]):
+            return {"where": "upstream", "inputs": inputs,
+                    "module": None if upstream is None else upstream["module"],
+                    "class": None if upstream is None else upstream["class"],
+                    "inputs_abs_max": None if upstream is None else upstream["inputs_abs_max"],
+                    "output_abs_max": None if upstream is None else upstream["output_abs_max"]}
+    if operator is not None:
+        return {"where": "operator", **operator}
+    return None
+
+
+def growth_text(growth: Dict[str, Any]) -> str:
+    """``grew out of line at aten.mul.Tensor (2.91 -> 3.9e28)``, or where upstream it grew."""
+    magnitudes = (f"({magnitude_text(growth['inputs_abs_max'])} ->"
+                  f" {magnitude_text(growth['output_abs_max'])})")
+    if growth["where"] == "operator":
+        return f"grew out of line at {growth['op']} {magnitudes}"
+    inputs = growth["inputs"]
+    text = (f"the module's inputs were already out of line ({inputs['leaf']} abs-max"
+            f" {magnitude_text(inputs['abs_max'])}): the value grew before this module")
+    return text + (f", in {growth['module']} ({growth['class']}) {magnitudes}" if growth["module"] else "")
+
+
 def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor],
-           leaf_names: List[str], grads: Dict[int, torch.Tensor]) -> Dict[str, Any]:
+           leaf_names: List[str], grads: Dict[int, torch.Tensor],
+           growth: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The forward first (its inputs are the module's own); the backward only where the forward is
-    finite, since it starts from the incoming gradient, which may already be bad."""
+    finite, since it starts from the incoming gradient, which may already be bad. A forward that goes
+    non-finite from inputs already out of line is the upstream growth's (``_growth``), not the operator's
+    that overflowed."""
     captured, wide = runs["captured"], runs["float64"]
     bad_leaves = [name for name in leaf_names
                   if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
     operator = captured["first_nonfinite"]
     where = f" at {operator['op']} ({operator.get('phase', 'forward')})" if operator else ""
+    if growth is not None and growth["where"] == "operator":
+        where = f" ({growth_text(growth)}; first non-finite{where or ' output'})"
     if bad_leaves:
         return {"verdict": "inputs_nonfinite", "reproduces": True,
                 "summary": "the module's inputs or parameters were already non-finite"
                            f" ({', '.join(bad_leaves[:3])}): look upstream (an earlier module, or the update"
                            " of the previous step)"}
+    if captured["outputs_nonfinite"] and growth is not None and growth["where"] == "upstream":
+        return {"verdict": "inputs_out_of_line", "reproduces": True,
+                "summary": f"{growth_text(growth)}; it went non-finite here{where}, which only finished what"
+                           " that growth started: look upstream, at where the value grew"}
     if captured["outputs_nonfinite"]:
         if not wide["outputs_nonfinite"]:
             return {"verdict": "precision", "reproduces": True,
@@ -165,7 +244,15 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                            " training saw came from elsewhere: a transient device fault (run gradnan"
                            " selftest) or a corruption after this computation"}
     return {"verdict": "healthy", "reproduces": False,
-            "summary": "nothing non-finite was captured, and the replay agrees"}
+            "summary": "nothing non-finite was captured, and the replay agrees" + _still_grew(growth)}
+
+
+def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
+    """What a healthy replay adds where a value grew out of line all the same (the culprit's own call,
+    captured apart from the call that went non-finite)."""
+    if growth is None:
+        return ""
+    return f"; but {'a value ' if growth['where'] == 'operator' else ''}{growth_text(growth)}"
 
 
 def format_text(result: Dict[str, Any]) -> str:
@@ -181,6 +268,8 @@ def format_text(result: Dict[str, Any]) -> str:
         first = (f"first non-finite at op #{operator['index']} {operator['op']}"
                  f" ({operator.get('phase', 'forward')})"
                  if operator else "no operator turned finite inputs non-finite")
+        if run["first_growth"]:
+            first = f"{growth_text({'where': 'operator', **run['first_growth']})}; {first}"
         lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
                      f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
     lines.append("Replay matches the outputs saved in training:"

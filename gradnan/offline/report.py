@@ -8,7 +8,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.incident import Conclusion, RecordKind, describe_largest
+from ..formats.incident import Conclusion, RecordKind, describe_largest, growth_path
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -189,12 +189,20 @@ def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
         return []
     when = step_label(rerun.step, rerun.iteration)
     conclusion = rerun.conclusion.headline
+    grew_in = rerun.grew_in
     if rerun.module is None:
         lines = [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
                  f" {rank_ranges(rerun.concluded_by)}"]
+        if grew_in:
+            lines.append(f"  {growth_path(grew_in, None, None)}, on rank {grew_in['global_rank']}")
     else:
-        lines = [f"Forward origin ({when} run again in place): {rerun.module} ({rerun.module_class})",
+        origin = (growth_path(grew_in, rerun.module, rerun.module_class) if grew_in
+                  else f"{rerun.module} ({rerun.module_class})")
+        lines = [f"Forward origin ({when} run again in place): {origin}",
                  f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
+        if grew_in and grew_in["global_rank"] != rerun.global_rank:
+            lines.append(f"  the value grew on rank {grew_in['global_rank']},"
+                         f" micro-batch {grew_in['micro_batch']}")
     lines += [f"  rank(s) {rank_ranges(group.ranks)}: {Conclusion(group.conclusion).headline}"
               for group in rerun.conclusions[1:]]
     lines += _megatron_line(rerun)

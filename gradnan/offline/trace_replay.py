@@ -2,7 +2,8 @@
 
 ``replay`` runs the ops again on copies of the leaves, in the captured dtype or with every floating
 tensor (and every floating dtype argument) in float32/float64, forward and optionally backward, and
-names the first op whose floating inputs were all finite and whose output was not.
+names the first op whose floating inputs were all finite and whose output was not, and, before it, the
+first op whose output grew out of line over its inputs (``FirstGrowth``: the magnitude path).
 
 What a replay cannot do, by construction:
 - Collectives (``c10d``, ``_c10d_functional``: they do dispatch under the mode, e.g. ``allreduce_``
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..formats.trace import (
     HALF_TO_FLOAT,
+    FirstGrowth,
     FirstNonFinite,
     Trace,
     TraceError,
@@ -61,11 +63,13 @@ class _Watch(TorchDispatchMode):
 @dataclass
 class ReplayResult:
     """The replayed output tree, the first non-finite op (forward, then backward: ``index`` into the
-    trace's ops, or into the ops the backward dispatched) and the requested leaf gradients."""
+    trace's ops, or into the ops the backward dispatched), the requested leaf gradients, and the first
+    forward op that grew a value out of line before any went non-finite."""
 
     outputs: Any
     first_nonfinite: Optional[Dict[str, Any]]
     grads: Dict[str, Optional[torch.Tensor]]
+    first_growth: Optional[Dict[str, Any]] = None
 
 
 def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype], device: torch.device,
@@ -126,7 +130,7 @@ def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None
 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
-               dtype: Optional[torch.dtype], device: torch.device) -> None:
+               growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device) -> None:
     if op.get("collective"):
         _replay_collective(op, env)
         return
@@ -141,8 +145,10 @@ def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], fir
     if dtype is not None and op["op"] in HALF_TO_FLOAT:
         args[2] = False
     finite = first.inputs_finite(op["op"], args, kwargs)
+    magnitudes = growth.inputs(op["op"], args, kwargs)
     out = func(*args, **kwargs)
     first.check(index, op["op"], finite, out)
+    growth.check(index, op["op"], magnitudes, out)
     _bind(op["out"], out, env)
 
 
@@ -203,10 +209,11 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
         grad_leaves = [name for name, t in trace.leaves.items() if t.is_floating_point()]
     env, graph_leaves = _replay_leaves(trace.leaves, dtype, device, grad_leaves)
     forward = FirstNonFinite(phase="forward")
+    growth = FirstGrowth(forward, phase="forward")
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
         for index, op in enumerate(trace.ops):
             try:
-                _replay_op(index, op, env, forward, dtype, device)
+                _replay_op(index, op, env, forward, growth, dtype, device)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
             except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:
@@ -217,4 +224,5 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
         backward = None
         if grad_outputs is not None:
             grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device)
-    return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads)
+    return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads,
+                        first_growth=growth.found)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..formats.magnitude import Growth, entries_growth
 from ..formats.schema import json_float
 from .events import ModuleHooks
 
@@ -50,6 +51,12 @@ class Frame:
         """Whether any entry of this kind ("weight", "input", "output") is non-finite."""
         return any(v is not None and not all(map(math.isfinite, v))
                    for k, v in zip(self.kinds, self.values) if k == kind)
+
+    def growth(self) -> Optional[Growth]:
+        """Whether this call's output grew out of line over its inputs and weights
+        (``gradnan.formats.magnitude``)."""
+        return entries_growth((kind, dtype, None if value is None else value[1])
+                              for kind, dtype, value in zip(self.kinds, self.dtypes, self.values))
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "module": self.module, "class": self.cls, "call": self.call,
@@ -219,6 +226,19 @@ def forward_origin(frames: Sequence[Frame]) -> Optional[Frame]:
     produced = [frame for frame in frames if frame.nonfinite_in("output") and not frame.nonfinite_in("input")]
     return next((frame for frame in produced if not frame.nonfinite_in("weight")),
                 produced[0] if produced else None)
+
+
+def first_growth(frames: Sequence[Frame]) -> Optional[Tuple[Frame, Growth]]:
+    """Where a value first grew out of line (``gradnan.formats.magnitude``): the first call, in the order
+    calls finished, at or before the first non-finite one, whose output grew out of line over its inputs
+    and weights. Deeper modules finish first, so of a module and its parent both growing, the module is
+    named. Calls after the first non-finite one are not judged: what they grow is the aftermath."""
+    bad = first_nonfinite(frames)
+    for frame in frames if bad is None else frames[:bad + 1]:
+        growth = frame.growth()
+        if growth is not None:
+            return frame, growth
+    return None
 
 
 class FrameBuffer:

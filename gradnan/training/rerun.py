@@ -1,7 +1,9 @@
 """The failing step itself, run again in place: at the run's first incident, before the optimizer applies
 anything, every rank runs the same step's forward pass again (the schedule's kept micro-batches, the RNG
 state the step started with, no gradients) with every watched module traced, to name where a value first
-went non-finite; a second pass captures that module's call into a bundle. Then whether it reproduced:
+went non-finite, and where it first grew out of line before that (``frames.first_growth``: a finite
+value, e.g. 3.9e28 in bf16, that something downstream squares into NaN); a second pass captures the
+non-finite origin's call into a bundle. Then whether it reproduced:
 the same batch failing again is data or numerics, a clean rerun of a failing step a transient fault.
 
 The ranks a grad norm (or an fp16 overflow flag) was reduced over see the same value and so enter
@@ -24,14 +26,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
-from ..formats.incident import Conclusion, OwnFailure, RerunRole
+from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log
+from ..formats.magnitude import Growth
 from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
 from .error_guard import ErrorGuard
 from .events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
-from .frames import Frame, FrameTracer, first_nonfinite, forward_origin
+from .frames import Frame, FrameTracer, first_growth, first_nonfinite, forward_origin
 from .messages import when, where
 from .writer import Writer
 
@@ -116,15 +119,28 @@ def batch_tensors(item: Any, limit: int) -> Tuple[Dict[str, torch.Tensor], int]:
 
 
 class PassResult:
-    """What one rank saw in the traced pass: its frames, where its first non-finite value was, and the
-    candidate origin (a call whose inputs were finite and outputs not)."""
+    """What one rank saw in the traced pass: its frames, where its first non-finite value was, the
+    candidate origin (a call whose inputs were finite and outputs not) and the call where a value first
+    grew out of line (at or before the first non-finite one)."""
 
     def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]]) -> None:
         self.frames = frames
         index = first_nonfinite(frames)
         self.first = frames[index] if index is not None else None
         self.candidate = forward_origin(frames)
+        self.grown = first_growth(frames)
         self.micro_batch_of = micro_batch_of
+
+    @property
+    def grown_frame(self) -> Optional[Frame]:
+        return None if self.grown is None else self.grown[0]
+
+    def grew_in(self) -> Optional[Dict[str, Any]]:
+        """Where a value first grew out of line on this rank, as the ``rerun`` record's ``grew_in``."""
+        if self.grown is None:
+            return None
+        frame, growth = self.grown
+        return grew_in_json(frame, growth, self.micro_batch_of(frame.call))
 
     @staticmethod
     def key(frame: Optional[Frame]) -> float:
@@ -135,6 +151,12 @@ class PassResult:
     def micro_batch(self) -> Optional[int]:
         frame = self.candidate or self.first
         return None if frame is None else self.micro_batch_of(frame.call)
+
+
+def grew_in_json(frame: Frame, growth: Growth, micro_batch: Optional[int]) -> Dict[str, Any]:
+    """The call where a value first grew out of line, as records and bundle manifests write it."""
+    return {"module": frame.module, "class": frame.cls, "call": frame.call, "micro_batch": micro_batch,
+            **growth.to_json()}
 
 
 def largest(values: Sequence[float]) -> Any:
@@ -297,7 +319,10 @@ class StepRerun:
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
         seen = self._traced_pass(kept)
-        earliest = kept.all_reduce([seen.key(seen.candidate)], "min", "tensor")[0]
+        earliest, earliest_growth = kept.all_reduce([seen.key(seen.candidate), seen.key(seen.grown_frame)],
+                                                    "min", "tensor")
+        # like the origin, the growth is named on the tensor-parallel rank where it came first
+        grew_in = seen.grew_in() if seen.key(seen.grown_frame) <= earliest_growth else None
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
             role, module = RerunRole.ORIGIN, seen.candidate
         else:
@@ -320,9 +345,9 @@ class StepRerun:
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
         batch = self.keep_batch(kept, failing_mb)
-        if role is RerunRole.CLEAN and batch is None and not kept.leads_replica():
+        if role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica():
             return None
-        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch)
+        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch, grew_in)
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
                       micro_batch: Optional[int]) -> Optional[str]:
@@ -350,7 +375,7 @@ class StepRerun:
                   for frame in seen.frames[:seen.frames.index(origin) + 1]][-self.config.max_frames:]
         written = self._captures.write_call(self._clock.current(), capture, call, {
             "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch,
-            "frames": frames})
+            "frames": frames, "grew_in": seen.grew_in()})
         return None if written is None else written.path
 
     def keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
@@ -365,7 +390,8 @@ class StepRerun:
 
     def _report(self, trigger: str, role: RerunRole, frame: Optional[Frame], seen: PassResult,
                 micro_batch: Optional[int], facts: ReplicaFacts, bundle: Optional[str],
-                batch: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+                batch: Optional[Dict[str, Any]],
+                grew_in: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
@@ -380,20 +406,27 @@ class StepRerun:
             "class": frame.cls if frame is not None else None,
             "call": frame.call if frame is not None else None,
             "output_abs_max": largest(highs),
-            "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch})
-        self._log(record)
+            "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch, "grew_in": grew_in})
+        self.log(record)
         return record
 
-    def _log(self, record: Dict[str, Any]) -> None:
+    @staticmethod
+    def log(record: Dict[str, Any]) -> None:
+        """A ``rerun`` record's log line: where the value grew and went non-finite, and the conclusion."""
         verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
         explanation = verdict.explain(OwnFailure(record["own_failure"]) if record["own_failure"] else None)
         tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
                 if record["bundle"] else "")
+        grew_in = record.get("grew_in")
         if role is RerunRole.ORIGIN:
-            logger.error("%s, run again in place: a forward value first went non-finite in %s (%s) on %s,"
-                         " micro-batch %s; %s%s", when(record), record["module"], record["class"],
+            path = (growth_log(grew_in, record["module"], record["class"]) if grew_in else
+                    f"a forward value first went non-finite in {record['module']} ({record['class']})")
+            logger.error("%s, run again in place: %s on %s, micro-batch %s; %s%s", when(record), path,
                          where(record), record["micro_batch"], explanation, tail)
-        elif role is RerunRole.RECEIVER:
+        elif grew_in:
+            logger.error("%s, run again in place: %s on %s, micro-batch %s", when(record),
+                         growth_log(grew_in, None, None), where(record), grew_in["micro_batch"])
+        if role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
         elif verdict is not Conclusion.REPRODUCIBLE:
@@ -401,4 +434,3 @@ class StepRerun:
                        else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
                        where(record), explanation)
-
