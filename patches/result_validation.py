@@ -36,15 +36,25 @@ _LOSS_COMPUTATION = "forward_step_calc_loss"
 
 
 class _InLoss(threading.local):
-    """How deep this thread is in the schedule's loss computation (the user's loss_func)."""
+    """How deep this thread is in the schedule's loss computation (the user's loss_func), and which
+    micro-batch's loss it computes: the losses the schedule stored before this one (``forward_data_store``),
+    the same on every tensor-parallel rank, whether its data iterator yields or not (Megatron-LM gives
+    one only to tensor-parallel rank 0)."""
 
     depth = 0
+    micro_batch: Optional[int] = None
 
 
 def _arguments(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """``validate_result``'s arguments by name, however they were passed."""
-    bound = inspect.signature(original).bind(None, *args, **kwargs)
-    return dict(bound.arguments)
+    """A call's arguments by name, however they were passed (``args`` with ``self`` for a method)."""
+    return dict(inspect.signature(original).bind_partial(*args, **kwargs).arguments)
+
+
+def _micro_batch(original: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Optional[int]:
+    """The micro-batch whose loss ``forward_step_calc_loss`` computes: the losses stored before it."""
+    stored = _arguments(original, args, kwargs).get("forward_data_store")
+    return len(stored) if isinstance(stored, list) else None
 
 
 def _as_number(result: Any) -> float:
@@ -100,6 +110,7 @@ class ResultValidationInstrumentor(Instrumentor):
 
         def loss_wrapper(original):
             def wrapper(*args, **kwargs):
+                in_loss.micro_batch = runtime.guarded("rerun", _micro_batch, original, args, kwargs)
                 in_loss.depth += 1
                 try:
                     return original(*args, **kwargs)
@@ -109,8 +120,9 @@ class ResultValidationInstrumentor(Instrumentor):
             return wrapper
 
         def tell(original, machine, args, kwargs):
-            arguments = _arguments(original, args, kwargs)
-            runtime.loss_rejected(str(arguments.get("message", "")), _as_number(arguments.get("result")))
+            arguments = _arguments(original, (machine, *args), kwargs)
+            runtime.loss_rejected(str(arguments.get("message", "")), _as_number(arguments.get("result")),
+                                  in_loss.micro_batch)
 
         def validate_wrapper(original):
             def wrapper(self, *args, **kwargs):

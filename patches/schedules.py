@@ -164,9 +164,9 @@ class KeptStep:
         return loss_state(self._losses)
 
     def ended_early(self, micro_batch: int) -> None:
-        """The pass raised at ``micro_batch``: a pass again runs the micro-batches it had yielded."""
+        """The pass raised at ``micro_batch``: a pass again runs the micro-batches up to that one."""
         self._rejected_micro_batch = micro_batch
-        self.kwargs = {**self.kwargs, "num_microbatches": len(self.micro_batches())}
+        self.kwargs = {**self.kwargs, "num_microbatches": micro_batch + 1}
 
     def not_raised_together(self) -> Optional[str]:
         """Why this model-parallel group's other ranks did not raise with this one at a rejected loss."""

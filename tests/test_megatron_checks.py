@@ -170,3 +170,15 @@ def test_validate_results_mode_later_rides_on_megatrons_rerun(runs):
     assert (rerun["step"], rerun["trigger"], rerun["megatron"], rerun["module"], rerun["conclusion"]) == (
         2, "megatron_validation", "reproducible", CORE, "reproducible")
 
+
+
+def test_the_rejected_micro_batch_is_counted_by_the_schedule_not_by_a_data_iterator():
+    """Megatron-LM gives a data iterator only to tensor-parallel rank 0: the micro-batch whose loss was
+    rejected is the number of losses the schedule stored before it, the same on every rank."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from gradnan.patches.result_validation import _micro_batch
+
+    stored = [{"lm loss": 1.0}, {"lm loss": 2.0}]
+    assert _micro_batch(schedules.forward_step_calc_loss, (), {"forward_data_store": stored}) == 2
+    assert _micro_batch(schedules.forward_step_calc_loss, (None,) * 7 + ([],), {}) == 0

@@ -85,7 +85,7 @@ class RerunnableStep(Protocol):
 
     def ended_early(self, micro_batch: int) -> None:
         """The training pass raised at micro-batch ``micro_batch`` (Megatron's loss check rejected its
-        loss): a pass again covers the micro-batches yielded so far, and that loss counts as non-finite."""
+        loss): a pass again covers the micro-batches up to that one, and its loss counts as non-finite."""
 
     def not_raised_together(self) -> Optional[str]:
         """Why the other ranks of this model-parallel group did not raise at a rejected loss with this one
@@ -160,7 +160,7 @@ class Events(Protocol):
 
     def megatron_reran(self, conclusion: MegatronRerun) -> None: ...
 
-    def loss_rejected(self, message: str, loss: float) -> None: ...
+    def loss_rejected(self, message: str, loss: float, micro_batch: Optional[int]) -> None: ...
 
     def schedule_raised(self, kept: Optional[RerunnableStep]) -> None: ...
 

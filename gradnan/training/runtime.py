@@ -59,7 +59,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
         self._ids_by_name: Dict[str, int] = {}
-        self._rejected_loss: Optional[Tuple[str, float]] = None  # (Megatron's message, the loss)
+        # (the micro-batch, Megatron's message, the loss)
+        self._rejected_loss: Optional[Tuple[Optional[int], str, float]] = None
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -156,24 +157,24 @@ class Runtime:
             self.detections.own_gradients()
         self._incident("megatron_validation", None, conclusion)
 
-    def loss_rejected(self, message: str, loss: float) -> None:
-        """Megatron's loss check rejected this rank's loss in ``--rerun-mode disabled`` and is about to
-        raise. While steps are kept, the schedule wrapper runs the incident once the exception leaves the
-        schedule (``schedule_raised``); otherwise it is recorded now, without its micro-batch."""
-        self._rejected_loss = (message, loss)
+    def loss_rejected(self, message: str, loss: float, micro_batch: Optional[int]) -> None:
+        """Megatron's loss check rejected this rank's loss (of ``micro_batch`` in the step, None: not known)
+        in ``--rerun-mode disabled`` and is about to raise. While steps are kept, the schedule wrapper runs
+        the incident once the exception leaves the schedule (``schedule_raised``); otherwise it is recorded
+        now, without its micro-batch."""
+        self._rejected_loss = (micro_batch, message, loss)
         if not self.keeps_steps():
             self.schedule_raised(None)
 
     def schedule_raised(self, kept: Optional[RerunnableStep]) -> None:
         """The step's schedule raised. After a rejected loss: the step's forward pass run again where every
-        rank of the model-parallel group raised with this one (the micro-batches yielded so far), else
+        rank of the model-parallel group raised with this one (the micro-batches up to the rejected one), else
         the failing micro-batch kept alone; then the ``nonfinite_loss`` record. Megatron's exception then
         goes on unchanged."""
         rejected, self._rejected_loss = self._rejected_loss, None
         if rejected is None:
             return
-        items = kept.micro_batches() if kept is not None else []
-        micro_batch = len(items) - 1 if items else None
+        micro_batch, message, loss = rejected
         skipped = ("the step was not kept (rerun off, after the run's rerun, or a loop outside"
                    " megatron-core's schedules)" if kept is None else kept.not_raised_together())
         batch = None
@@ -185,7 +186,7 @@ class Runtime:
         elif kept is not None:
             batch = self.guarded("rerun", self.rerun.keep_batch, kept, micro_batch)
         if self.window.recording():
-            self.detections.nonfinite_loss(micro_batch, *rejected, batch, skipped)
+            self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
 
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
                   megatron: Optional[MegatronRerun] = None) -> None:
