@@ -31,6 +31,10 @@ SCENARIOS = {
     "gradient_glitch_validated": BASE.with_(
         rerun_mode="validate_results", check_for_nan_in_grad=True,
         injections=(Injection(1, 2, FC1, "nan", where="backward", index=3, transient=True),)),
+    # one huge, finite gradient element on rank 1: Megatron's bucket check finds its norm Inf and reruns
+    "exploding_validated": BASE.with_(
+        rerun_mode="validate_results", check_for_nan_in_grad=True,
+        injections=(Injection(1, 2, FC1, "1e30", where="backward", index=5),)),
 }
 
 
@@ -157,3 +161,15 @@ def test_each_rank_records_megatrons_word_from_its_own_validation():
     assert _own_conclusion(machine) == "transient"
     machine.checkpoint_requested = True
     assert _own_conclusion(machine) == "reproducible"
+
+
+@pytest.mark.slow
+def test_exploding_gradients_stopped_by_megatrons_bucket_check_are_a_norm_overflow(runs):
+    """No grad norm is computed (Megatron exits after its rerun): the pre-reduction check's overflow is
+    the group's fact, not "the backward pass"."""
+    found = _reruns(runs["exploding_validated"])
+    assert found[1]["conclusion"] == "norm_overflow" and found[0]["conclusion"] == "after_collective"
+    incident = analyze(read_run(runs["exploding_validated"])).incident
+    assert incident.rerun.conclusion.value == "norm_overflow" and incident.rerun.concluded_by == (1,)
+    assert incident.verdict.cause.value == "data_or_numerics"
+    assert "exploding gradients" in incident.verdict.summary

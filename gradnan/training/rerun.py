@@ -210,9 +210,9 @@ class ReplicaFacts:
 
 
 def norm_overflowed(overflow: float, nonfinite: float) -> bool:
-    """From the model-parallel group's all-reduced (max) facts at the norm: a rank's gradients overflowed
-    the float32 norm (``at_norm`` "overflow") and no rank held a non-finite gradient (``at_norm``
-    "nonfinite")."""
+    """From the model-parallel group's all-reduced (max) facts, at the norm or before the data-parallel
+    collective (where Megatron's own bucket check stopped the step before any norm): a rank's gradients
+    overflowed the float32 norm ("overflow") and no rank held a non-finite gradient ("nonfinite")."""
     return overflow > 0 and not nonfinite > 0
 
 
@@ -332,8 +332,9 @@ class StepRerun:
         found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
         reproduced, original_loss, own_gradients, overflow, nonfinite = kept.all_reduce(
-            [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients, float(at_norm == "overflow"),
-             float(at_norm == "nonfinite" or local_gradients == "nonfinite")], "max", "model")
+            [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
+             float("overflow" in (at_norm, local_gradients)),
+             float("nonfinite" in (at_norm, local_gradients))], "max", "model")
         facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron,
                              norm_overflowed(overflow, nonfinite))
         micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
