@@ -229,6 +229,7 @@ class StepRerun:
         self._kept: Optional[RerunnableStep] = None
         self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
+        self.in_pass = False  # one of the rerun's own forward passes is running
 
     def keeps_steps(self) -> bool:
         """Whether a rerun may still come: its passes are traced through module hooks."""
@@ -296,12 +297,15 @@ class StepRerun:
 
     @contextlib.contextmanager
     def _pass(self, kept: RerunnableStep, frames_so_far: Callable[[], int]) -> Iterator[MicroBatchCounter]:
-        """Around one pass: micro-batches counted, and the model's buffers as they were afterwards."""
+        """Around one pass: micro-batches counted, ``in_pass`` set, and the model's buffers as they were
+        afterwards."""
         counter = MicroBatchCounter(kept.chunks, frames_so_far, self._hooking.new())
         buffers = buffers_of(kept.chunks)
+        self.in_pass = True
         try:
             yield counter
         finally:
+            self.in_pass = False
             counter.remove()
             restore_buffers(buffers)
 

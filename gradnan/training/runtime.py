@@ -242,7 +242,10 @@ class Runtime:
         abort_if_asked(self.config, finished)
 
     def probe(self, tensor: torch.Tensor, label: str) -> None:
-        self.forward.probe(tensor, label)
+        """A ``gradnan.check`` call; none is recorded from the rerun's own passes (a diagnostic, not a
+        training step: the step's probes were recorded when it ran)."""
+        if not self.rerun.in_pass:
+            self.forward.probe(tensor, label)
 
     def flush_at_end(self) -> None:
         """The step's frames and probes when the run ends (uninstall, interpreter exit): nothing to stop."""
