@@ -508,3 +508,18 @@ def test_attribution_reads_only_what_the_op_reads(case):
     assert (trace.first_nonfinite or {}).get("op") == expected
     replayed = replay(Trace.from_json(json.loads(json.dumps(trace.to_json())), trace.leaves))
     assert (replayed.first_nonfinite or {}).get("op") == expected
+
+
+def _replayed(trace):
+    return replay(Trace.from_json(json.loads(json.dumps(trace.to_json())), trace.leaves))
+
+
+def test_replay_fills_uninitialized_memory_with_nan_so_the_answer_does_not_depend_on_the_allocator():
+    """A buffer made by ``torch.empty`` inside the call holds NaN at replay, on every machine: the op
+    that ignores it (``beta=0``) is still named, and a computation that really reads it is always NaN."""
+    ignored, _ = record(_Call(lambda q: torch.baddbmm(torch.empty(1, 2, 2), q, q, beta=0.0, alpha=HUGE)),
+                        torch.ones(1, 2, 2))
+    assert _replayed(ignored).first_nonfinite["op"] == "aten.baddbmm.default"
+    read, _ = record(_Call(lambda x: torch.empty(2) + x), torch.ones(2))
+    result = _replayed(read)
+    assert torch.isnan(result.outputs).all() and result.first_nonfinite is None

@@ -67,7 +67,8 @@ REPLAY_ALLOWLIST = frozenset("""
     zeros_like
 """.split())
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-# Ops that return uninitialized memory: garbage that happens to be NaN is nobody's fault.
+# Ops that return uninitialized memory: garbage that happens to be NaN is nobody's fault (and a replay
+# fills what they return with NaN: ``returns_uninitialized``).
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                             "new_empty_strided", "resize_"})
 # ``half_to_float`` is legal for a float16 input only; a replay cast to another dtype drops it.
@@ -206,6 +207,11 @@ def op_packet(name: str) -> str:
     return name.split(".")[1]
 
 
+def returns_uninitialized(name: str) -> bool:
+    """``aten.empty.memory_format`` and its kin: what they return is whatever the allocator held."""
+    return op_packet(name) in _UNINITIALIZED
+
+
 def op_name(func: Any) -> str:
     return f"{func.namespace}.{func.__name__}"
 
@@ -260,7 +266,7 @@ class FirstNonFinite:
         return self.found is None and _finite(read_inputs(name, args, kwargs))
 
     def check(self, index: int, name: str, inputs_finite: bool, out: Any) -> None:
-        if inputs_finite and op_packet(name) not in _UNINITIALIZED and not _finite(out):
+        if inputs_finite and not returns_uninitialized(name) and not _finite(out):
             self.found = {"index": index, "op": name, **self._extra}
 
 
@@ -290,7 +296,7 @@ class FirstGrowth:
     def inputs(self, name: str, args: Any, kwargs: Any) -> Optional[List[Tuple[str, str, float]]]:
         """The magnitudes of what the op reads, taken before it runs (an in-place op overwrites its input);
         None once there is nothing left to look for."""
-        if self.found is not None or self._before.found is not None or op_packet(name) in _UNINITIALIZED:
+        if self.found is not None or self._before.found is not None or returns_uninitialized(name):
             return None
         inputs = _magnitudes(read_inputs(name, args, kwargs), "input")
         return inputs if any(dtype for _, dtype, _ in inputs) else None

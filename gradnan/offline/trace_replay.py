@@ -21,6 +21,7 @@ What a replay cannot do, by construction:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -40,6 +41,8 @@ from ..formats.trace import (
     op_name,
     refs,
     replayable_op,
+    returns_uninitialized,
+    tensors_in,
 )
 
 
@@ -147,9 +150,20 @@ def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], fir
     finite = first.inputs_finite(op["op"], args, kwargs)
     magnitudes = growth.inputs(op["op"], args, kwargs)
     out = func(*args, **kwargs)
+    if returns_uninitialized(op["op"]):
+        _poison(out)
     first.check(index, op["op"], finite, out)
     growth.check(index, op["op"], magnitudes, out)
     _bind(op["out"], out, env)
+
+
+def _poison(created: Any) -> None:
+    """Fill what an ``empty``-like op returned with NaN (integers with 0): the replay's answer never
+    depends on what the allocator held, and an op that really reads the garbage reads NaN, every time,
+    on every machine. (An op that ignores it, ``baddbmm(..., beta=0)``, is not blamed: ``read_inputs``.)"""
+    for tensor in tensors_in(created):
+        with torch.no_grad():
+            tensor.fill_(math.nan if tensor.is_floating_point() or tensor.is_complex() else 0)
 
 
 def _output_grads(encoded: Any, grads: Any) -> Iterator[Tuple[str, Any]]:
