@@ -36,6 +36,10 @@ from .schema import (
 SCHEMA = Schema("gradnan.bundle", 1)
 MAX_TENSORS_BYTES = 1 << 36  # a tensors.pt larger than 64 GiB is no capture gradnan wrote
 _GRAD_OUT = re.compile(r"grad_out\.(\d{1,9})")
+# what changed a module's output after it returned, in ``outputs_changed`` (the replay's wording:
+# ``gradnan.offline.replay.changed_text``); a module returns at most this many tensors
+CHANGED_BY = ("forward_hook", "in_place")
+MAX_CHANGES = 1 << 16
 
 if TYPE_CHECKING:  # torch is imported where tensors are written or loaded: reading a manifest needs none
     import torch
@@ -123,6 +127,9 @@ def check_replayable(manifest: Dict[str, Any], tensors: Mapping[str, torch.Tenso
                          f" {repr(outputs)[:40]}")
     if not isinstance(seen, dict) or not optional(manifest.get("recompute"), lambda v: isinstance(v, bool)):
         raise InputError(f"{where}: 'seen' must be an object and 'recompute' a boolean")
+    if not _changes_valid(manifest.get("outputs_changed", [])):
+        raise InputError(f"{where}: 'outputs_changed' must be a list of {{\"output\": number, \"by\":"
+                         f" {' or '.join(map(repr, CHANGED_BY))}, \"nonfinite\": boolean}}")
     odd = [name for name in tensors if name.startswith("grad_out.") and not _GRAD_OUT.fullmatch(name)]
     if odd:
         raise InputError(f"{where}: tensor {odd[0][:60]!r} is not named grad_out.<output number>")
@@ -132,6 +139,13 @@ def check_replayable(manifest: Dict[str, Any], tensors: Mapping[str, torch.Tenso
     unusual = [name for name, tensor in tensors.items() if tensor.layout != torch.strided or tensor.is_meta]
     if unusual:
         raise InputError(f"{where}: tensor {unusual[0][:60]!r} is not a dense tensor with data")
+
+
+def _changes_valid(changes: Any) -> bool:
+    return isinstance(changes, list) and len(changes) <= MAX_CHANGES and all(
+        isinstance(change, dict) and set(change) == {"output", "by", "nonfinite"} and is_int(change["output"])
+        and 0 <= change["output"] < MAX_CHANGES and change["by"] in CHANGED_BY
+        and isinstance(change["nonfinite"], bool) for change in changes)
 
 
 def load_manifest(path: Path) -> Dict[str, Any]:

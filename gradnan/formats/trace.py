@@ -434,6 +434,13 @@ def tensors_in(tree: Any) -> List[torch.Tensor]:
     return []
 
 
+def same_values(saved: torch.Tensor, other: torch.Tensor) -> bool:
+    """Bitwise equal, NaN matching NaN (a saved NaN met again as NaN is the same value)."""
+    if saved.shape != other.shape or saved.dtype != other.dtype or saved.device != other.device:
+        return False
+    return bool(((saved == other) | (torch.isnan(saved) & torch.isnan(other))).all())
+
+
 def has_nonfinite(tensor: Any) -> bool:
     """True for a floating tensor holding a NaN or Inf (one host read; for the capture/replay paths)."""
     return (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()

@@ -13,6 +13,9 @@ inputs were finite and whose output was not. The verdict:
 - ``incoming_gradient_nonfinite``: the gradient flowing into the module was already bad: look downstream;
 - ``precision``: reproduces in the captured dtype, not in float64: overflow or underflow at that operator;
 - ``bad_operator_or_input``: reproduces in every precision at that operator;
+- ``changed_after_return``: the module's own outputs are finite (the replay agrees), but training went on
+  with a non-finite output changed after the module returned: by a forward hook on it, or in place by an
+  operation outside it (the bundle's ``outputs_changed``, the values in ``used_out.N``);
 - ``not_reproduced``: from the same inputs the module computes finite values: what training saw came
   from elsewhere (a transient device fault: run ``gradnan selftest``; or a corruption after this
   computation, e.g. in the gradient buffer);
@@ -38,7 +41,7 @@ from ..formats.layout import MANIFEST
 from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
 from ..formats.records import is_growth
 from ..formats.schema import Schema
-from ..formats.trace import Trace, TraceError, has_nonfinite, tensors_in
+from ..formats.trace import Trace, TraceError, has_nonfinite, same_values, tensors_in
 from .trace_replay import output_tree, replay
 
 PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
@@ -46,13 +49,6 @@ PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
 MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
 SCHEMA = Schema("gradnan.replay", 1)  # what --json prints
-
-
-def _same(saved: torch.Tensor, replayed: torch.Tensor) -> bool:
-    """Bitwise equal, NaN matching NaN (a saved NaN replayed as NaN is the same result)."""
-    if saved.shape != replayed.shape or saved.dtype != replayed.dtype:
-        return False
-    return bool(((saved == replayed) | (torch.isnan(saved) & torch.isnan(replayed))).all())
 
 
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
@@ -112,11 +108,12 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     captured = runs["captured"]
     saved_outputs = [tensors[f"out.{i}"] for i in range(manifest.get("outputs", 0)) if f"out.{i}" in tensors]
     matches = len(saved_outputs) == len(captured["_outputs"]) and all(
-        _same(saved.to(target), replayed.detach())
+        same_values(saved.to(target), replayed.detach())
         for saved, replayed in zip(saved_outputs, captured["_outputs"]))
     inputs = _largest_input(tensors, leaf_names)
     growth = _growth(manifest, runs["captured"]["first_growth"], inputs)
-    judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth), "growth": growth}
+    changes = manifest.get("outputs_changed", [])
+    judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth, changes), "growth": growth}
     if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
         judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from"
                                  " outside it (a collective with other ranks, e.g. a tensor-parallel"
@@ -131,6 +128,7 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
         "recompute": manifest.get("recompute"),
         "seen_in_training": seen,
         "replay_matches_saved_outputs": matches,
+        "outputs_changed_after_return": changes,
         "runs": {label: {k: v for k, v in run.items() if not k.startswith("_")}
                  for label, run in runs.items()},
         **judgement,
@@ -196,11 +194,12 @@ def growth_text(growth: Dict[str, Any]) -> str:
 
 def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor],
            leaf_names: List[str], grads: Dict[int, torch.Tensor],
-           growth: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+           growth: Optional[Dict[str, Any]], changes: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The forward first (its inputs are the module's own); the backward only where the forward is
     finite, since it starts from the incoming gradient, which may already be bad. A forward that goes
     non-finite from inputs already out of line is the upstream growth's (``_growth``), not the operator's
-    that overflowed."""
+    that overflowed. A finite forward whose output training went on with non-finite, changed after the
+    module returned (``changes``: a forward hook, an in-place operation), is that change's."""
     captured, wide = runs["captured"], runs["float64"]
     bad_leaves = [name for name in leaf_names
                   if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
@@ -225,6 +224,10 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
         return {"verdict": "bad_operator_or_input", "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
                            " or a bug in it"}
+    if any(change["nonfinite"] for change in changes):
+        return {"verdict": "changed_after_return", "reproduces": False,
+                "summary": "the module's own outputs are finite, and the replay agrees; training went on"
+                           f" with {changed_text(changes)}: look at what changed it"}
     if seen.get("outputs_nonfinite"):
         return {"verdict": "not_reproduced", "reproduces": False,
                 "summary": "does not reproduce: the output was non-finite in training but the module computes"
@@ -245,6 +248,17 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                            " selftest) or a corruption after this computation"}
     return {"verdict": "healthy", "reproduces": False,
             "summary": "nothing non-finite was captured, and the replay agrees" + _still_grew(growth)}
+
+
+_CHANGED_BY = {"forward_hook": "by a forward hook on the module",
+               "in_place": "in place, by an operation outside the module"}
+
+
+def changed_text(changes: List[Dict[str, Any]]) -> str:
+    """``output 0 NON-FINITE, changed after the module returned by a forward hook on the module``."""
+    return "; ".join(f"output {change['output']}"
+                     f" {'NON-FINITE' if change['nonfinite'] else 'finite but different'}, changed after the"
+                     f" module returned {_CHANGED_BY[change['by']]}" for change in changes)
 
 
 def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
@@ -272,6 +286,9 @@ def format_text(result: Dict[str, Any]) -> str:
             first = f"{growth_text({'where': 'operator', **run['first_growth']})}; {first}"
         lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
                      f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
-    lines.append("Replay matches the outputs saved in training:"
+    lines.append("Replay matches the module's own outputs saved in training:"
                  f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
+    changes = result["outputs_changed_after_return"]
+    if changes:
+        lines.append(f"Training went on with other values: {changed_text(changes)}")
     return "\n".join(lines)

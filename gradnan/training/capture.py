@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..config import GradnanConfig
-from ..formats.trace import Trace, has_nonfinite, tensors_in
+from ..formats.trace import Trace, has_nonfinite, same_values, tensors_in
 from ..log import logger
 from .clock import StepClock
 from .error_guard import ErrorGuard
@@ -73,12 +73,38 @@ class ModuleCall:
     grad_inputs: Dict[int, torch.Tensor] = field(default_factory=dict)
     param_grads: Dict[str, torch.Tensor] = field(default_factory=dict)
     outputs_nonfinite: bool = False
+    # what training went on with where it is not what the module returned: a forward hook's result
+    # (``hooked``), and the returned tensors themselves with their version counters, to see an in-place
+    # change made after the call
+    hooked: Optional[List[torch.Tensor]] = None
+    returned: List[Tuple[torch.Tensor, int]] = field(default_factory=list)
 
     @property
     def nonfinite(self) -> bool:
         return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
+                or any(change["nonfinite"] for change in self.changed_after_return()[0])
                 or any(has_nonfinite(g) for g in self.grad_outputs.values())
                 or any(has_nonfinite(g) for g in self.param_grads.values()))
+
+    def changed_after_return(self) -> Tuple[List[Dict[str, Any]], Dict[int, torch.Tensor]]:
+        """The outputs training went on with that differ from what the module's forward returned: by a
+        forward hook (its result replaced the output) or changed in place after the call (its version
+        counter moved and its values differ; a tensor whose storage was swapped, as Megatron's pipeline
+        does to free a sent output, is not compared). Each as ``{"output", "by", "nonfinite"}``, and the
+        values training used, by output number."""
+        changes, used = [], {}
+        if self.hooked is not None:
+            hooked = [(i, t) for i, t in enumerate(self.hooked)
+                      if i >= len(self.outputs) or not same_values(self.outputs[i], t)]
+            changes += [{"output": i, "by": "forward_hook", "nonfinite": has_nonfinite(t)} for i, t in hooked]
+            used.update(hooked)
+        for i, (tensor, version) in enumerate(self.returned):
+            if i in used or tensor._version == version or tensor.shape != self.outputs[i].shape:
+                continue
+            if not same_values(self.outputs[i], tensor):
+                used[i] = tensor.detach().clone()
+                changes.append({"output": i, "by": "in_place", "nonfinite": has_nonfinite(tensor)})
+        return changes, used
 
 
 def _rng_states() -> Dict[str, torch.Tensor]:
@@ -116,9 +142,11 @@ class ModuleCapture:
         self.context: Dict[str, Any] = {}
         self._original_forward = module.forward
         self._calls_this_step = 0
+        self._returned_by_forward: Optional[ModuleCall] = None
 
     def attach(self) -> "ModuleCapture":
         self._hooks.replace_forward(self.module, self._forward)
+        self._hooks.after_forward(self.module, self._after_hooks)
         for param_name, param in self.module.named_parameters():
             if param.requires_grad:
                 self._hooks.on_gradient(param, self._param_hook(param_name))
@@ -166,7 +194,9 @@ class ModuleCapture:
         self._calls_this_step += 1
         produced = tensors_in(outputs)
         call.outputs = [t.detach().clone() for t in produced]
+        call.returned = [(t, t._version) for t in produced]
         call.outputs_nonfinite = any(has_nonfinite(t) for t in produced)
+        self._returned_by_forward = call
         # hooks on activations only: a hook on a leaf (a Parameter returned as bias, a tied weight passed
         # in) would outlive the call and this capture
         for position, tensor in enumerate(produced):
@@ -179,6 +209,14 @@ class ModuleCapture:
             self.calls = [call]
         else:
             self.calls.append(call)
+
+    def _after_hooks(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """What the forward hooks registered before this capture made of the call's output: kept where
+        it is not what the forward returned (``ModuleCall.changed_after_return``)."""
+        call, self._returned_by_forward = self._returned_by_forward, None
+        if call is not None:
+            self._guard("capture of a hooked output", lambda: setattr(
+                call, "hooked", [t.detach().clone() for t in tensors_in(output)]))
 
     def _grad_hook(self, store: Dict[int, torch.Tensor], position: int):
         def hook(grad: torch.Tensor) -> None:
@@ -209,6 +247,8 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
     tensors: Dict[str, torch.Tensor] = dict(call.trace.leaves)
     tensors.update(call.rng)
     tensors.update({f"out.{i}": t for i, t in enumerate(call.outputs)})
+    changes, used = call.changed_after_return()
+    tensors.update({f"used_out.{i}": t for i, t in used.items()})
     tensors.update({f"grad_out.{i}": g for i, g in call.grad_outputs.items()})
     tensors.update({f"grad_in.{i}": g for i, g in call.grad_inputs.items()})
     tensors.update({f"param_grad.{name}": g for name, g in call.param_grads.items()})
@@ -224,6 +264,7 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
         "autocast": call.autocast,
         "trace": call.trace.to_json(),
         "outputs": len(call.outputs),
+        "outputs_changed": changes,
         "grad_outputs": sorted(call.grad_outputs),
         "grad_inputs": sorted(call.grad_inputs),
         "params": {name: {"shape": list(param.shape), "dtype": str(param.dtype), **param_facts(param)}
