@@ -241,6 +241,32 @@ class Cause(str, enum.Enum):
     """No rank held a non-finite gradient: only the norm was non-finite."""
 
 
+class Action(str, enum.Enum):
+    """What to do next about a verdict (the report's ``next`` steps), most urgent first."""
+
+    DRAIN = "drain"
+    """Take a suspect device's node out of the job before it runs again."""
+    SELFTEST = "selftest"
+    """Confirm or clear that device: ``gradnan selftest`` launched on its node (docs/selftest.md)."""
+    SKIP_ITERATION = "skip_iteration"
+    """Train past data that reproducibly fails: Megatron-LM's ``--iterations-to-skip``."""
+
+    def wording(self, subject: str) -> str:
+        """The sentence for one step about ``subject`` (a device, a node, an iteration)."""
+        return _ACTION_WORDING[self].format(subject=subject)
+
+
+_ACTION_WORDING = {
+    Action.DRAIN: "drain {subject}: take the node out of the job's node list before restarting; the"
+                  " verdict points at that device",
+    Action.SELFTEST: "confirm or clear {subject}: launch gradnan selftest there as training is launched"
+                     " (docs/selftest.md)",
+    Action.SKIP_ITERATION: "to train past iteration {subject}, restart Megatron-LM from its last checkpoint"
+                           " with this option added: its loop consumes that iteration's micro-batches"
+                           " without training on them",
+}
+
+
 class OriginBasis(str, enum.Enum):
     """What the origin ranks of an incident were decided from, best evidence first."""
 

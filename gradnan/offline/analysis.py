@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..formats.incident import (
     INCIDENT_KINDS,
     NORM_KINDS,
+    Action,
     Cause,
     Conclusion,
     GradientPass,
@@ -134,6 +135,20 @@ class RerunFinding:
 
 
 @dataclass(frozen=True)
+class NextStep:
+    """One thing to do about the verdict: what and why (``text``), and what to type (``command``, an
+    argument list, or the option to add; None where there is nothing to type)."""
+
+    action: Action
+    text: str
+    command: Optional[Tuple[str, ...]] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"action": self.action.value, "text": self.text,
+                "command": None if self.command is None else list(self.command)}
+
+
+@dataclass(frozen=True)
 class Incident:
     """The first failing step of a launch: who produced it, who received it, and the verdict."""
 
@@ -149,6 +164,7 @@ class Incident:
     verdict: Verdict
     rerun: Optional[RerunFinding]
     capture_settings: Optional[Dict[str, str]]  # GRADNAN_CAPTURE_* to capture it on a rerun from a checkpoint
+    next_steps: Tuple[NextStep, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "iteration": self.iteration, "kinds": list(self.kinds),
@@ -156,7 +172,8 @@ class Incident:
                 "receivers": list(self.receivers), "silent": list(self.silent),
                 "parameters": list(self.parameters), "pattern": self.pattern.to_json(),
                 "verdict": self.verdict.to_json(),
-                "rerun": None if self.rerun is None else self.rerun.to_json()}
+                "rerun": None if self.rerun is None else self.rerun.to_json(),
+                "next": [step.to_json() for step in self.next_steps]}
 
 
 @dataclass(frozen=True)
@@ -522,6 +539,33 @@ def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
             "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in origin)}
 
 
+MAX_DRAINED = 8  # devices named to drain, at most (a hardware verdict names one replica's few devices)
+
+
+def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
+                iteration: Optional[int], ranks: Dict[int, Dict[str, Any]], run_dir: str) -> List[NextStep]:
+    """What the verdict calls for: for a device, drain each origin device and self-test each of their
+    nodes (one process per rank the job ran there); for data that fails again in place where
+    Megatron-LM's loop runs, the option that skips its iteration on restart."""
+    steps: List[NextStep] = []
+    if verdict.cause is Cause.HARDWARE:
+        devices = list(dict.fromkeys((entry.get("host"), entry.get("device")) for entry in origin))
+        for host, device in devices[:MAX_DRAINED]:
+            named = [entry["global_rank"] for entry in origin if (entry.get("host"), entry.get("device"))
+                     == (host, device)]
+            steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
+                f"{host} ({device}, rank {', '.join(map(str, named))})")))
+        for host in dict.fromkeys(host for host, _ in devices[:MAX_DRAINED]):
+            processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
+            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"the devices of {host}"), (
+                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
+    reproducible = rerun is not None and rerun.conclusion is Conclusion.REPRODUCIBLE
+    if verdict.cause is Cause.DATA_OR_NUMERICS and reproducible and isinstance(iteration, int):
+        steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(iteration)),
+                              ("--iterations-to-skip", str(iteration))))
+    return steps
+
+
 def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
@@ -559,6 +603,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     if losses and not gradient_origin:
         basis, origin, reading = _rejected_losses(losses, rerun)
+    verdict = _decide_verdict(reading, rerun, origin, selftests)
     return Incident(
         step=step, iteration=iteration,
         kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,), origin_basis=basis,
@@ -566,8 +611,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
-        verdict=_decide_verdict(reading, rerun, origin, selftests),
-        rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration))
+        verdict=verdict, rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration),
+        next_steps=tuple(_next_steps(verdict, rerun, origin, iteration, ranks, str(files.run_dir))))
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

@@ -5,6 +5,7 @@ for a large one) and ``build_report`` (the ``gradnan.report`` JSON document). Bo
 
 from __future__ import annotations
 
+import shlex
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -244,6 +245,13 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
                            subsequent_indent="    ")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    if incident.next_steps:
+        lines.append("Next:")
+        for number, step in enumerate(incident.next_steps, 1):
+            lines += textwrap.wrap(step.text, WIDTH, initial_indent=f"  {number}. ",
+                                   subsequent_indent="     ")
+            if step.command:
+                lines.append(f"     {shlex.join(step.command)}")  # whole, on its own line: to copy
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
     lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]

@@ -1,0 +1,70 @@
+"""Issue 26 (first part): the next step after each verdict, decided once in the analysis and rendered in
+the text report and ``--json``: the device to drain and the self-test to launch on its node for a device
+fault, the Megatron-LM option that trains past data that fails again in place."""
+
+from __future__ import annotations
+
+import shlex
+
+from gradnan.offline.analysis import analyze
+from gradnan.offline.report import format_text
+
+from .test_report_unit import _files, _record
+
+CORE = "decoder.layers.1.self_attention.core_attention"
+
+
+def _rerun(rank, conclusion, host, own=None, module=None, iteration=None):
+    record = _record(2, "rerun", rank, trigger="nonfinite_grad_norm", megatron=None,
+                     role="origin" if module else "clean", conclusion=conclusion, own_failure=own,
+                     micro_batch=0, module=module, bundle=None, batch=None, iteration=iteration,
+                     **{"class": "DotProductAttention" if module else None})
+    record["rank"].update(host=host, device=f"cuda:{rank % 8}")
+    return record
+
+
+def _next(records):
+    analysis = analyze(_files(*records))
+    return analysis.incident.next_steps, analysis.to_json()["incident"]["next"], format_text(analysis)
+
+
+def test_a_transient_fault_names_the_device_to_drain_and_the_self_test_for_its_node():
+    steps, document, text = _next([_rerun(9, "transient", "node00272", own="loss"),
+                                   _rerun(1, "after_collective", "node00001"),
+                                   _rerun(10, "after_collective", "node00272")])
+    assert [step.action.value for step in steps] == ["drain", "selftest"]
+    assert steps[0].text.startswith("drain node00272 (cuda:1, rank 9): take the node out") and steps[0].command is None
+    assert steps[1].command == ("torchrun", "--nproc_per_node=2", "-m", "gradnan", "selftest", "--out",
+                                "/run")  # the job ran two ranks on node00272
+    assert document[1] == {"action": "selftest", "text": steps[1].text, "command": list(steps[1].command)}
+    section = text.split("Next:\n")[1].split("Origin (")[0]
+    assert section.startswith("  1. drain node00272 (cuda:1, rank 9)"), text
+    assert "\n     torchrun --nproc_per_node=2 -m gradnan selftest --out /run\n" in section, text
+    assert "node00001" not in section
+
+
+def test_data_that_fails_again_in_place_under_megatron_lm_gets_the_option_that_skips_its_iteration():
+    steps, document, text = _next([_rerun(1, "reproducible", "node3", module=CORE, iteration=1207),
+                                   _rerun(0, "after_collective", "node3", iteration=1207)])
+    assert [(step.action.value, step.command) for step in steps] == [
+        ("skip_iteration", ("--iterations-to-skip", "1207"))]
+    assert "to train past iteration 1207, restart Megatron-LM from its last checkpoint" in text, text
+    assert "\n     --iterations-to-skip 1207\n" in text
+
+
+def test_without_megatron_lms_iteration_there_is_no_option_to_give():
+    steps, _, text = _next([_rerun(1, "reproducible", "node3", module=CORE),
+                            _rerun(0, "after_collective", "node3")])
+    assert steps == () and "Next:" not in text
+
+
+def test_a_command_naming_a_hostile_run_dir_is_quoted_for_the_shell():
+    from pathlib import Path
+
+    from gradnan.offline.read import RunFiles
+
+    records = [_rerun(9, "transient", "node00272", own="loss"), _rerun(1, "after_collective", "n1")]
+    files = RunFiles(Path("/tmp/x; touch /tmp/PWNED #"), records={Path("/r.jsonl"): records})
+    [_, selftest] = analyze(files).incident.next_steps
+    assert shlex.split(shlex.join(selftest.command))[-1] == "/tmp/x; touch /tmp/PWNED #"
+    assert "'/tmp/x; touch /tmp/PWNED #'" in format_text(analyze(files))
