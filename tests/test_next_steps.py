@@ -33,7 +33,8 @@ def test_a_transient_fault_names_the_device_to_drain_and_the_self_test_for_its_n
                                    _rerun(1, "after_collective", "node00001"),
                                    _rerun(10, "after_collective", "node00272")])
     assert [step.action.value for step in steps] == ["drain", "selftest"]
-    assert steps[0].text.startswith("drain node00272 (cuda:1, rank 9): take the node out") and steps[0].command is None
+    assert steps[0].text.startswith("drain node00272 (cuda:1, rank 9): take the node out")
+    assert steps[0].command is None
     assert steps[1].command == ("torchrun", "--nproc_per_node=2", "-m", "gradnan", "selftest", "--out",
                                 "/run")  # the job ran two ranks on node00272
     assert document[1] == {"action": "selftest", "text": steps[1].text, "command": list(steps[1].command)}
