@@ -391,7 +391,8 @@ def _defined_in(defined: Set[str], where: str) -> Callable[[str], str]:
     return check
 
 
-def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str], fused_allowed: bool = True) -> None:
+def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str],
+              fused_allowed: bool = True) -> None:
     """One op entry: well formed, replayable or flagged as not executed, referring only to tensors
     defined before it. Adds the names it produces to ``defined``."""
     name = op.get("op") if isinstance(op, dict) else None
@@ -443,7 +444,7 @@ def _check_fused(op: Dict[str, Any], defined: Set[str]) -> None:
     if not (isinstance(fused, dict) and set(fused) == _FUSED_KEYS
             and all(isinstance(fused[key], str) and _FUSED_NAME.fullmatch(fused[key])
                     for key in ("class", "class_module"))
-            and (fused["module"] is None or (isinstance(fused["module"], str) and len(fused["module"]) <= 300))
+            and (fused["module"] is None or isinstance(fused["module"], str))
             and op["op"] == f"{fused['class_module']}.{fused['class']}"):
         raise TraceError("malformed fused entry")
     if not defined.issuperset(refs(op["out"])):
