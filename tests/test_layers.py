@@ -33,6 +33,9 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.training.install": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.training",
                                  "gradnan.patches"),
     "gradnan.training.seed": ("gradnan.errors", "gradnan.training", "gradnan.patches"),
+    # the recorder wraps ``torch.autograd.Function.apply`` while it records, through the undo log alone
+    "gradnan.training.recorder": ("gradnan.errors", "gradnan.formats", "gradnan.training",
+                                  "gradnan.patches.undo_log"),
     "gradnan.testing": ("gradnan", "megatron"),
     "gradnan.commandline": ("gradnan.errors", "gradnan.config"),
     "gradnan.cli": ("gradnan.errors", "gradnan.commandline", "gradnan.offline", "gradnan.selftest",

@@ -25,7 +25,10 @@ from ..errors import InputError
 from .magnitude import entries_growth
 from .schema import Schema
 
-SCHEMA = Schema("gradnan.trace", 1)
+SCHEMA = Schema("gradnan.trace", 2)
+# Version 2 added ``fused`` entries; a trace without one is still written as version 1, which older
+# gradnan reads (it refuses a version 2 trace in one line, as newer than it reads).
+FUSED_VERSION = 2
 
 # The aten operators a replay may execute (by packet name, every overload): pure computation on the
 # replay's own tensors. docs/guarantees.md lists them (tests/test_untrusted.py checks the two agree).
@@ -74,7 +77,9 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permu
 # ``half_to_float`` is legal for a float16 input only; a replay cast to another dtype drops it.
 HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
 _OP_NAME = re.compile(r"(\w+)\.(\w+)\.(\w+)")
-_OP_KEYS = frozenset({"op", "collective", "external", "opaque", "args", "kwargs", "out"})
+_OP_KEYS = frozenset({"op", "collective", "external", "opaque", "fused", "args", "kwargs", "out"})
+_FUSED_KEYS = frozenset({"class", "class_module", "module"})
+_FUSED_NAME = re.compile(r"[\w.<>]{1,300}")
 _DOCUMENT_KEYS = frozenset({"schema", "version", "ops", "outputs", "first_nonfinite", "leaves"})
 
 
@@ -323,8 +328,9 @@ class Trace:
     first_nonfinite: Optional[Dict[str, Any]]
 
     def to_json(self) -> Dict[str, Any]:
+        version = FUSED_VERSION if any(is_fused(op) for op in self.ops) else 1
         return {
-            **SCHEMA.header(),
+            "schema": SCHEMA.name, "version": version,
             "ops": self.ops,
             "outputs": self.outputs,
             "first_nonfinite": self.first_nonfinite,
@@ -346,7 +352,7 @@ class Trace:
         if not isinstance(document, dict) or document.get("schema") != SCHEMA.name:
             raise TraceError(f"not a {SCHEMA.name} document")
         version = document.get("version")
-        if type(version) is not int or version != SCHEMA.version:
+        if type(version) is not int or not 1 <= version <= SCHEMA.version:
             newer = isinstance(version, int) and version > SCHEMA.version
             raise TraceError(f"trace version {version!r} is {'newer than' if newer else 'not'} the one "
                              f"this gradnan reads ({SCHEMA.version})")
@@ -358,7 +364,7 @@ class Trace:
             raise TraceError("'ops' must be a list")
         defined = set(taken)
         for index, op in enumerate(ops):
-            _check_op(index, op, defined, set(taken))
+            _check_op(index, op, defined, set(taken), fused_allowed=version >= FUSED_VERSION)
         decode(document["outputs"], _defined_in(defined, "the outputs"))
         first = document["first_nonfinite"]
         if first is not None and not (isinstance(first, dict) and set(first) == {"index", "op"}
@@ -391,17 +397,21 @@ def _defined_in(defined: Set[str], where: str) -> Callable[[str], str]:
     return check
 
 
-def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str]) -> None:
+def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str],
+              fused_allowed: bool = True) -> None:
     """One op entry: well formed, replayable or flagged as not executed, referring only to tensors
     defined before it. Adds the names it produces to ``defined``."""
     name = op.get("op") if isinstance(op, dict) else None
     try:
         if not (isinstance(op, dict) and _OP_KEYS.issuperset(op)
                 and {"op", "args", "kwargs", "out"} <= set(op)
-                and all(op.get(flag, True) is True for flag in ("collective", "external", "opaque"))):
+                and all(op.get(flag, True) is True for flag in ("collective", "external", "opaque"))
+                and (fused_allowed or "fused" not in op)):
             raise TraceError("malformed entry")
         match = _OP_NAME.fullmatch(name) if isinstance(name, str) else None
-        if op.get("collective"):
+        if "fused" in op:
+            _check_fused(op, defined)
+        elif op.get("collective"):
             if match is None or match[1] not in COLLECTIVE_NAMESPACES:
                 raise TraceError("marked collective but not a c10d op")
         elif op.get("external"):
@@ -421,6 +431,30 @@ def _check_op(index: int, op: Any, defined: Set[str], leaf_names: Set[str]) -> N
     except TraceError as error:
         raise TraceError(f"op {index} ({repr(name)[:80]}): {error}") from None
     defined.update(refs(op["out"]))
+
+
+def is_fused(op: Dict[str, Any]) -> bool:
+    """An entry for a custom ``torch.autograd.Function`` whose work the dispatcher did not (all) see."""
+    return "fused" in op
+
+
+def fused_name(cls: type) -> str:
+    """The ``op`` of a fused entry: the Function class's module and qualified name."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_fused(op: Dict[str, Any], defined: Set[str]) -> None:
+    """A fused entry names its Function class consistently, and every output is a tensor already defined:
+    a saved leaf (the kernel's own output) or an output of a recorded op inside it."""
+    fused = op["fused"]
+    if not (isinstance(fused, dict) and set(fused) == _FUSED_KEYS
+            and all(isinstance(fused[key], str) and _FUSED_NAME.fullmatch(fused[key])
+                    for key in ("class", "class_module"))
+            and (fused["module"] is None or isinstance(fused["module"], str))
+            and op["op"] == f"{fused['class_module']}.{fused['class']}"):
+        raise TraceError("malformed fused entry")
+    if not defined.issuperset(refs(op["out"])):
+        raise TraceError("the outputs of a fused entry must be leaves or outputs of earlier ops")
 
 
 def tensors_in(tree: Any) -> List[torch.Tensor]:

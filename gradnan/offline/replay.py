@@ -11,7 +11,10 @@ inputs were finite and whose output was not. The verdict:
   frames show, or near the dtype's limit) and the module only finished what that growth started: look
   upstream, at the module named (rather than at the operator that overflowed);
 - ``incoming_gradient_nonfinite``: the gradient flowing into the module was already bad: look downstream;
-- ``precision``: reproduces in the captured dtype, not in float64: overflow or underflow at that operator;
+- ``kernel_bug``: a fused kernel (a custom autograd Function outside the dispatcher, ``fused`` in the trace)
+  turned finite inputs non-finite while the kit's reference math for it is finite in the captured dtype;
+- ``precision``: reproduces in the captured dtype, not in float64: overflow or underflow at that operator
+  (at a fused kernel: its reference math overflows in the captured dtype too, not wider: numerics);
 - ``bad_operator_or_input``: reproduces in every precision at that operator;
 - ``changed_after_return``: the module's own outputs are finite (the replay agrees), but training went on
   with a non-finite output changed after the module returned: by a forward hook on it, or in place by an
@@ -113,7 +116,8 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     inputs = _largest_input(tensors, leaf_names)
     growth = _growth(manifest, runs["captured"]["first_growth"], inputs)
     changes = manifest.get("outputs_changed", [])
-    judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth, changes), "growth": growth}
+    judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth, changes), "growth": growth,
+                 "fused": (captured["first_nonfinite"] or {}).get("fused")}
     if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
         judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from"
                                  " outside it (a collective with other ranks, e.g. a tensor-parallel"
@@ -204,7 +208,7 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
     bad_leaves = [name for name in leaf_names
                   if name.startswith(MODULE_INPUTS) and has_nonfinite(tensors[name])]
     operator = captured["first_nonfinite"]
-    where = f" at {operator['op']} ({operator.get('phase', 'forward')})" if operator else ""
+    where = f" at {operator_text(operator)} ({operator.get('phase', 'forward')})" if operator else ""
     if growth is not None and growth["where"] == "operator":
         where = f" ({growth_text(growth)}; first non-finite{where or ' output'})"
     if bad_leaves:
@@ -216,6 +220,8 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
         return {"verdict": "inputs_out_of_line", "reproduces": True,
                 "summary": f"{growth_text(growth)}; it went non-finite here{where}, which only finished what"
                            " that growth started: look upstream, at where the value grew"}
+    if captured["outputs_nonfinite"] and operator is not None and "finding" in operator.get("fused", {}):
+        return _fused_verdict(operator)
     if captured["outputs_nonfinite"]:
         if not wide["outputs_nonfinite"]:
             return {"verdict": "precision", "reproduces": True,
@@ -261,12 +267,54 @@ def changed_text(changes: List[Dict[str, Any]]) -> str:
                      f" module returned {_CHANGED_BY[change['by']]}" for change in changes)
 
 
+def operator_text(operator: Dict[str, Any]) -> str:
+    """``aten.mm.default``, or ``the fused kernel ScaledSoftmax (megatron.core.fusions.fused_softmax, in
+    decoder.layers.0.self_attention.core_attention)``."""
+    fused = operator.get("fused")
+    if not fused:
+        return operator["op"]
+    return (f"the fused kernel {fused['class']} ({fused['class_module']}"
+            f"{', in ' + fused['module'] if fused.get('module') else ''})")
+
+
+_FINDINGS = {
+    "kernel_bug": ("kernel_bug", "reference math on the same inputs is finite in the captured dtype: a bug in"
+                                 " the kernel"),
+    "numerics": ("precision", "its reference math overflows in the captured dtype too, not in {wider}:"
+                              " numerics (overflow or underflow in the captured dtype)"),
+    "bad_input": ("bad_operator_or_input", "its reference math is non-finite in every precision too: a"
+                                           " genuinely bad input for it"),
+    "opaque": ("bad_operator_or_input", "no reference math is known for it (opaque): it cannot tell a kernel"
+                                        " bug from numerics"),
+}
+
+
+def _fused_verdict(operator: Dict[str, Any]) -> Dict[str, Any]:
+    """The verdict where the first non-finite step is a fused kernel: its reference math decides."""
+    fused = operator["fused"]
+    verdict, reason = _FINDINGS[fused["finding"]]
+    wider = " or ".join(label for label, bad in (fused["reference_nonfinite"] or {}).items()
+                        if label != "captured" and not bad)
+    return {"verdict": verdict, "reproduces": True,
+            "summary": f"{operator_text(operator)} turned finite inputs into Inf/NaN"
+                       f" (op #{operator['index']}); {reason.format(wider=wider)}"}
+
+
 def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
     """What a healthy replay adds where a value grew out of line all the same (the culprit's own call,
     captured apart from the call that went non-finite)."""
     if growth is None:
         return ""
     return f"; but {'a value ' if growth['where'] == 'operator' else ''}{growth_text(growth)}"
+
+
+def fused_text(fused: Dict[str, Any]) -> str:
+    """``Fused kernel ScaledSoftmax: output NON-FINITE; reference math float16 NON-FINITE, float32 finite,
+    float64 finite: numerics``."""
+    nonfinite = fused["reference_nonfinite"]
+    reference = ("no reference math (opaque)" if nonfinite is None else "reference math " + ", ".join(
+        f"{label} {'NON-FINITE' if bad else 'finite'}" for label, bad in nonfinite.items()))
+    return f"Fused kernel {fused['class']}: output NON-FINITE; {reference}: {fused['finding']}"
 
 
 def format_text(result: Dict[str, Any]) -> str:
@@ -279,13 +327,15 @@ def format_text(result: Dict[str, Any]) -> str:
              f"Verdict: {result['verdict']}: {result['summary']}"]
     for label, run in result["runs"].items():
         operator = run["first_nonfinite"]
-        first = (f"first non-finite at op #{operator['index']} {operator['op']}"
+        first = (f"first non-finite at op #{operator['index']} {operator_text(operator)}"
                  f" ({operator.get('phase', 'forward')})"
                  if operator else "no operator turned finite inputs non-finite")
         if run["first_growth"]:
             first = f"{growth_text({'where': 'operator', **run['first_growth']})}; {first}"
         lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
                      f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
+    if result.get("fused"):
+        lines.append(fused_text(result["fused"]))
     lines.append("Replay matches the module's own outputs saved in training:"
                  f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
     changes = result["outputs_changed_after_return"]

@@ -11,8 +11,13 @@ What a replay cannot do, by construction:
   own shard's partial result. A collective that changes shapes (all-gather over several ranks) cannot.
 - Ops of other namespaces (``torch.library`` custom ops) are not executed: their outputs are saved
   as leaves, so the replay continues from the recorded values and no gradient flows through them.
-  Work done outside the dispatcher (pybind kernels, e.g. Transformer Engine's) is not seen at all:
-  its results simply become leaves where recorded ops consume them.
+- Work done outside the dispatcher inside a custom ``torch.autograd.Function`` (Transformer Engine,
+  Megatron's fused softmax, apex, flash-attention) is a ``fused`` entry: in the captured dtype its saved
+  output stands (what the kernel computed); in float32/float64 the kit's reference math for the class
+  (``gradnan.offline.references``) computes it in that precision where there is one. Either way a fused
+  entry whose inputs were finite and whose output is not is named like an op, and in the captured run
+  ``judge`` adds whether the reference goes non-finite too (kernel bug or numerics). A pybind call outside
+  any Function is still not seen: its results become leaves where recorded ops consume them.
 - Random ops draw from the current generator: a replay reproduces dropout only if the caller restores
   the RNG state of the recording first. An argument that cannot be written as JSON (a Generator)
   marks its op ``opaque``; such an op does not replay.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,6 +42,7 @@ from ..formats.trace import (
     cast_dtype,
     child_encodings,
     decode,
+    is_fused,
     op_inputs,
     op_name,
     refs,
@@ -44,6 +50,7 @@ from ..formats.trace import (
     returns_uninitialized,
     tensors_in,
 )
+from .references import compute, judge
 
 
 class _Watch(TorchDispatchMode):
@@ -99,19 +106,21 @@ def _from_env(env: Dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
     return lookup
 
 
-def _bind(encoded: Any, value: Any, env: Dict[str, torch.Tensor]) -> None:
-    """Name the tensors an op returned at replay as the trace named them at record time."""
+def _bind(encoded: Any, value: Any, env: Dict[str, torch.Tensor], only: Optional[Set[str]] = None) -> None:
+    """Name the tensors an op returned at replay as the trace named them at record time (``only``: just
+    these names)."""
     if isinstance(encoded, dict) and "t" in encoded:
         if not isinstance(value, torch.Tensor):
             raise TraceError("returned something else than a tensor at replay")
-        env[encoded["t"]] = value
+        if only is None or encoded["t"] in only:
+            env[encoded["t"]] = value
         return
     children = child_encodings(encoded)
     if children:
         if not isinstance(value, (list, tuple)) or len(value) != len(children):
             raise TraceError("returned a different structure at replay")
         for child, item in zip(children, value):
-            _bind(child, item, env)
+            _bind(child, item, env, only)
 
 
 def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None:
@@ -132,8 +141,33 @@ def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None
         env[target] = env[target].copy_(value) if target in env else value.clone()
 
 
+def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
+                  dtype: Optional[torch.dtype], device: torch.device, leaf_names: Set[str]) -> None:
+    """A fused entry: its saved outputs (leaves) stand in the captured dtype, its reference math's replace
+    them in a cast run where there is one; named where its inputs are finite and its outputs not."""
+    lookup = _from_env(env)
+    args = decode(op["args"], lookup, dtype, device)
+    kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
+    finite = first.inputs_finite(op["op"], args, kwargs)
+    saved = decode(op["out"], lookup)
+    if dtype is not None:
+        computed = compute(op, args, kwargs, saved, dtype)
+        if computed is not None:
+            _bind(op["out"], computed, env, leaf_names)
+    found = first.found
+    first.check(index, op["op"], finite, decode(op["out"], lookup))
+    if first.found is not found:
+        first.found["fused"] = dict(op["fused"])
+        if dtype is None:
+            first.found["fused"].update(judge(op, args, kwargs, saved))
+
+
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
-               growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device) -> None:
+               growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device,
+               leaf_names: Set[str]) -> None:
+    if is_fused(op):
+        _replay_fused(index, op, env, first, dtype, device, leaf_names)
+        return
     if op.get("collective"):
         _replay_collective(op, env)
         return
@@ -224,10 +258,11 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     env, graph_leaves = _replay_leaves(trace.leaves, dtype, device, grad_leaves)
     forward = FirstNonFinite(phase="forward")
     growth = FirstGrowth(forward, phase="forward")
+    leaf_names = set(trace.leaves)
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
         for index, op in enumerate(trace.ops):
             try:
-                _replay_op(index, op, env, forward, growth, dtype, device)
+                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
             except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:

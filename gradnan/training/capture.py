@@ -171,13 +171,18 @@ class ModuleCapture:
         recorder.mark_inputs(dict(self.module.named_buffers()), "buffer")
         return _rng_states()
 
+    def _submodule_names(self) -> Dict[int, str]:
+        """Module id -> global name of the module and its submodules (where a fused Function ran)."""
+        return {id(module): f"{self.name}.{local}" if local else self.name
+                for local, module in self.module.named_modules()}
+
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._confirm is not None:
             confirm, self._confirm = self._confirm, None
             self._passing = not self._guard("capture", confirm)
         if self._passing or (self.only_when is not None and not self.only_when()):
             return self._original_forward(*args, **kwargs)
-        recorder = OpRecorder()
+        recorder = OpRecorder(self._submodule_names)
         rng = self._guard("capture", self._prepare, recorder, args, kwargs)
         if rng is None:
             return self._original_forward(*args, **kwargs)

@@ -4,14 +4,22 @@
 the casts autocast inserts are recorded too) and writes each one down as JSON, and clones, once, every
 tensor an op consumed that no recorded op produced (inputs, parameters, buffers). That is what makes
 Megatron's tensor-parallel shards replayable in a plain process: no module has to be rebuilt.
+
+Kernels called outside the dispatcher (Transformer Engine, Megatron's fused softmax, apex, flash-attention)
+run inside a custom ``torch.autograd.Function``: while recording, ``Function.apply`` is wrapped (through the
+undo log, put back exactly on exit), and a Function whose outputs no recorded op inside it produced becomes
+one ``fused`` entry: its class, the module it ran in, its inputs, and its outputs saved as values. Ops the
+dispatcher does see inside it are recorded as usual, before it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+import inspect
+import threading
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.trace import (
@@ -21,26 +29,45 @@ from ..formats.trace import (
     TraceError,
     allowed_in_replay,
     encode,
+    fused_name,
     nodes,
     op_inputs,
     op_name,
+    tensors_in,
 )
+from ..patches.undo_log import Patcher
+from .probe import enclosing_module
 
 
 class OpRecorder(TorchDispatchMode):
     """While active, records every op dispatched:
     ``with OpRecorder() as recorder: out = module(*args, **kwargs)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, module_names: Callable[[], Dict[int, str]] = dict) -> None:
+        """``module_names()``: module id -> global name, to say which module a fused Function ran in."""
         super().__init__()
         self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # never keeps an activation alive
         self._marked: Set[str] = set()
-        self._produced: Set[str] = set()
+        self._produced: Dict[str, int] = {}  # name -> index of the entry that produced it
         self._leaves: Dict[str, torch.Tensor] = {}
         self._ops: List[Dict[str, Any]] = []
         self._count = 0
         self._first = FirstNonFinite()
         self.broken: Optional[str] = None  # why recording stopped, if it had to
+        self._module_names = module_names
+        self._thread = threading.get_ident()
+        self._patches = Patcher()
+
+    def __enter__(self) -> "OpRecorder":
+        function = torch.autograd.Function
+        self._patches.set(function, "apply", classmethod(self._boundary(vars(function)["apply"])))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.undo()
 
     def mark_inputs(self, tree: Any, prefix: str) -> None:
         """Name the tensors of an input tree before running (``args.0``, ``kwargs.mask``,
@@ -85,15 +112,66 @@ class OpRecorder(TorchDispatchMode):
         name = self._names.get(tensor)
         if name is None:
             name = self._fresh(tensor, "%")
-            self._produced.add(name)
+            self._produced[name] = len(self._ops)
         return name
 
     def _external_output(self, tensor: torch.Tensor) -> str:
         """An op that is never executed at replay: its output is saved as a leaf."""
         name = self._fresh(tensor, "%")
-        self._produced.add(name)
+        self._produced[name] = len(self._ops)
         self._leaves[name] = tensor.detach().clone()
         return name
+
+    def _boundary(self, original: classmethod) -> Callable[..., Any]:
+        """``Function.apply`` that records the Function as a fused entry where its work was not seen."""
+        recorder = self
+
+        def apply(cls, *args: Any, **kwargs: Any) -> Any:
+            call = original.__get__(None, cls)
+            if recorder.broken is not None or threading.get_ident() != recorder._thread:
+                return call(*args, **kwargs)
+            try:
+                with _disable_current_modes():  # its own checks and clones are not the model's ops
+                    entry, finite, start = recorder._begin_fused(cls, args, kwargs)
+            except Exception as exc:  # the recording must never break the Function it records
+                recorder.broken = f"{type(exc).__name__}: {exc}"
+                return call(*args, **kwargs)
+            out = call(*args, **kwargs)
+            try:
+                with _disable_current_modes():
+                    recorder._end_fused(entry, finite, start, out)
+            except Exception as exc:
+                recorder.broken = f"{type(exc).__name__}: {exc}"
+            return out
+
+        return apply
+
+    def _begin_fused(self, cls: type, args: Any, kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool, int]:
+        """The entry of a Function about to run, its arguments named by its ``forward``'s signature (so a
+        reference can take them by name), whether they are finite (before the call: a kernel may write in
+        place), and the index its inner ops start at."""
+        named_args, named = _bound(cls, args, kwargs)
+        entry: Dict[str, Any] = {
+            "op": fused_name(cls),
+            "fused": {"class": cls.__qualname__, "class_module": cls.__module__,
+                      "module": enclosing_module(self._module_names)},
+            "args": [encode(value, self._input_name) for value in named_args],
+            "kwargs": {key: encode(value, self._input_name) for key, value in named.items()}}
+        if any("opaque" in node for node in nodes(op_inputs(entry))):
+            entry["opaque"] = True
+        return entry, self._first.inputs_finite(entry["op"], named_args, named), len(self._ops)
+
+    def _end_fused(self, entry: Dict[str, Any], finite: bool, start: int, out: Any) -> None:
+        """Record the Function unless recorded ops inside it produced all its outputs (then they say it
+        all); an output they did not produce (made by a kernel, or changed in place) is saved as a value."""
+        def explained(tensor: torch.Tensor) -> bool:
+            return self._produced.get(self._names.get(tensor), -1) >= start
+
+        if all(explained(tensor) for tensor in tensors_in(out)):
+            return
+        entry["out"] = encode(out, lambda t: self._names[t] if explained(t) else self._external_output(t))
+        self._first.check(len(self._ops), entry["op"], finite, out)
+        self._ops.append(entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,3 +204,18 @@ class OpRecorder(TorchDispatchMode):
         if any("opaque" in node for node in nodes(op_inputs(entry))):
             entry["opaque"] = True
         return entry, self._first.inputs_finite(name, args, kwargs)
+
+
+def _bound(cls: type, args: Any, kwargs: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
+    """A Function's arguments by the names of its ``forward`` (without ``ctx``, unless it has a
+    ``setup_context``); as given where the signature does not bind them."""
+    try:
+        signature = inspect.signature(cls.forward)
+        with_ctx = not torch.autograd.function._is_setup_context_defined(cls.setup_context)
+        bound = signature.bind(*((None,) if with_ctx else ()), *args, **kwargs)
+    except (TypeError, ValueError):
+        return list(args), dict(kwargs)
+    arguments = dict(bound.arguments)
+    if with_ctx:
+        arguments.pop(next(iter(signature.parameters)))
+    return [], arguments
