@@ -62,9 +62,9 @@ def stage_slots(pp: int) -> Tuple[ParamSlot, ...]:
     first = pp * LAYERS_PER_STAGE
     names += [f"decoder.layers.{first + layer}.{param}" for layer in range(LAYERS_PER_STAGE)
               for param in LAYER_PARAMS]
-    return tuple(ParamSlot(id=index, name=name, shape=(512, 64), dtype="torch.bfloat16", numel=512 * 64, group=0,
-                      wd_mult=1.0, lr_mult=1.0, is_expert=False, optimizer=0, shard=None,
-                      main_dtype="torch.float32", order=index) for index, name in enumerate(names))
+    return tuple(ParamSlot(id=index, name=name, shape=(512, 64), dtype="torch.bfloat16", numel=512 * 64,
+                           group=0, wd_mult=1.0, lr_mult=1.0, is_expert=False, optimizer=0, shard=None,
+                           main_dtype="torch.float32", order=index) for index, name in enumerate(names))
 
 
 def _offender(slot: ParamSlot, nan: int) -> Dict[str, Any]:
@@ -102,7 +102,8 @@ def write_rank(out_dir: Path, rank: int, world_size: int, origin: int) -> None:
     """One rank's map and its records at ``STEP``, as the training side writes them."""
     coords = coords_of(rank, world_size)
     path = map_path(str(out_dir), coords, 0)
-    maps.write(path, maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", stage_slots(coords["pp"])))
+    slots = stage_slots(coords["pp"])
+    maps.write(path, maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
     for record in rank_records(rank, world_size, origin, path):
         append_json_line(records_path(str(out_dir), coords), record)
 
@@ -125,10 +126,9 @@ def run_files(world_size: int, run_dir: Path = Path("synthetic")) -> RunFiles:
         coords = coords_of(rank, world_size)
         path = map_path(str(run_dir), coords, 0)
         slots = stage_slots(coords["pp"])
-        document = maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots if rank == origin else [])
-        files.maps[path] = maps.from_json({**document, "params_count": len(slots)}, str(path),
-                                          params=rank == origin)
-        files.maps[path]["params_count"] = len(slots)
+        whole = rank == origin
+        document = maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots if whole else ())
+        files.maps[path] = {**maps.from_json(document, str(path), params=whole), "params_count": len(slots)}
         files.records[records_path(str(run_dir), coords)] = rank_records(rank, world_size, origin, path)
     return files
 
