@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import selftest
-from .commandline import OneLineParser, bad_input, positive, say
+from .commandline import OneLineParser, bad_input, positive, printable, say
 from .errors import GradnanError, InputError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
@@ -125,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.plot and report.incident is not None:
                 from .offline.plot import plot_incident
 
-                plot_incident(report, args.plot)
+                plot_incident(report, args.plot, printable)
             say(json.dumps(report.to_json(), indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
                 say(f"Picture: {args.plot}" if report.incident is not None

@@ -246,16 +246,29 @@ def _backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
     return (-(rank.get("pp") or 0), -(param.get("order") if isinstance(param.get("order"), int) else -1))
 
 
-def _param_view(param: Dict[str, Any]) -> Dict[str, Any]:
-    return {key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
-                                            "abs_max_finite", "near_limit", "order")}
+def _param_view(param: Dict[str, Any], dtype: Optional[str]) -> Dict[str, Any]:
+    return {**{key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
+                                               "abs_max_finite", "near_limit", "order")}, "dtype": dtype}
 
 
-def _rank_entry(record: Dict[str, Any]) -> View:
+def _param_dtypes(files: RunFiles, ranks: Sequence[Any]) -> Dict[Tuple[Any, str], str]:
+    """The model dtype of every parameter of these ranks' maps, by (global rank, name): the dtype whose
+    limit a gradient's largest finite magnitude is measured against (``near_limit``; the plot's line)."""
+    dtypes = {}
+    for path, document in files.maps.items():
+        rank = document["rank"]["global_rank"]
+        if rank in ranks:
+            dtypes.update(((rank, param["name"]), param["dtype"]) for param in files.map_params(path)
+                          if isinstance(param.get("dtype"), str))
+    return dtypes
+
+
+def _rank_entry(record: Dict[str, Any], dtypes: Dict[Tuple[Any, str], str]) -> View:
     params = sorted(record["params"], key=lambda p: _backward_key(record["rank"], p))
+    rank = record["rank"].get("global_rank")
     entry = {**rank_view(record["rank"]), "kind": record["kind"],
              "params_total": record.get("params_total", len(params)),
-             "params": [_param_view(p) for p in params]}
+             "params": [_param_view(p, dtypes.get((rank, p["name"]))) for p in params]}
     if record.get("largest_grad"):
         entry["largest_grad"] = record["largest_grad"]
     return entry
@@ -571,7 +584,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
     exited before any norm (only ``rerun`` records then)."""
     gradient_basis, origin_records = _gradient_origin(at_step)
-    gradient_origin = [_rank_entry(r) for r in origin_records]
+    dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records})
+    gradient_origin = [_rank_entry(r, dtypes) for r in origin_records]
     parameters = _parameters_by_module(gradient_origin)
     pattern = _pattern(gradient_origin, _params_per_rank(files))
     rerun = _rerun_finding(launch)

@@ -44,6 +44,17 @@ class RunFiles:
         path, number, offset = record.location
         return records.load_at(path, number, offset)
 
+    def map_params(self, path: Path) -> List[Dict[str, Any]]:
+        """A map's parameters (read back from its file where it was read without them); none where that
+        file can no longer be read."""
+        document = self.maps[path]
+        if "params" in document:
+            return document["params"]
+        try:
+            return maps.load(path)["params"]
+        except InputError:
+            return []
+
 
 class LeanRecord(dict):
     """A record kept without its offending parameters; ``location`` is where to read it whole: (file, line

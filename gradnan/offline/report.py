@@ -97,7 +97,7 @@ def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
     return text
 
 
-_ROLE_TEXT = {"dp_peer": "data-parallel peer(s) of the origin (same tp/pp)",
+ROLE_TEXT = {"dp_peer": "data-parallel peer(s) of the origin (same tp/pp)",
               "mp_peer": "model-parallel peer(s) of the origin (same dp replica)",
               "other": "other rank(s)"}
 
@@ -109,12 +109,12 @@ def _grouped_lines(views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) ->
         key = (rank_role(view, origin), bool(view.get("holds_nonfinite")))
         groups.setdefault(key, []).append(view["global_rank"])
     lines = []
-    for role in _ROLE_TEXT:
+    for role in ROLE_TEXT:
         for holds in (True, False):
             ranks = groups.get((role, holds))
             if ranks:
                 state = ", holding the NaN/Inf" if holds else ""
-                lines.append(f"  {len(ranks)} {_ROLE_TEXT[role]}{state}: {rank_ranges(ranks)}")
+                lines.append(f"  {len(ranks)} {ROLE_TEXT[role]}{state}: {rank_ranges(ranks)}")
     return lines
 
 
@@ -183,7 +183,7 @@ def _megatron_line(rerun: RerunFinding) -> List[str]:
     return [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
 
 
-def _rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
+def rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion (the
     strongest; every other replica's below it)."""
     if rerun is None:
@@ -236,13 +236,22 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
     return f"largest gradient{when}: {describe_largest(entry['largest_grad'])} (finite)"
 
 
+def step_headline(incident: Incident) -> str:
+    """The failing step as the report's first line names it (the text and the plot)."""
+    iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
+    return f"First failing step: {incident.step}{iteration}  ({', '.join(incident.kinds)})"
+
+
+def verdict_headline(incident: Incident) -> str:
+    """The verdict as the report's headline states it (the text's ``Verdict:`` line, the plot's title)."""
+    return f"Verdict: {incident.verdict.cause.value}: {incident.verdict.summary}"
+
+
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:
     verdict = incident.verdict
-    iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
-    lines = [f"First failing step: {incident.step}{iteration}  ({', '.join(incident.kinds)})"]
-    lines += _rerun_lines(incident.rerun)
-    lines += textwrap.wrap(f"Verdict: {verdict.cause.value}: {verdict.summary}", WIDTH,
-                           subsequent_indent="    ")
+    lines = [step_headline(incident)]
+    lines += rerun_lines(incident.rerun)
+    lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     if incident.next_steps:

@@ -10,8 +10,9 @@ and ``TorchOptimizer`` give the training side's slot building 50,000 parameters 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -19,6 +20,7 @@ from ..formats import maps, records
 from ..formats.layout import map_path, records_path
 from ..formats.maps import ParamSlot
 from ..formats.schema import append_json_line
+from ..offline.read import RunFiles
 
 TP = 8
 STEP = 7
@@ -33,28 +35,36 @@ VERSIONS = {"gradnan": "synthetic", "torch": "synthetic", "megatron_core": "synt
 
 
 def pipeline_size(world_size: int) -> int:
-    return 16 if world_size >= 2048 else 8
+    return 16 if world_size >= 2048 else 8 if world_size >= 64 else 2
+
+
+def tensor_size(world_size: int) -> int:
+    """TP=8, and 2 in a job of fewer than 64 ranks (8 ranks: TP2 x PP2 x DP2)."""
+    return TP if world_size >= 64 else 2
 
 
 def coords_of(rank: int, world_size: int) -> Dict[str, Any]:
     """Megatron's default order: tp fastest, then dp, then pp."""
-    pp_size = pipeline_size(world_size)
-    dp_size = max(1, world_size // (TP * pp_size))
-    return {"global_rank": rank, "tp": rank % TP, "dp": rank // TP % dp_size, "pp": rank // (TP * dp_size),
-            "tp_size": TP, "pp_size": pp_size, "dp_size": dp_size, "cp": 0, "cp_size": 1, "ep": 0,
+    tp_size, pp_size = tensor_size(world_size), pipeline_size(world_size)
+    dp_size = max(1, world_size // (tp_size * pp_size))
+    return {"global_rank": rank, "tp": rank % tp_size, "dp": rank // tp_size % dp_size,
+            "pp": rank // (tp_size * dp_size),
+            "tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size, "cp": 0, "cp_size": 1, "ep": 0,
             "ep_size": 1, "world_size": world_size, "host": f"node{rank // 8:05d}",
             "device": f"cuda:{rank % 8}", "local_rank": rank % 8, "pid": 1000 + rank}
 
 
-def stage_slots(pp: int) -> List[ParamSlot]:
-    """The parameters one pipeline stage steps, in registration order (optimizer order the same)."""
+@functools.lru_cache(maxsize=None)
+def stage_slots(pp: int) -> Tuple[ParamSlot, ...]:
+    """The parameters one pipeline stage steps, in registration order (optimizer order the same); the same
+    for every rank of the stage (built once)."""
     names = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"] if pp == 0 else []
     first = pp * LAYERS_PER_STAGE
     names += [f"decoder.layers.{first + layer}.{param}" for layer in range(LAYERS_PER_STAGE)
               for param in LAYER_PARAMS]
-    return [ParamSlot(id=index, name=name, shape=(512, 64), dtype="torch.bfloat16", numel=512 * 64, group=0,
-                      wd_mult=1.0, lr_mult=1.0, is_expert=False, optimizer=0, shard=None,
-                      main_dtype="torch.float32", order=index) for index, name in enumerate(names)]
+    return tuple(ParamSlot(id=index, name=name, shape=(512, 64), dtype="torch.bfloat16", numel=512 * 64,
+                           group=0, wd_mult=1.0, lr_mult=1.0, is_expert=False, optimizer=0, shard=None,
+                           main_dtype="torch.float32", order=index) for index, name in enumerate(names))
 
 
 def _offender(slot: ParamSlot, nan: int) -> Dict[str, Any]:
@@ -64,30 +74,38 @@ def _offender(slot: ParamSlot, nan: int) -> Dict[str, Any]:
 
 
 def origin_rank(world_size: int) -> int:
-    """A rank in the middle of the job: tp3, a middle DP replica, the last pipeline stage."""
+    """A rank in the middle of the job: tp3 (tp1 under TP2), a middle DP replica, the last pipeline stage."""
     coords = coords_of(0, world_size)
-    return (coords["pp_size"] - 1) * TP * coords["dp_size"] + coords["dp_size"] // 2 * TP + 3
+    tp_size = coords["tp_size"]
+    return ((coords["pp_size"] - 1) * tp_size * coords["dp_size"] + coords["dp_size"] // 2 * tp_size
+            + min(3, tp_size - 1))
+
+
+def rank_records(rank: int, world_size: int, origin: int, map_file: Path) -> List[Dict[str, Any]]:
+    """One rank's records at ``STEP``, as the training side writes them."""
+    coords, origin_coords = coords_of(rank, world_size), coords_of(origin, world_size)
+    bad = [_offender(slot, 1) for slot in reversed(stage_slots(coords["pp"])[-3:])]
+    same_position = (coords["tp"], coords["pp"]) == (origin_coords["tp"], origin_coords["pp"])
+    written = []
+    if rank == origin:
+        written.append(records.to_json("pre_reduction", STEP, STEP, coords, RUN, bad, len(bad), {
+            "mode": "deferred", "bucket_group": 0, "buckets": [{"bucket": 0, "numel": 1 << 20}],
+            "order": "backward", "micro_batch": None}))
+    held = [dict(entry, nan=entry["nan"] * coords["dp_size"]) for entry in bad] if same_position else []
+    written.append(records.to_json("nonfinite_grad_norm", STEP, STEP, coords, RUN, held, len(held), {
+        "optimizer_index": 0, "map": str(map_file),
+        "pre_reduction": "nonfinite" if rank == origin else "clean", "grad_norm": "nan"}))
+    return written
 
 
 def write_rank(out_dir: Path, rank: int, world_size: int, origin: int) -> None:
     """One rank's map and its records at ``STEP``, as the training side writes them."""
     coords = coords_of(rank, world_size)
-    slots = stage_slots(coords["pp"])
     path = map_path(str(out_dir), coords, 0)
+    slots = stage_slots(coords["pp"])
     maps.write(path, maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
-    origin_coords = coords_of(origin, world_size)
-    bad = [_offender(slot, 1) for slot in reversed(slots[-3:])]
-    same_position = (coords["tp"], coords["pp"]) == (origin_coords["tp"], origin_coords["pp"])
-    target = records_path(str(out_dir), coords)
-    if rank == origin:
-        append_json_line(target, records.to_json("pre_reduction", STEP, STEP, coords, RUN, bad, len(bad), {
-            "mode": "deferred", "bucket_group": 0, "buckets": [{"bucket": 0, "numel": 1 << 20}],
-            "order": "backward", "micro_batch": None}))
-    held = [dict(entry, nan=entry["nan"] * coords["dp_size"]) for entry in bad] if same_position else []
-    append_json_line(target, records.to_json("nonfinite_grad_norm", STEP, STEP, coords, RUN, held,
-                                             len(held), {
-        "optimizer_index": 0, "map": str(path), "pre_reduction": "nonfinite" if rank == origin else "clean",
-        "grad_norm": "nan"}))
+    for record in rank_records(rank, world_size, origin, path):
+        append_json_line(records_path(str(out_dir), coords), record)
 
 
 def write_run_dir(out_dir: Path, world_size: int) -> int:
@@ -96,6 +114,23 @@ def write_run_dir(out_dir: Path, world_size: int) -> int:
     for rank in range(world_size):
         write_rank(Path(out_dir), rank, world_size, origin)
     return origin
+
+
+def run_files(world_size: int, run_dir: Path = Path("synthetic")) -> RunFiles:
+    """What ``read_run(params=False)`` reads of the run directory ``write_run_dir`` writes, built in memory
+    (16,384 ranks in seconds, not the minute their files take): each map without its table, but the
+    origin's whole (the report looks up its parameters' dtypes)."""
+    origin = origin_rank(world_size)
+    files = RunFiles(Path(run_dir))
+    for rank in range(world_size):
+        coords = coords_of(rank, world_size)
+        path = map_path(str(run_dir), coords, 0)
+        slots = stage_slots(coords["pp"])
+        whole = rank == origin
+        document = maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots if whole else ())
+        files.maps[path] = {**maps.from_json(document, str(path), params=whole), "params_count": len(slots)}
+        files.records[records_path(str(run_dir), coords)] = rank_records(rank, world_size, origin, path)
+    return files
 
 
 def write_long_records(out_dir: Path, target_bytes: int, params_per_record: int = 64) -> int:
