@@ -16,6 +16,7 @@ from .errors import GradnanError, InputError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
 from .offline.read import read_maps, read_run
+from .offline.replay_limits import add_limit_arguments, limits_of
 from .offline.report import format_text
 from .offline.runs import SERIOUS_SKIPS
 
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
     replay.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
     replay.add_argument("--json", action="store_true", help="the gradnan.replay JSON document")
+    add_limit_arguments(replay)
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
@@ -131,10 +133,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(f"Picture: {args.plot}" if report.incident is not None
                     else "Nothing to plot: no failing step.")
         elif args.command == "replay":
+            from .offline.isolation import replay_isolated
             from .offline.replay import format_text as replay_text
-            from .offline.replay import replay_bundle
 
-            result = replay_bundle(args.bundle, device=args.device)
+            result = replay_isolated(args.bundle, args.device, limits_of(args))
             say(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "selftest":
             return selftest.run(args)

@@ -1,0 +1,58 @@
+"""The limits of one ``gradnan replay`` child process (``isolation``) and their command-line options; no
+torch import, so that parsing the command line stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+from ..commandline import positive
+
+DEFAULT_MAX_OPS = 100_000
+DEFAULT_MAX_CPU_SECONDS = 3600
+_SIZE = re.compile(r"(\d{1,15})([KMGT]?)(i?B)?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """What one replay child may use: ``max_memory`` bytes of address space beyond what it has mapped
+    when it starts, ``max_cpu_seconds`` of CPU time (all threads), ``max_ops`` operators per pass."""
+
+    max_memory: int
+    max_cpu_seconds: int = DEFAULT_MAX_CPU_SECONDS
+    max_ops: int = DEFAULT_MAX_OPS
+
+    @property
+    def wall_seconds(self) -> int:
+        """The wall-clock backstop, for a child that waits without computing."""
+        return 2 * self.max_cpu_seconds + 60
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes: the default ``--max-memory``."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: bytes, or a whole number with K, M, G or T (powers of 1024: ``8G``, ``512MiB``)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None or int(match[1]) < 1:
+        raise argparse.ArgumentTypeError(f"not a size (bytes, or a number with K, M, G or T): {text!r}")
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-memory", type=byte_size, metavar="SIZE",
+                        help="address space the replay may map beyond torch's own (8G, 512M; default:"
+                             " this machine's memory)")
+    parser.add_argument("--max-cpu-seconds", type=positive, default=DEFAULT_MAX_CPU_SECONDS, metavar="N",
+                        help="CPU time of the replay, all threads (default: %(default)s)")
+    parser.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
+                        help="operators one forward or backward pass may run (default: %(default)s)")
+
+
+def limits_of(args: argparse.Namespace) -> ReplayLimits:
+    return ReplayLimits(max_memory=args.max_memory or physical_memory(),
+                        max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
