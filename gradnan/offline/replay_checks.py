@@ -159,9 +159,9 @@ POSITION_RULES: Dict[str, Callable[[Dict[str, Any]], None]] = {
                      "_flash_attention_forward", "_flash_attention_backward",
                      "_scaled_dot_product_flash_attention_backward"), _unpacked_attention),
 }
-# Operators that return positions or take them only as outputs (``out=`` of sort/topk/median/max_pool):
-# nothing they read is a position.
-POSITIONS_RETURNED = frozenset({"max_pool2d_with_indices", "median", "sort", "topk"})
+# Operators whose position-named tensors are outputs (``indices`` of sort, topk, median, max_pool) or
+# values (``mse_loss``'s target): nothing they read is a position.
+NO_POSITIONS_READ = frozenset({"max_pool2d_with_indices", "median", "sort", "topk", "mse_loss"})
 
 
 def _shape(value: Any, expected: Sequence[int], what: str) -> None:
