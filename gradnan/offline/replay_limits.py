@@ -1,5 +1,5 @@
-"""The limits of one ``gradnan replay`` child process (``isolation``) and their command-line options; no
-torch import, so that parsing the command line stays fast."""
+"""The limits of one ``gradnan replay`` child process (``isolation``); no torch import, so that parsing
+the command line stays fast."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import argparse
 import os
 import re
 from dataclasses import dataclass
-
-from ..commandline import positive
 
 DEFAULT_MAX_OPS = 100_000
 DEFAULT_MAX_CPU_SECONDS = 3600
@@ -41,18 +39,3 @@ def byte_size(text: str) -> int:
     if match is None or int(match[1]) < 1:
         raise argparse.ArgumentTypeError(f"not a size (bytes, or a number with K, M, G or T): {text!r}")
     return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
-
-
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-memory", type=byte_size, metavar="SIZE",
-                        help="address space the replay may map beyond torch's own (8G, 512M; default:"
-                             " this machine's memory)")
-    parser.add_argument("--max-cpu-seconds", type=positive, default=DEFAULT_MAX_CPU_SECONDS, metavar="N",
-                        help="CPU time of the replay, all threads (default: %(default)s)")
-    parser.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
-                        help="operators one forward or backward pass may run (default: %(default)s)")
-
-
-def limits_of(args: argparse.Namespace) -> ReplayLimits:
-    return ReplayLimits(max_memory=args.max_memory or physical_memory(),
-                        max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
