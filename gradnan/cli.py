@@ -16,6 +16,13 @@ from .errors import GradnanError, InputError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
 from .offline.read import read_maps, read_run
+from .offline.replay_limits import (
+    DEFAULT_MAX_CPU_SECONDS,
+    DEFAULT_MAX_OPS,
+    ReplayLimits,
+    byte_size,
+    physical_memory,
+)
 from .offline.report import format_text
 from .offline.runs import SERIOUS_SKIPS
 
@@ -53,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
     replay.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
     replay.add_argument("--json", action="store_true", help="the gradnan.replay JSON document")
+    replay.add_argument("--max-memory", type=byte_size, metavar="SIZE",
+                        help="address space the replay may map beyond torch's own (8G, 512M; default:"
+                             " this machine's memory)")
+    replay.add_argument("--max-cpu-seconds", type=positive, default=DEFAULT_MAX_CPU_SECONDS, metavar="N",
+                        help="CPU time of the replay, all threads (default: %(default)s)")
+    replay.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
+                        help="operators one forward or backward pass may run (default: %(default)s)")
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
     return parser
@@ -131,10 +145,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(f"Picture: {args.plot}" if report.incident is not None
                     else "Nothing to plot: no failing step.")
         elif args.command == "replay":
+            from .offline.isolation import replay_isolated
             from .offline.replay import format_text as replay_text
-            from .offline.replay import replay_bundle
 
-            result = replay_bundle(args.bundle, device=args.device)
+            limits = ReplayLimits(max_memory=args.max_memory or physical_memory(),
+                                  max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
+            result = replay_isolated(args.bundle, args.device, limits)
             say(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "selftest":
             return selftest.run(args)

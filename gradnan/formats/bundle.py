@@ -16,8 +16,9 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Mapping, Tuple
 
 from ..errors import InputError
 from .layout import MANIFEST, TENSORS
@@ -153,6 +154,24 @@ def load_manifest(path: Path) -> Dict[str, Any]:
     return manifest_from_json(read_document(path, SCHEMA), str(path))
 
 
+def _check_declared_sizes(stream: BinaryIO, where: Path) -> None:
+    """A zip archive (what ``torch.save`` writes) whose members declare, uncompressed, more bytes than the
+    file holds is refused from its central directory, before anything is inflated: ``torch.save`` stores
+    its members uncompressed, so only a compressed member can (a 1 MB zip of 1 GiB of zeros). The
+    reader inflates a member into no more than its declared size. A file that is no zip is left to
+    ``torch.load`` (its older formats are not compressed)."""
+    size = os.fstat(stream.fileno()).st_size
+    try:
+        members = zipfile.ZipFile(stream).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        members = []
+    declared = sum(member.file_size for member in members)
+    if declared > size:
+        raise InputError(f"{where}: its members declare {declared} bytes uncompressed, more than the file's"
+                         f" {size} (compressed; gradnan stores tensors uncompressed): refused")
+    stream.seek(0)
+
+
 def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The manifest and the tensors of a bundle; InputError (one line) for anything unusable or unsafe."""
     import torch
@@ -167,6 +186,7 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         raise InputError(f"{path / TENSORS}: missing")
     try:
         with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream:
+            _check_declared_sizes(stream, path / TENSORS)
             tensors = torch.load(stream, weights_only=True, map_location="cpu")
     except InputError:
         raise

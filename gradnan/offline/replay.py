@@ -55,13 +55,15 @@ SCHEMA = Schema("gradnan.replay", 1)  # what --json prints
 
 
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
-         grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor]) -> Dict[str, Any]:
+         grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor],
+         max_ops: Optional[int]) -> Dict[str, Any]:
     """Forward and backward with the captured incoming gradients, the capture's RNG state restored
     first so dropout draws the same."""
     grad_outputs = output_tree(trace, grads.get) if grads else None
     if rng is not None:
         torch.set_rng_state(rng)
-    result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device)
+    result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device,
+                    max_ops=max_ops)
     outputs = tensors_in(result.outputs)
     return {
         "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
@@ -84,8 +86,10 @@ def replay_device(name: Optional[str]) -> torch.device:
     return target
 
 
-def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
-    """Replay a bundle in three precisions and judge; raises InputError for an unusable bundle."""
+def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[int] = None) -> Dict[str, Any]:
+    """Replay a bundle in three precisions and judge, in this process (``gradnan replay`` runs it in a
+    child process with limits: ``isolation.replay_isolated``); raises InputError for an unusable bundle
+    or an op the checks refuse (``replay_checks``). ``max_ops``: see ``trace_replay.replay``."""
     manifest, tensors = bundle.load(Path(path))
     bundle.check_replayable(manifest, tensors, str(Path(path) / MANIFEST))
     leaf_names = list(manifest["trace"].get("leaves", {}))
@@ -102,7 +106,7 @@ def replay_bundle(path: Path, device: Optional[str] = None) -> Dict[str, Any]:
     grad_leaves = [name for name in leaf_names
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
     try:
-        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"))
+        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"), max_ops)
                 for label, dtype in PRECISIONS}
     except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
         raise InputError(f"{path}: cannot replay:"

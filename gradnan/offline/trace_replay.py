@@ -51,18 +51,28 @@ from ..formats.trace import (
     tensors_in,
 )
 from .references import compute, judge
+from .replay_checks import check_call, check_tensors
 
 
 class _Watch(TorchDispatchMode):
-    """Counts the ops dispatched (a backward's) and finds the first non-finite one among them."""
+    """Counts the ops dispatched (a backward's), checks each before it runs (``check_call``; at most
+    ``max_ops`` of them) and finds the first non-finite one among them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_ops: Optional[int] = None) -> None:
         super().__init__()
         self.count = 0
         self.first = FirstNonFinite(phase="backward")
+        self.max_ops = max_ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        try:
+            if self.max_ops is not None and self.count >= self.max_ops:
+                raise TraceError(f"the backward runs more than the {self.max_ops} ops a replay allows"
+                                 " (--max-ops): refused")
+            check_call(func, args, kwargs)
+        except TraceError as error:
+            raise TraceError(f"backward op {self.count} ({op_name(func)}): {error}") from None
         finite = self.first.inputs_finite(op_name(func), args, kwargs)
         out = func(*args, **kwargs)
         self.first.check(self.count, op_name(func), finite, out)
@@ -181,9 +191,11 @@ def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], fir
     kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
     if dtype is not None and op["op"] in HALF_TO_FLOAT:
         args[2] = False
+    check_call(func, args, kwargs)
     finite = first.inputs_finite(op["op"], args, kwargs)
     magnitudes = growth.inputs(op["op"], args, kwargs)
     out = func(*args, **kwargs)
+    check_tensors(out, "the result")
     if returns_uninitialized(op["op"]):
         _poison(out)
     first.check(index, op["op"], finite, out)
@@ -220,15 +232,15 @@ def _output_grads(encoded: Any, grads: Any) -> Iterator[Tuple[str, Any]]:
 
 
 def _backward(outputs: Any, env: Dict[str, torch.Tensor], grad_outputs: Any,
-              graph_leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype],
-              device: torch.device) -> Tuple[Dict[str, Optional[torch.Tensor]], Optional[Dict[str, Any]]]:
+              graph_leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype], device: torch.device,
+              max_ops: Optional[int]) -> Tuple[Dict[str, Optional[torch.Tensor]], Optional[Dict[str, Any]]]:
     """Leaf gradients for the given output gradients, and the first non-finite backward op."""
     pairs = [(env[name], grad.detach().to(device=device, dtype=cast_dtype(grad.dtype, dtype)))
              for name, grad in _output_grads(outputs, grad_outputs)
              if isinstance(grad, torch.Tensor) and env[name].requires_grad]
     if not pairs or not graph_leaves:
         return dict.fromkeys(graph_leaves), None
-    with _Watch() as watch:
+    with _Watch(max_ops) as watch:
         grads = torch.autograd.grad([out for out, _ in pairs], list(graph_leaves.values()),
                                     grad_outputs=[grad for _, grad in pairs], allow_unused=True)
     return dict(zip(graph_leaves, grads)), watch.first.found
@@ -242,7 +254,8 @@ def output_tree(trace: Trace, values: Callable[[int], Any]) -> Any:
 
 
 def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any = None,
-           grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None) -> ReplayResult:
+           grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None,
+           max_ops: Optional[int] = None) -> ReplayResult:
     """Re-execute ``trace.ops`` on copies of ``trace.leaves``.
 
     ``dtype``: every floating leaf and floating dtype argument becomes it (an fp16 computation becomes an
@@ -250,7 +263,13 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     given and this is empty). ``grad_outputs``: the output tree's gradients (tensors or None), cast like
     the leaves; the backward then runs and the leaf gradients come back. ``device``: where to replay (the
     leaves' device by default); every device argument maps to it. Autocast is off: its casts are
-    recorded ops already. Errors of the ops themselves come back as TraceError naming the op."""
+    recorded ops already. ``max_ops``: the most ops the forward (the trace, checked before anything runs)
+    and the backward (counted as it runs) may each run. Every op is checked before it runs
+    (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op."""
+    if max_ops is not None and len(trace.ops) > max_ops:
+        raise TraceError(f"the trace has {len(trace.ops)} ops, more than the {max_ops} a replay runs"
+                         " (--max-ops): refused")
+    check_tensors([trace.leaves, grad_outputs], "a leaf or incoming gradient")
     device = torch.device(device) if device is not None else next(
         (t.device for t in trace.leaves.values()), torch.device("cpu"))
     if grad_outputs is not None and not grad_leaves:
@@ -272,6 +291,7 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
         grads: Dict[str, Optional[torch.Tensor]] = {}
         backward = None
         if grad_outputs is not None:
-            grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device)
+            grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device,
+                                        max_ops)
     return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads,
                         first_growth=growth.found)

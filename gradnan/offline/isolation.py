@@ -1,0 +1,162 @@
+"""``gradnan replay`` in a child process with limits: a bundle is untrusted input, and whatever the checks
+before each operator (``replay_checks``) miss, a crash, an allocation bomb or an endless trace ends the
+child, never the command: one line on stderr and exit code 2.
+
+The parent reads the manifest alone (JSON, bounded) and refuses a trace longer than ``max_ops`` before
+any process starts; the child loads the tensors, replays (``replay.replay_bundle``) and sends back the
+JSON-able result, so text and ``--json`` render exactly what an in-process replay returns. Limits, set in
+the child before it reads anything of the bundle:
+
+- memory: ``RLIMIT_AS`` (``RLIMIT_DATA`` on CUDA, whose driver reserves address space far beyond what it
+  uses): ``max_memory`` bytes beyond what the child has mapped when it starts (torch's libraries);
+- CPU time: ``RLIMIT_CPU`` of ``max_cpu_seconds`` (every thread's time counts), and a wall-clock
+  backstop of ``2 * max_cpu_seconds + 60`` s for a child that waits without computing;
+- operators: ``max_ops`` for the forward (the trace's length) and for the ops its backward dispatches;
+- no core file (``RLIMIT_CORE`` 0): a crash leaves nothing of the replay's memory on disk.
+
+Children come from a fork server (``multiprocessing``'s ``forkserver``: a clean process that has imported
+this module, torch included, once): each replay forks from it, not from the command's own process,
+whose state the child therefore never shares.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import GradnanError, InputError
+from ..formats import bundle
+from ..formats.layout import MANIFEST
+from .replay import replay_bundle, replay_device
+from .replay_limits import ReplayLimits
+
+_STDERR_TAIL = 4096
+
+
+def _trace_length(path: Path) -> int:
+    """The number of ops the bundle's trace lists (0 where it lists none: the child refuses that)."""
+    if not path.is_dir():
+        raise InputError(f"{path}: not a bundle directory")
+    trace = bundle.load_manifest(path / MANIFEST).get("trace")
+    ops = trace.get("ops") if isinstance(trace, dict) else None
+    return len(ops) if isinstance(ops, list) else 0
+
+
+def replay_isolated(path: Path, device: Optional[str], limits: ReplayLimits) -> Dict[str, Any]:
+    """``replay_bundle`` in a child process under ``limits``; InputError (one line) for anything that
+    ends it without a result."""
+    path = Path(path)
+    replay_device(device)  # a device that is not here: the usage error, before a process starts
+    length = _trace_length(path)
+    if length > limits.max_ops:
+        raise InputError(f"{path}: the trace has {length} ops, more than the {limits.max_ops} a replay runs"
+                         " (--max-ops): refused")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with tempfile.TemporaryDirectory(prefix="gradnan-replay-") as scratch:
+        stderr = Path(scratch) / "stderr"
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=_child, args=(str(path), device, limits, sender, str(stderr)),
+                                daemon=True)
+        child.start()
+        sender.close()
+        finished = False
+        try:
+            finished = receiver.poll(limits.wall_seconds)
+            outcome = _outcome(receiver) if finished else None
+        finally:
+            child.join(timeout=30 if finished else 0)
+            if child.is_alive():
+                child.kill()
+                child.join()
+            receiver.close()
+        if outcome is None:
+            raise InputError(f"{path}: cannot replay: {_death(child.exitcode, limits, not finished, stderr)}")
+    kind, value = outcome
+    if kind == "error":
+        raise InputError(value)
+    return value
+
+
+def _outcome(receiver: Any) -> Optional[Tuple[str, Any]]:
+    """The child's outcome, or None where it ended without sending one."""
+    try:
+        return receiver.recv()
+    except EOFError:
+        return None
+
+
+def _death(exitcode: Optional[int], limits: ReplayLimits, timed_out: bool, stderr: Path) -> str:
+    """Why the child ended without a result, in words, with the last line it wrote (glibc's
+    ``free(): invalid next size``, say)."""
+    if timed_out:
+        return (f"the replay ran past {limits.wall_seconds} s of wall-clock time (2 x --max-cpu-seconds"
+                " + 60) without finishing: stopped")
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        if -exitcode == signal.SIGXCPU:
+            said = f"it ran past its CPU-time limit of {limits.max_cpu_seconds} s (--max-cpu-seconds)"
+        else:
+            said = f"the replay process was killed by {name} (a crash inside an operator, or its memory)"
+    else:
+        said = f"the replay process ended with exit code {exitcode} and no result"
+    last = _last_line(stderr)
+    return f"{said}{f' ({last})' if last else ''}: stopped"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, os.fstat(stream.fileno()).st_size - _STDERR_TAIL))
+            lines = stream.read().decode("utf-8", "backslashreplace").split("\n")
+    except OSError:
+        return ""
+    return next((line.strip()[:200] for line in reversed(lines) if line.strip()), "")
+
+
+def _limit(limits: ReplayLimits, device: Optional[str]) -> None:
+    """The child's resource limits, beyond the address space it has mapped now."""
+    on_cuda = replay_device(device).type == "cuda"
+    kind = resource.RLIMIT_DATA if on_cuda else resource.RLIMIT_AS
+    _lower(kind, _mapped_bytes("VmData" if on_cuda else "VmSize") + limits.max_memory)
+    _lower(resource.RLIMIT_CPU, limits.max_cpu_seconds, hard=limits.max_cpu_seconds + 5)
+    _lower(resource.RLIMIT_CORE, 0)
+
+
+def _lower(kind: int, soft: int, hard: Optional[int] = None) -> None:
+    """Set a limit, never above the hard limit already in place."""
+    _, ceiling = resource.getrlimit(kind)
+    wanted = [soft, hard if hard is not None else soft]
+    resource.setrlimit(kind, tuple(value if ceiling == resource.RLIM_INFINITY else min(value, ceiling)
+                                   for value in wanted))
+
+
+def _mapped_bytes(field: str) -> int:
+    """``VmSize``/``VmData`` of this process (``/proc/self/status``, kB)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(path: str, device: Optional[str], limits: ReplayLimits, sender: Any, stderr: str) -> None:
+    """In the child: output to ``stderr`` (a file), limits, the replay; its outcome sent back."""
+    descriptor = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for stream in (1, 2):
+        os.dup2(descriptor, stream)
+    os.close(descriptor)
+    try:
+        _limit(limits, device)
+        outcome: Tuple[str, Any] = ("result", replay_bundle(Path(path), device, max_ops=limits.max_ops))
+    except GradnanError as error:
+        outcome = ("error", str(error))
+    except MemoryError:
+        outcome = ("error", f"{path}: cannot replay: out of memory within its limit of {limits.max_memory}"
+                            " bytes (--max-memory)")
+    sender.send(outcome)
