@@ -4,8 +4,9 @@ on stderr and exit code 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
-from typing import NoReturn, Optional, TextIO
+from typing import Any, Iterable, NoReturn, Optional, TextIO
 
 from .config import parse_bool
 from .errors import GradnanError, UsageError
@@ -37,26 +38,47 @@ def positive(text: str) -> int:
     return int(text)
 
 
-# C0 and C1 control characters (ANSI/OSC escape sequences start with them) and the bidirectional
-# overrides, which reorder what a terminal shows; newline and tab are layout.
-_UNPRINTABLE = {code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-                for code in (*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F),
-                             *range(0x2066, 0x206A))
-                if chr(code) not in "\n\t"}
+def _escaped(character: str) -> str:
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character escaped (``\\x1b``): a parameter name, a host or a path from
-    an untrusted file cannot drive the terminal (colours, titles, hyperlinks, clearing the screen)."""
-    return text.translate(_UNPRINTABLE)
+    """``text`` as ONE line a terminal shows as it is: every character Python does not call printable
+    (``str.isprintable``) escaped (``\\x1b``, ``\\n``, ``\\u202e``). That is the control characters
+    (ANSI/OSC escape sequences, newline, carriage return, tab), the line and paragraph separators (U+0085,
+    U+2028, U+2029), the format characters (category Cf: bidirectional marks, overrides and isolates,
+    zero-width characters, U+FEFF), spaces other than the ASCII space, surrogates, private-use and
+    unassigned code points. A parameter name, a host or a path from an untrusted file can then neither
+    drive the terminal (colours, titles, hyperlinks, clearing the screen) nor print a line of its own (a
+    fake ``Verdict:``) nor reorder or hide what is shown. The escapes are printable themselves: escaping
+    twice changes nothing."""
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(character if character.isprintable() else _escaped(character) for character in text)
+
+
+def printable_lines(lines: Iterable[str]) -> str:
+    """Lines joined for a terminal, each escaped whole (``printable``): a newline inside a line, from a
+    value put into it, is shown as ``\\n``; only the joins start new lines."""
+    return "\n".join(printable(line) for line in lines)
+
+
+def shell_word(value: Any) -> str:
+    """``value`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
+    with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``)."""
+    return shlex.quote(str(value))
 
 
 def say(text: str, file: Optional[TextIO] = None) -> None:
-    """Print ``text`` for a terminal, escaped (``printable``)."""
-    print(printable(str(text)), file=file or sys.stdout)
+    """Print laid-out ``text`` for a terminal: its newlines are the layout, every line is escaped
+    (``printable``). Text that puts a value from a file into its lines escapes each line itself first
+    (``printable_lines``), so that a newline in the value cannot start a line."""
+    print(printable_lines(str(text).split("\n")), file=file or sys.stdout)
 
 
 def bad_input(program: str, error: GradnanError) -> int:
     """Say what was wrong in one line on stderr; the exit code for bad input."""
-    say(error if isinstance(error, ArgumentError) else f"{program}: error: {error}", file=sys.stderr)
+    message = str(error) if isinstance(error, ArgumentError) else f"{program}: error: {error}"
+    print(printable(message), file=sys.stderr)  # one line whatever the message holds (a path with a newline)
     return EXIT_BAD_INPUT

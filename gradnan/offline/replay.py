@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..commandline import printable_lines, shell_word
 from ..errors import InputError, UsageError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
@@ -257,7 +258,7 @@ def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
 
 def format_text(result: Dict[str, Any]) -> str:
     rank = result["rank"]
-    lines = [f"gradnan replay of {result['bundle']}",
+    lines = [f"gradnan replay of {shell_word(result['bundle'])}",
              f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
              f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
              f" {rank['host']} {rank['device']})"
@@ -274,4 +275,4 @@ def format_text(result: Dict[str, Any]) -> str:
                      f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
     lines.append("Replay matches the outputs saved in training:"
                  f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
-    return "\n".join(lines)
+    return printable_lines(lines)
