@@ -4,12 +4,14 @@ on stderr and exit code 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from typing import Any, Iterable, NoReturn, Optional, TextIO
+from typing import NoReturn, Optional, TextIO
 
 from .config import parse_bool
 from .errors import GradnanError, UsageError
+from .formats.text import printable, printable_lines, shell_word
+
+__all__ = ["printable", "printable_lines", "shell_word"]  # the escaping every command's output goes through
 
 EXIT_BAD_INPUT = 2
 
@@ -36,38 +38,6 @@ def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
-
-
-def _escaped(character: str) -> str:
-    code = ord(character)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-def printable(text: str) -> str:
-    """``text`` as ONE line a terminal shows as it is: every character Python does not call printable
-    (``str.isprintable``) escaped (``\\x1b``, ``\\n``, ``\\u202e``). That is the control characters
-    (ANSI/OSC escape sequences, newline, carriage return, tab), the line and paragraph separators (U+0085,
-    U+2028, U+2029), the format characters (category Cf: bidirectional marks, overrides and isolates,
-    zero-width characters, U+FEFF), spaces other than the ASCII space, surrogates, private-use and
-    unassigned code points. A parameter name, a host or a path from an untrusted file can then neither
-    drive the terminal (colours, titles, hyperlinks, clearing the screen) nor print a line of its own (a
-    fake ``Verdict:``) nor reorder or hide what is shown. The escapes are printable themselves: escaping
-    twice changes nothing."""
-    if text.isprintable():  # the common case, at C speed
-        return text
-    return "".join(character if character.isprintable() else _escaped(character) for character in text)
-
-
-def printable_lines(lines: Iterable[str]) -> str:
-    """Lines joined for a terminal, each escaped whole (``printable``): a newline inside a line, from a
-    value put into it, is shown as ``\\n``; only the joins start new lines."""
-    return "\n".join(printable(line) for line in lines)
-
-
-def shell_word(value: Any) -> str:
-    """``value`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
-    with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``)."""
-    return shlex.quote(str(value))
 
 
 def say(text: str, file: Optional[TextIO] = None) -> None:

@@ -34,7 +34,7 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
                                  "gradnan.patches"),
     "gradnan.training.seed": ("gradnan.errors", "gradnan.training", "gradnan.patches"),
     "gradnan.testing": ("gradnan", "megatron"),
-    "gradnan.commandline": ("gradnan.errors", "gradnan.config"),
+    "gradnan.commandline": ("gradnan.errors", "gradnan.config", "gradnan.formats"),
     "gradnan.cli": ("gradnan.errors", "gradnan.commandline", "gradnan.offline", "gradnan.selftest",
                     "gradnan.testing.demo"),
     "gradnan.run": ("gradnan.errors", "gradnan.commandline", "gradnan.config", "gradnan"),

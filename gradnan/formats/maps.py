@@ -254,7 +254,8 @@ def _table(path: Path, offset: int, columns: List[str], where: str) -> Iterator[
             yield dict(zip(columns, row))
 
 
-def write(path: Path, document: Mapping[str, Any], replace: bool = True) -> None:
+def write(path: Path, document: Mapping[str, Any], replace: bool = True, root: Optional[Path] = None) -> None:
     """Atomically, without indentation (a map can hold 50,000 parameters). ``replace=False``: never over an
-    existing file (another launch's map): FileExistsError instead."""
-    write_json_atomic(path, document, indent=None, replace=replace)
+    existing file (another launch's map): FileExistsError instead. ``root``: the out dir, below which no
+    link is followed (``write_json_atomic``)."""
+    write_json_atomic(path, document, indent=None, replace=replace, root=root)

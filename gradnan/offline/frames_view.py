@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ..commandline import printable_lines, shell_word
 from ..formats.layout import rank_label
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import nonfinite_counts
+from ..formats.text import printable_lines, shell_word
 
 
 def _module_text(frame: Dict[str, Any]) -> str:

@@ -32,13 +32,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..commandline import printable_lines, shell_word
 from ..errors import InputError, UsageError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
 from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
 from ..formats.records import is_growth
 from ..formats.schema import Schema
+from ..formats.text import printable_lines, shell_word
 from ..formats.trace import Trace, TraceError, has_nonfinite, tensors_in
 from .trace_replay import output_tree, replay
 

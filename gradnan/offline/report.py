@@ -8,10 +8,10 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..commandline import printable_lines, shell_word
 from ..formats.incident import Conclusion, RecordKind, describe_largest, growth_path
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
+from ..formats.text import printable_lines, shell_word
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
 from .frames_view import summary_lines
 from .read import RunFiles
@@ -294,6 +294,9 @@ def format_text(report: Report, max_modules: int = 10) -> str:
                                      for key, value in incident.capture_settings.items()))
     lines += _listed(list(report.selftests), _selftest_lines, "self-test result(s)")
     if report.problems:
-        lines.append(f"Files that could not be read: {len(report.problems)}")
-        lines += _listed(list(report.problems), lambda problem: [f"  {problem}"], "problem(s)")
+        total = max(report.problems_total, len(report.problems))
+        lines.append(f"Files that could not be read: {total}")
+        lines += [f"  {problem}" for problem in report.problems[:MAX_LISTED]]
+        if total > MAX_LISTED:
+            lines.append(f"  ... and {total - MAX_LISTED} more problem(s) (see --json)")
     return printable_lines(lines)
