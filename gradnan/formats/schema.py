@@ -129,17 +129,23 @@ def parse_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_READ_BYTES = 1 << 30  # above any file gradnan writes (records stop at max_records_bytes, 64 MiB)
 
 
-def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES) -> BinaryIO:
+def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
     """``path`` opened for reading if it is a regular file of at most ``max_bytes``; InputError otherwise.
 
     Opened without blocking (a FIFO would wait forever for a writer) and checked on the open file, not
-    the name, so a symlink to ``/dev/zero`` or a directory swapped in after a check is refused too."""
+    the name, so a directory swapped in after a check is refused too. A symbolic link is refused unless
+    ``follow`` (a user's own config file): a member of a run directory or bundle that points elsewhere
+    (``manifest.json -> /etc/...``) is not read, so nothing of another file reaches a message."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise InputError(f"{path}: not a regular file (a symbolic link): refused") from None
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         status = os.fstat(descriptor)
@@ -161,10 +167,10 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
-def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes:
+def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
     even from a file that grows while it is read."""
-    with open_regular(path, max_bytes) as stream:
+    with open_regular(path, max_bytes, follow) as stream:
         try:
             data = stream.read(max_bytes + 1)
         except OSError as exc:
@@ -183,10 +189,10 @@ def read_prefix(path: Path, count: int) -> bytes:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def read_text(path: Path, max_bytes: int = MAX_READ_BYTES) -> str:
+def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> str:
     """The one way gradnan reads a file it did not just write: ``read_bytes``, decoded as UTF-8."""
     try:
-        return read_bytes(path, max_bytes).decode("utf-8")
+        return read_bytes(path, max_bytes, follow).decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
 
@@ -211,10 +217,6 @@ class RefusedPath(OSError):
     """A path a writer does not go through: a symbolic link below the out dir (a shared out dir's
     ``records/rank00000....jsonl -> ~victim/.bashrc``), or where a plain file is written, something else
     (a FIFO, a device, a hard link to another file). Nothing is written there."""
-
-
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _refused(path: Path, why: str) -> RefusedPath:
