@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Tuple
 
@@ -152,7 +153,8 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     if not (path / TENSORS).exists():
         raise InputError(f"{path / TENSORS}: missing")
     try:
-        with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream:
+        with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation notes on an odd tensor: the error is one line
             tensors = torch.load(stream, weights_only=True, map_location="cpu")
     except InputError:
         raise
