@@ -14,6 +14,7 @@ import json
 import logging
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -28,6 +29,7 @@ from gradnan.offline.read import MAX_PROBLEMS, read_run
 from gradnan.offline.report import build_report
 from gradnan.testing.toy import Injection, TinyGPTJob, launch
 
+from .helpers import environ_without_gradnan
 from .test_readers_property import PARAM_NAMES, a_map, coords
 from .test_untrusted import RECORD_KINDS, cli, run_files, valid_documents, write_run
 
@@ -311,17 +313,17 @@ def test_a_run_dir_or_bundle_path_with_a_hostile_character_is_one_line(tmp_path,
         assert_no_fake_line(code, out, err, str(argv))
 
 
-def test_a_quantized_tensor_is_one_line_without_torch_warnings(tmp_path, crafted_bundle, capfd):
+def test_a_quantized_tensor_is_one_line_without_torch_warnings(tmp_path, crafted_bundle):
+    """In a process of its own: pytest would catch the warnings that a user's terminal shows."""
     def edit(manifest, tensors):
         with pytest.warns(UserWarning):
             tensors["args.0"] = torch.quantize_per_tensor(torch.randn(4, 3), 0.1, 0, torch.qint8)
 
     path = crafted_bundle(tmp_path / "b", "healthy", edit=edit)
-    capfd.readouterr()
-    code, out, err = cli("replay", str(path), "--device", "cpu")
-    captured = capfd.readouterr()
-    assert code == 2 and err.count("\n") == 1, err
-    assert "warn" not in (captured.err + err).lower(), captured.err
+    done = subprocess.run([sys.executable, "-m", "gradnan", "replay", str(path), "--device", "cpu"],
+                          capture_output=True, text=True, env=environ_without_gradnan(), timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("gradnan: error: ") and "warn" not in done.stderr.lower(), done.stderr
 
 
 # --- class: nothing of a file outside the run directory in a message -------------------------------
