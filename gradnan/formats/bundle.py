@@ -154,7 +154,7 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         raise InputError(f"{path / TENSORS}: missing")
     try:
         with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's deprecation notes on an odd tensor: the error is one line
+            warnings.simplefilter("ignore")  # torch's notes on an odd tensor: the error is one line
             tensors = torch.load(stream, weights_only=True, map_location="cpu")
     except InputError:
         raise
