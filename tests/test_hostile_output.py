@@ -276,6 +276,7 @@ def test_maps_id_reads_the_table_as_a_stream_and_finds_the_row(tmp_path):
     rows = 20_000  # many chunks' worth would be slow to build; the chunk size is what is streamed
     document = _big_map(tmp_path / "maps" / "rank00000_tp0_pp0_dp0.json", rows)
     header, params = maps.stream_params(tmp_path / "maps" / "rank00000_tp0_pp0_dp0.json", lambda h: True)
+    assert maps.stream_params(tmp_path / "maps" / "rank00000_tp0_pp0_dp0.json", lambda h: False) is None
     assert not isinstance(params, list) and "params" not in header
     streamed = list(params)
     whole = maps.load(tmp_path / "maps" / "rank00000_tp0_pp0_dp0.json")["params"]

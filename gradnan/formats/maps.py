@@ -220,19 +220,19 @@ class _Rows:
 
 
 def stream_params(path: Path, wanted: Callable[[Dict[str, Any]], bool]
-                  ) -> Tuple[Dict[str, Any], Iterator[Dict[str, Any]]]:
+                  ) -> Optional[Tuple[Dict[str, Any], Iterator[Dict[str, Any]]]]:
     """The map's header (as ``load(path, params=False)``) and an iterator over its parameters as objects,
-    each checked as it is read (InputError at the first that is not usable). A version 2 map as gradnan
-    writes it is read in chunks (``_Rows``), another is loaded whole; where ``wanted(header)`` is False
-    no parameter is read at all (``gradnan maps --rank 3`` of 16,000 maps)."""
+    each checked as it is read (InputError at the first that is not usable); None where ``wanted(header)``
+    is False, and then no parameter is read at all (``gradnan maps --rank 3`` of 16,000 maps). A version 2
+    map as gradnan writes it is read in chunks (``_Rows``), another is loaded whole."""
     where = str(path)
     head = read_prefix(path, HEADER_BYTES)
     header = _header(head, where)
     if header is None:
         document = load(path)
-        return document, iter(document.pop("params") if wanted(document) else ())
+        return (document, iter(document.pop("params"))) if wanted(document) else None
     if not wanted(header):
-        return header, iter(())
+        return None
     text = head.decode("utf-8", errors="ignore")  # the header's end decodes; a cut character is read again
     cut, start = text.find(_TABLE_START.decode()), text.find(_ROWS_START)
     if start < 0:  # the columns do not fit in the first bytes: no map gradnan wrote, read it whole

@@ -138,32 +138,20 @@ def _listing(run_dir: Path) -> Tuple[List[Path], List[Path], List[Path], List[st
     return map_files, record_files, selftest_files, listing
 
 
-def read_maps(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool]) -> List[Dict[str, Any]]:
-    """The whole maps of the ranks ``wanted`` accepts, given a map without its parameters (its ``rank``):
-    every map is read for that (a version 2 table is not parsed), the chosen ones again whole, so one
-    rank of 16,000 costs one table. A map that cannot be read is left out, as ``read_run`` leaves it."""
-    chosen = []
-    for path in _listing(Path(run_dir))[0]:
-        try:
-            if wanted(maps.load(path, params=False)):
-                chosen.append(maps.load(path))
-        except InputError:
-            continue
-    return chosen
-
-
 def map_params(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool],
                keep: Callable[[Dict[str, Any]], bool]) -> Tuple[int, List[Dict[str, Any]]]:
-    """How many maps ``wanted`` accepts (given one without its parameters, as ``read_maps``), and their
+    """How many maps ``wanted`` accepts (given each without its parameters: every map is read for that, a
+    version 2 table not parsed, so one rank of 16,000 costs one table), and their
     parameters ``keep`` accepts, each with its map's ``rank`` (global rank) and ``optimizer_index``. The
     tables are streamed (``maps.stream_params``): ``gradnan maps --id 5`` of a map of a million
     parameters holds one of them, not the million. A map that cannot be read is left out whole."""
     chosen, rows = 0, []
     for path in _listing(Path(run_dir))[0]:
         try:
-            header, params = maps.stream_params(path, wanted)
-            if not wanted(header):
+            chosen_map = maps.stream_params(path, wanted)
+            if chosen_map is None:
                 continue
+            header, params = chosen_map
             place = {"rank": header["rank"]["global_rank"],
                      "optimizer_index": header.get("optimizer_index", 0)}
             kept = [{**place, **entry} for entry in params if keep(entry)]
