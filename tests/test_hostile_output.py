@@ -232,6 +232,19 @@ def test_the_capture_settings_are_quoted(tmp_path):
         assert dict(word.split("=", 1) for word in shlex.split(line)) == settings
 
 
+def test_the_launch_keys_to_pass_to_run_are_quoted(tmp_path):
+    documents = valid_documents()
+    first, second = (dict(documents["pre_reduction"], run={**documents["pre_reduction"]["run"], "id": name})
+                     for name in ("job; touch PWNED", "job two"))
+    files = run_files(documents)
+    files[f"records/{rank_tag(coords(0))}.jsonl"] = json.dumps(first).encode() + b"\n" + json.dumps(
+        second).encode() + b"\n"
+    write_run(tmp_path, files)
+    code, out, _ = cli("report", str(tmp_path))
+    [line] = [line for line in out.splitlines() if line.startswith("Launches here: ")]
+    assert "'job; touch PWNED#0' (fails at step 1)" in line and "'job two#0'" in line, line
+
+
 # --- class: problem lists are bounded --------------------------------------------------------------
 
 def test_a_records_file_of_junk_lines_keeps_the_first_problems_and_counts_all(tmp_path):

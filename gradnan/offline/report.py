@@ -268,9 +268,9 @@ def format_text(report: Report, max_modules: int = 10) -> str:
     lines = [f"gradnan report for {shell_word(report.run_dir)}"
              f"  ({len(report.ranks_seen)} rank(s) wrote files)"]
     if len(report.runs) > 1:
-        listed = ", ".join(f"{r['run']}" + (f" (fails at step {r['first_step']})" if r["first_step"] else "")
-                           for r in report.runs)
-        lines.append(f"Launches here: {listed}; showing {report.run} (--run KEY for another)")
+        listed = ", ".join(shell_word(r["run"]) + (f" (fails at step {r['first_step']})" if r["first_step"]
+                                                   else "") for r in report.runs)
+        lines.append(f"Launches here: {listed}; showing {shell_word(report.run)} (--run KEY for another)")
     incident = report.incident
     if incident is None and report.loss_scale_overflow_steps:
         steps = report.loss_scale_overflow_steps
