@@ -24,7 +24,7 @@ import torch
 from gradnan.commandline import printable
 from gradnan.formats import maps
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
-from gradnan.formats.schema import RefusedPath, append_json_line, write_json_atomic
+from gradnan.formats.schema import RefusedPath, append_json_line, held_directory, write_json_atomic
 from gradnan.offline.read import MAX_PROBLEMS, read_run
 from gradnan.offline.report import build_report
 from gradnan.testing.toy import Injection, TinyGPTJob, launch
@@ -416,6 +416,9 @@ def test_a_directory_below_the_out_dir_that_is_a_link_is_refused(tmp_path, victi
         append_json_line(out_dir / directory / "x.jsonl", {"a": 1}, out_dir)
     with pytest.raises(RefusedPath, match="a symbolic link"):
         write_json_atomic(out_dir / directory / "x.json", {"a": 1}, root=out_dir)
+    bundle = out_dir / directory / "b"  # where a bundle or a micro-batch is written
+    with pytest.raises(RefusedPath, match="a symbolic link"), held_directory(bundle, out_dir):
+        pass
     _untouched(victim)
 
 
