@@ -8,14 +8,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from . import selftest
-from .commandline import OneLineParser, bad_input, positive, printable, say
+from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word
 from .errors import GradnanError, InputError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
-from .offline.read import read_maps, read_run
+from .offline.read import map_params, read_run
 from .offline.replay_limits import (
     DEFAULT_MAX_CPU_SECONDS,
     DEFAULT_MAX_OPS,
@@ -84,16 +84,11 @@ def _matches_rank(coords: Dict[str, Any], wanted: str) -> bool:
 
 
 def _maps_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    documents = read_maps(args.run_dir,
-                          lambda header: args.rank is None or _matches_rank(header["rank"], args.rank))
-    if not documents:
+    chosen, rows = map_params(args.run_dir,
+                              lambda header: args.rank is None or _matches_rank(header["rank"], args.rank),
+                              lambda entry: args.param_id is None or entry["id"] == args.param_id)
+    if not chosen:
         raise InputError(f"{args.run_dir}: no map for rank {args.rank!r}")
-    rows = []
-    for document in documents:
-        for entry in document["params"]:
-            if args.param_id is None or entry["id"] == args.param_id:
-                rows.append({"rank": document["rank"]["global_rank"],
-                             "optimizer_index": document.get("optimizer_index", 0), **entry})
     if args.param_id is not None and not rows:
         raise InputError(f"{args.run_dir}: no parameter with id {args.param_id} on rank {args.rank!r}")
     return rows
@@ -115,12 +110,17 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
 
 
-def _print_maps(rows: List[Dict[str, Any]]) -> None:
-    if not rows:
-        say("the selected map(s) list no parameters (a rank whose optimizer steps none)")
+def _print_maps(rows: Iterable[Dict[str, Any]]) -> None:
+    """One line per parameter, each escaped whole (a name with a newline stays on its line), as the rows
+    come (a map of a million rows is never held as text)."""
+    listed = False
     for row in rows:
         shard = f" shard {row['shard']}" if row.get("shard") else ""
-        say(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')} {row.get('dtype')}{shard}")
+        say(printable(f"rank {row['rank']} id {row['id']}: {row['name']} {row.get('shape')}"
+                      f" {row.get('dtype')}{shard}"))
+        listed = True
+    if not listed:
+        say("the selected map(s) list no parameters (a rank whose optimizer steps none)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -139,10 +139,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.plot and report.incident is not None:
                 from .offline.plot import plot_incident
 
-                plot_incident(report, args.plot, printable)
+                plot_incident(report, args.plot)
             say(json.dumps(report.to_json(), indent=1) if args.json else format_text(report))
             if args.plot and not args.json:
-                say(f"Picture: {args.plot}" if report.incident is not None
+                say(f"Picture: {shell_word(args.plot)}" if report.incident is not None
                     else "Nothing to plot: no failing step.")
         elif args.command == "replay":
             from .offline.isolation import replay_isolated

@@ -9,6 +9,9 @@ from typing import NoReturn, Optional, TextIO
 
 from .config import parse_bool
 from .errors import GradnanError, UsageError
+from .formats.text import printable, printable_lines, shell_word
+
+__all__ = ["printable", "printable_lines", "shell_word"]  # the escaping every command's output goes through
 
 EXIT_BAD_INPUT = 2
 
@@ -37,26 +40,15 @@ def positive(text: str) -> int:
     return int(text)
 
 
-# C0 and C1 control characters (ANSI/OSC escape sequences start with them) and the bidirectional
-# overrides, which reorder what a terminal shows; newline and tab are layout.
-_UNPRINTABLE = {code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-                for code in (*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F),
-                             *range(0x2066, 0x206A))
-                if chr(code) not in "\n\t"}
-
-
-def printable(text: str) -> str:
-    """``text`` with every control character escaped (``\\x1b``): a parameter name, a host or a path from
-    an untrusted file cannot drive the terminal (colours, titles, hyperlinks, clearing the screen)."""
-    return text.translate(_UNPRINTABLE)
-
-
 def say(text: str, file: Optional[TextIO] = None) -> None:
-    """Print ``text`` for a terminal, escaped (``printable``)."""
-    print(printable(str(text)), file=file or sys.stdout)
+    """Print laid-out ``text`` for a terminal: its newlines are the layout, every line is escaped
+    (``printable``). Text that puts a value from a file into its lines escapes each line itself first
+    (``printable_lines``), so that a newline in the value cannot start a line."""
+    print(printable_lines(str(text).split("\n")), file=file or sys.stdout)
 
 
 def bad_input(program: str, error: GradnanError) -> int:
     """Say what was wrong in one line on stderr; the exit code for bad input."""
-    say(error if isinstance(error, ArgumentError) else f"{program}: error: {error}", file=sys.stderr)
+    message = str(error) if isinstance(error, ArgumentError) else f"{program}: error: {error}"
+    print(printable(message), file=sys.stderr)  # one line whatever the message holds (a path with a newline)
     return EXIT_BAD_INPUT

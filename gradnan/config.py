@@ -412,7 +412,7 @@ def options_from_file(path: str) -> Dict[str, Any]:
     where = f"gradnan config file {path}"
     is_toml = str(path).lower().endswith(".toml")
     try:
-        text = read_text(Path(path), MAX_CONFIG_BYTES)
+        text = read_text(Path(path), MAX_CONFIG_BYTES, follow=True)
     except InputError as exc:
         raise ConfigError(f"gradnan config file {exc}") from None
     try:

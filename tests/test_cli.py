@@ -148,7 +148,6 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
 
 
 def test_report_plot_draws_the_origin_rank(demo, tmp_path):
-    from gradnan.commandline import printable
     from gradnan.offline.analysis import analyze
     from gradnan.offline.plot import ORIGIN, RECEIVED, plot_incident
     from gradnan.offline.read import read_run
@@ -158,7 +157,7 @@ def test_report_plot_draws_the_origin_rank(demo, tmp_path):
     result = gradnan("report", out, "--plot", picture)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    drawn = plot_incident(analyze(read_run(out)), tmp_path / "again.svg", printable)
+    drawn = plot_incident(analyze(read_run(out)), tmp_path / "again.svg")
     assert (tmp_path / "again.svg").read_text().lstrip().startswith("<?xml")
     assert drawn["states"] == {DEMO_RANK: ORIGIN, 0: RECEIVED}
     assert drawn["layout"].places[DEMO_RANK] == (0, 0, 0, 1), "tp1 of the one pp/dp cell"
@@ -191,7 +190,7 @@ def test_a_wrong_call_is_a_usage_error_and_a_bad_file_an_input_error(tmp_path, m
         run_demo(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UsageError, match="--plot needs matplotlib"):
-        plot_incident(analyze(RunFiles(tmp_path)), tmp_path / "x.png", str)
+        plot_incident(analyze(RunFiles(tmp_path)), tmp_path / "x.png")
     with pytest.raises(InputError, match="not a bundle directory"):
         from gradnan.offline.replay import replay_bundle
 

@@ -37,7 +37,7 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.training.recorder": ("gradnan.errors", "gradnan.formats", "gradnan.training",
                                   "gradnan.patches.undo_log"),
     "gradnan.testing": ("gradnan", "megatron"),
-    "gradnan.commandline": ("gradnan.errors", "gradnan.config"),
+    "gradnan.commandline": ("gradnan.errors", "gradnan.config", "gradnan.formats"),
     "gradnan.cli": ("gradnan.errors", "gradnan.commandline", "gradnan.offline", "gradnan.selftest",
                     "gradnan.testing.demo"),
     "gradnan.run": ("gradnan.errors", "gradnan.commandline", "gradnan.config", "gradnan"),

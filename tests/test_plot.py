@@ -10,7 +10,6 @@ import itertools
 
 import pytest
 
-from gradnan.commandline import printable
 from gradnan.offline.analysis import analyze
 from gradnan.testing.synthetic import coords_of, origin_rank, run_files
 
@@ -50,7 +49,7 @@ def text_boxes(figure):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_no_text_overlaps_another_or_leaves_the_figure(reports, size):
-    figure, _ = draw_incident(reports[size], printable)
+    figure, _ = draw_incident(reports[size])
     try:
         boxes = text_boxes(figure)
         frame = figure.bbox
@@ -72,7 +71,7 @@ def test_the_ranks_sit_by_their_parallel_layout(reports, size):
     collective's row outlined) and every other rank finite; a cell shows its strongest rank once its
     tensor-parallel peers are too narrow to draw (16,384 ranks)."""
     report, origin = reports[size], origin_rank(size)
-    figure, drawn = draw_incident(report, printable)
+    figure, drawn = draw_incident(report)
     matplotlib.pyplot.close(figure)
     layout, states = drawn["layout"], drawn["states"]
     coords = coords_of(origin, size)
@@ -127,7 +126,7 @@ def test_control_characters_from_a_file_reach_neither_the_picture_nor_the_termin
                 for param in record["params"]:
                     param["name"] = hostile
     report = analyze(files)
-    figure, drawn = draw_incident(report, printable)
+    figure, drawn = draw_incident(report)
     texts = [text for text, _ in text_boxes(figure)]
     matplotlib.pyplot.close(figure)
     assert not [text for text in texts if any(ord(c) < 0x20 and c != "\n" or 0x7F <= ord(c) < 0xA0
@@ -136,7 +135,7 @@ def test_control_characters_from_a_file_reach_neither_the_picture_nor_the_termin
     assert [line for text in texts for line in text.split("\n") if line.startswith("Verdict")] == [
         drawn["title"][0]], "no fake headline line"
     capfd.readouterr()
-    plot_incident(report, tmp_path / "hostile.svg", printable)
-    plot_incident(report, tmp_path / "hostile.png", printable)
+    plot_incident(report, tmp_path / "hostile.svg")
+    plot_incident(report, tmp_path / "hostile.png")
     assert capfd.readouterr().err == ""
     assert "\x1b" not in (tmp_path / "hostile.svg").read_text()

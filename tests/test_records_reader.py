@@ -171,8 +171,10 @@ def test_write_json_atomic_replaces_existing_file_via_rename(tmp_path, mocker):
     assert json.loads(path.read_text()) == {"new": True}
     replace.assert_called_once()
     source, target = replace.call_args.args
-    assert Path(source).parent == tmp_path and Path(target) == path
-    assert not Path(source).exists()
+    directory = replace.call_args.kwargs  # names in one directory, reached by its descriptor
+    assert source.startswith(".doc.json.") and target == "doc.json"
+    assert directory["src_dir_fd"] == directory["dst_dir_fd"]
+    assert not (tmp_path / source).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
 
 

@@ -9,7 +9,7 @@ import pytest
 from gradnan.cli import main
 from gradnan.offline import read
 from gradnan.offline.analysis import analyze
-from gradnan.offline.read import KEPT_PARAMS, read_maps, read_run
+from gradnan.offline.read import KEPT_PARAMS, map_params, read_run
 from gradnan.offline.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
@@ -67,18 +67,18 @@ def test_maps_looks_up_the_reported_parameter(large_job, capsys):
 
 
 def test_maps_of_one_rank_read_one_table(large_job):
-    """Choosing a rank sees every map without its table; only the chosen one is read whole."""
+    """Choosing a rank sees every map without its table; only the chosen one's table is read."""
     run_dir, origin, _ = large_job
     seen = []
     def wanted(header):
         seen.append(header)
         return header["rank"]["global_rank"] == origin
 
-    chosen = read_maps(run_dir, wanted)
+    chosen, rows = map_params(run_dir, wanted, lambda entry: True)
     assert len(seen) == WORLD and not any("params" in header for header in seen)
-    [document] = chosen
-    assert (document["rank"]["global_rank"] == origin
-            and len(document["params"]) == document["params_count"] > 0)
+    [header] = [header for header in seen if header["rank"]["global_rank"] == origin]
+    assert chosen == 1 and len(rows) == header["params_count"] > 0
+    assert all(row["rank"] == origin for row in rows)
 
 
 @pytest.mark.parametrize("ranks, text", [

@@ -220,10 +220,12 @@ def stream(path: Path) -> Iterator[Line]:
             if not raw.strip():
                 continue
             text = _decode(raw, path)
+            cut_short = not raw.endswith(b"\n")
             try:
+                if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
+                    raise InputError(f"{path}:{number}: not a JSON object")
                 yield Line(number, start, _parse_line(text, path, number), None)
             except InputError as exc:
-                cut_short = not raw.endswith(b"\n")
                 yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
                                                 " writing it)" if cut_short else str(exc))
 

@@ -7,16 +7,17 @@ refuses a newer one with the advice to upgrade. Each schema is versioned on its 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
 import re
+import secrets
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from ..errors import InputError
 
@@ -128,17 +129,23 @@ def parse_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_READ_BYTES = 1 << 30  # above any file gradnan writes (records stop at max_records_bytes, 64 MiB)
 
 
-def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES) -> BinaryIO:
+def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
     """``path`` opened for reading if it is a regular file of at most ``max_bytes``; InputError otherwise.
 
     Opened without blocking (a FIFO would wait forever for a writer) and checked on the open file, not
-    the name, so a symlink to ``/dev/zero`` or a directory swapped in after a check is refused too."""
+    the name, so a directory swapped in after a check is refused too. A symbolic link is refused unless
+    ``follow`` (a user's own config file): a member of a run directory or bundle that points elsewhere
+    (``manifest.json -> /etc/...``) is not read, so nothing of another file reaches a message."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise InputError(f"{path}: not a regular file (a symbolic link): refused") from None
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         status = os.fstat(descriptor)
@@ -160,10 +167,10 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
-def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes:
+def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
     even from a file that grows while it is read."""
-    with open_regular(path, max_bytes) as stream:
+    with open_regular(path, max_bytes, follow) as stream:
         try:
             data = stream.read(max_bytes + 1)
         except OSError as exc:
@@ -182,10 +189,10 @@ def read_prefix(path: Path, count: int) -> bytes:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def read_text(path: Path, max_bytes: int = MAX_READ_BYTES) -> str:
+def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> str:
     """The one way gradnan reads a file it did not just write: ``read_bytes``, decoded as UTF-8."""
     try:
-        return read_bytes(path, max_bytes).decode("utf-8")
+        return read_bytes(path, max_bytes, follow).decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
 
@@ -206,35 +213,119 @@ def with_path(error: OSError, path: Path) -> OSError:
     return OSError(error.errno, error.strerror or str(error), str(path))
 
 
+class RefusedPath(OSError):
+    """A path a writer does not go through: a symbolic link below the out dir (a shared out dir's
+    ``records/rank00000....jsonl -> ~victim/.bashrc``), or where a plain file is written, something else
+    (a FIFO, a device, a hard link to another file). Nothing is written there."""
+
+
+def _refused(path: Path, why: str) -> RefusedPath:
+    return RefusedPath(errno.ELOOP, f"{why}: refused (gradnan writes only inside its out dir, never through"
+                                    " a link)", str(path))
+
+
+def _below(root: Optional[Path], path: Path) -> Tuple[Path, Tuple[str, ...]]:
+    """The directory opened as is (``root``, the out dir the user chose, a symbolic link or not) and the
+    names below it to ``path``'s directory. Without ``root``: ``path``'s own directory."""
+    if root is None:
+        return path.parent, ()
+    relative = path.parent.relative_to(root).parts
+    if any(part in ("..", "") for part in relative):
+        raise _refused(path, "not inside the out dir")
+    return Path(root), relative
+
+
+def open_directory(path: Path, root: Optional[Path] = None) -> int:
+    """A descriptor of ``path``'s directory, created where missing; every directory below ``root`` opened
+    without following a symbolic link (RefusedPath for one), so whatever is written relative to the
+    descriptor lands inside ``root``, even if a directory is swapped for a link meanwhile."""
+    top, names = _below(root, path)
+    try:
+        descriptor = os.open(top, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    except FileNotFoundError:
+        top.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(top, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    reached = top
+    try:
+        for name in names:
+            reached = reached / name
+            try:
+                os.mkdir(name, 0o755, dir_fd=descriptor)
+            except FileExistsError:
+                pass
+            try:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=descriptor)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, descriptor):
+                    raise _refused(reached, "a symbolic link") from None
+                raise
+            os.close(descriptor)
+            descriptor = child
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _is_link(name: str, directory: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=directory).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def held_directory(path: Path, root: Optional[Path] = None) -> Iterator[Path]:
+    """``path``'s directory (``open_directory``) as a path for code that takes paths (``torch.save``, a
+    bundle's temporary directory): ``/proc/self/fd/N``, the very directory opened, where the system has
+    it; elsewhere the directory's own path, checked just before (a link swapped in after the check is
+    followed there)."""
+    descriptor = open_directory(path, root)
+    try:
+        by_descriptor = Path(f"/proc/self/fd/{descriptor}")
+        yield by_descriptor if by_descriptor.is_dir() else path.parent
+    finally:
+        os.close(descriptor)
+
+
 def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1,
-                      replace: bool = True) -> None:
+                      replace: bool = True, root: Optional[Path] = None) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
     sees the whole document or none of it. ``indent=None``: compact, for large documents.
-    ``replace=False``: never over an existing file (another launch's): FileExistsError instead. An
-    OSError names ``path``."""
+    ``replace=False``: never over an existing file (another launch's): FileExistsError instead. ``root``:
+    the out dir ``path`` is in, below which no symbolic link is followed (``open_directory``;
+    RefusedPath); a link named ``path`` is replaced, never written through. An OSError names ``path``."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        directory = open_directory(path, root)
     except OSError as error:
+        raise error if isinstance(error, RefusedPath) else with_path(error, path) from None
+    temporary = f".{path.name}.{secrets.token_hex(6)}.tmp"
+    try:
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644,
+                         dir_fd=directory)
+    except OSError as error:
+        os.close(directory)
         raise with_path(error, path) from None
     try:
-        os.chmod(temporary, 0o644)  # mkstemp makes it 0600; documents are read by other users' tools
+        os.fchmod(handle, 0o644)  # whatever the umask: documents are read by other users' tools
         with os.fdopen(handle, "w") as stream:
             stream.write(json.dumps(document, indent=indent, allow_nan=False,
                                     separators=None if indent else (",", ":")) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
         if replace:
-            os.replace(temporary, path)
-        else:
-            os.link(temporary, path)  # fails if ``path`` exists, atomically (a rename would replace it)
-            os.unlink(temporary)
+            os.replace(temporary, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        else:  # fails if ``path`` exists, atomically (a rename would replace it)
+            os.link(temporary, path.name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+            os.unlink(temporary, dir_fd=directory)
     except BaseException as error:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        if isinstance(error, OSError):
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=directory)
+        if isinstance(error, OSError) and not isinstance(error, FileExistsError):
             raise with_path(error, path) from None
         raise
+    finally:
+        os.close(directory)
 
 
 def _write_all(descriptor: int, data: bytes) -> None:
@@ -247,23 +338,44 @@ def _write_all(descriptor: int, data: bytes) -> None:
         remaining = remaining[written:]
 
 
-def append_json_line(path: Path, document: Mapping[str, Any]) -> None:
-    """One JSON line, flushed and fsynced before returning: the process may die right after.
+def append_json_line(path: Path, document: Mapping[str, Any], root: Optional[Path] = None,
+                     max_bytes: Optional[int] = None) -> bool:
+    """One JSON line, flushed and fsynced before returning: the process may die right after. False (and
+    nothing written) where the file already holds ``max_bytes`` or more.
 
     A file whose last line was cut short (a full disk, a killed writer) gets its newline first, so the
-    torn line stays one bad line and this record is readable. An OSError names ``path``."""
+    torn line stays one bad line and this record is readable. ``root``: the out dir ``path`` is in
+    (``open_directory``); the file itself is opened without following a link and must be a plain file
+    with no other name (RefusedPath otherwise). An OSError names ``path``."""
     line = (json.dumps(document, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        directory = open_directory(path, root)
+        try:
+            descriptor = os.open(path.name, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
+                                 | _CLOEXEC, 0o644, dir_fd=directory)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise _refused(path, "a symbolic link") from None
+            raise
+        finally:
+            os.close(directory)
     except OSError as error:
-        raise with_path(error, path) from None
+        raise error if isinstance(error, RefusedPath) else with_path(error, path) from None
     try:
-        size = os.fstat(descriptor).st_size
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+            raise _refused(path, "not a plain file" if not stat.S_ISREG(status.st_mode)
+                           else "a hard link to another file")
+        size = status.st_size
+        if max_bytes is not None and size >= max_bytes:
+            return False
         if size and os.pread(descriptor, 1, size - 1) != b"\n":
             line = b"\n" + line
         _write_all(descriptor, line)
         os.fsync(descriptor)
+        return True
+    except RefusedPath:
+        raise
     except OSError as error:
         raise with_path(error, path) from None
     finally:

@@ -192,6 +192,7 @@ class Report:
     bundles: Tuple[Dict[str, Any], ...]
     frames: Tuple[Dict[str, Any], ...]
     probes: Tuple[Dict[str, Any], ...]
+    problems_total: int = 0  # ``problems`` holds the first ``read.MAX_PROBLEMS`` of these
 
     @property
     def first_step(self) -> Optional[int]:
@@ -201,7 +202,8 @@ class Report:
         """The ``gradnan.report`` document (docs/formats.md), what ``gradnan report --json`` prints."""
         incident = self.incident
         return {**SCHEMA.header(), "run_dir": self.run_dir, "ranks_seen": list(self.ranks_seen),
-                "problems": list(self.problems), "first_step": self.first_step,
+                "problems": list(self.problems),
+                "problems_total": max(self.problems_total, len(self.problems)), "first_step": self.first_step,
                 "incident": None if incident is None else incident.to_json(),
                 "later_steps": list(self.later_steps),
                 "loss_scale_overflow_steps": list(self.loss_scale_overflow_steps),
@@ -258,7 +260,7 @@ def _param_dtypes(files: RunFiles, ranks: Sequence[Any]) -> Dict[Tuple[Any, str]
     for path, document in files.maps.items():
         rank = document["rank"]["global_rank"]
         if rank in ranks:
-            dtypes.update(((rank, param["name"]), param["dtype"]) for param in files.map_params(path)
+            dtypes.update(((rank, param["name"]), param["dtype"]) for param in files.params_of_map(path)
                           if isinstance(param.get("dtype"), str))
     return dtypes
 
@@ -671,6 +673,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
     return Report(
         run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems),
+        problems_total=getattr(files.problems, "total", len(files.problems)),
         run=chosen,
         runs=tuple({"run": key, "first_step": failing[key],
                     "ranks": sorted({r["rank"].get("global_rank") for r in records})}

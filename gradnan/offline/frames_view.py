@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 from ..formats.layout import rank_label
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import nonfinite_counts
+from ..formats.text import printable_lines, shell_word
 
 
 def _module_text(frame: Dict[str, Any]) -> str:
@@ -40,16 +41,16 @@ def probes_summary(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def summary_lines(run_dir: str, frames: List[Dict[str, Any]], probes: List[Dict[str, Any]],
                   limit: int = 4) -> List[str]:
-    lines = []
+    lines, command = [], f"gradnan frames {shell_word(run_dir)}"
     detected = [entry for entry in frames if entry["mode"] == "detect"]
     for entry in detected[:limit]:
         lines.append(f"Forward frames: {rank_label(entry['rank'])} step {entry['step']}: first non-finite in"
                      f" {entry['first_nonfinite_module'] or '<model>'} ({entry['first_nonfinite_class']});"
-                     f" gradnan frames {run_dir} --rank {entry['global_rank']} --step {entry['step']}")
+                     f" {command} --rank {entry['global_rank']} --step {entry['step']}")
     traced = sorted({entry["step"] for entry in frames if entry["mode"] == "trace"})
     if traced:
         lines.append(f"Traced frames at step(s) {', '.join(map(str, traced[:8]))}"
-                     f"{' ...' if len(traced) > 8 else ''}: gradnan frames {run_dir} --step {traced[0]}")
+                     f"{' ...' if len(traced) > 8 else ''}: {command} --step {traced[0]}")
     for probe in probes[:limit]:
         lines.append(f"gradnan.check({probe['label']!r}) in {probe['module'] or 'code outside any module'}:"
                      f" {nonfinite_counts(probe)} at step {probe['step']} on rank {probe['global_rank']}")
@@ -90,4 +91,4 @@ def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
         for entry in frame["entries"]:
             lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])}"
                          f" {entry['name']}{_near_limit(entry)}")
-    return "\n".join(lines)
+    return printable_lines(lines)

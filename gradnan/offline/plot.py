@@ -16,8 +16,8 @@ Right: the evidence that decides the verdict: the rerun's forward origin and the
 (where the step was run again in place), the largest finite gradient of each offending parameter against
 its dtype's limit, and the verdict's evidence lines.
 
-Every text drawn passes the caller's ``escape`` (the command line's ``printable``; the offline layer
-does not import the command line) with its whitespace collapsed (a name from a file is one
+Every text drawn is escaped like the terminal's text (``gradnan.formats.text.printable``) with its
+whitespace collapsed (a name from a file is one
 line of plain text), math text is off, and matplotlib's warnings (a glyph missing from the font) are
 dropped, so nothing from a file reaches the terminal raw; every text's size is known before it is placed,
 so none overlaps another or leaves the figure at any world size (tests/test_plot.py measures them).
@@ -36,6 +36,7 @@ from ..errors import InputError, UsageError
 from ..formats.incident import OriginBasis
 from ..formats.layout import AXES, rank_label
 from ..formats.magnitude import DTYPE_MAX, magnitude_text
+from ..formats.text import printable
 from .analysis import Incident, Report, View
 from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline, verdict_headline
 
@@ -63,12 +64,11 @@ def _chars(width_in: float, size: float) -> int:
     return max(8, int(width_in * 72 / (size * CHAR_WIDTH)))
 
 
-Escape = Callable[[str], str]  # what makes a text from a file safe to show (``commandline.printable``)
 
 
-def clean(text: Any, escape: Escape) -> str:
-    """One line of plain text: whitespace (newlines, line separators) collapsed, then ``escape``d."""
-    return escape(" ".join(str(text).split()))
+def clean(text: Any) -> str:
+    """One line of plain text: whitespace (newlines, line separators) collapsed, then escaped."""
+    return printable(" ".join(str(text).split()))
 
 
 def shortened(text: str, limit: int) -> str:
@@ -79,8 +79,8 @@ def shortened(text: str, limit: int) -> str:
     return text[:keep // 2] + "…" + text[len(text) - (keep - keep // 2):]
 
 
-def wrapped(text: str, escape: Escape, width_in: float, size: float, indent: str = "") -> List[str]:
-    return textwrap.wrap(clean(text, escape), _chars(width_in, size), subsequent_indent=indent,
+def wrapped(text: str, width_in: float, size: float, indent: str = "") -> List[str]:
+    return textwrap.wrap(clean(text), _chars(width_in, size), subsequent_indent=indent,
                          break_on_hyphens=False) or [""]
 
 
@@ -218,8 +218,7 @@ def _log_axis(axes, values: Sequence[float], limits: Sequence[float]) -> None:
     axes.tick_params(axis="x", labelsize=8)
 
 
-def bar_block(bars: Sequence[Tuple[str, float]], limits: Sequence[float], width_in: float,
-              escape: Escape) -> Block:
+def bar_block(bars: Sequence[Tuple[str, float]], limits: Sequence[float], width_in: float) -> Block:
     """Horizontal bars on a log scale, each named above its bar, its value at its end; a non-finite value
     reaches the edge and says so; each of ``limits`` a red dashed line."""
     height = len(bars) * BAR_SLOT_IN
@@ -236,7 +235,7 @@ def bar_block(bars: Sequence[Tuple[str, float]], limits: Sequence[float], width_
             drawn = min(value, edge) if value > 0 else axes.get_xlim()[0]
             colour = "#34495e" if math.isfinite(value) else "#c0392b"
             axes.barh(slot + 0.68, drawn, height=0.45, color=colour, left=axes.get_xlim()[0])
-            axes.text(0.01, slot + 0.05, shortened(clean(name, escape), name_chars),
+            axes.text(0.01, slot + 0.05, shortened(clean(name), name_chars),
                       transform=axes.get_yaxis_transform(), fontsize=8, va="top", ha="left")
             label = "non-finite" if not math.isfinite(value) else magnitude_text(value)
             inside = math.log(drawn) > math.log(axes.get_xlim()[0]) + 0.75 * (
@@ -300,16 +299,16 @@ def magnitude_bars(incident: Incident) -> Tuple[List[Tuple[str, float]], List[fl
     return bars, [DTYPE_MAX[dtype]] if dtype in DTYPE_MAX else []
 
 
-def evidence_blocks(incident: Incident, escape: Escape) -> List[Block]:
+def evidence_blocks(incident: Incident) -> List[Block]:
     """The right column: the forward origin and its magnitude path, the gradients against their limit,
     the verdict's evidence."""
     width, blocks = EVIDENCE_WIDTH_IN, []
 
     def heading(text: str) -> None:
-        blocks.append(text_block(wrapped(text, escape, width, 10), 10, width, fontweight="bold"))
+        blocks.append(text_block(wrapped(text, width, 10), 10, width, fontweight="bold"))
 
     def body(lines: Sequence[str], limit: int = 6) -> None:
-        shown = [line for text in lines for line in wrapped(text, escape, width, 8.5, "    ")]
+        shown = [line for text in lines for line in wrapped(text, width, 8.5, "    ")]
         if len(shown) > limit:
             shown = shown[:limit - 1] + ["... (the rest: gradnan report RUN_DIR)"]
         blocks.append(text_block(shown, 8.5, width))
@@ -325,13 +324,13 @@ def evidence_blocks(incident: Incident, escape: Escape) -> List[Block]:
             limit = f" (red line: the {_dtype_name(incident.rerun.grew_in['dtype'])} limit)" if limits else ""
             path = ("The magnitude path: the largest |value| into and out of the call where it grew, then"
                     f" where it went non-finite{limit}")
-            blocks.append(text_block(wrapped(path, escape, width, 8.5), 8.5, width))
-            blocks.append(bar_block(bars, limits, width, escape))
+            blocks.append(text_block(wrapped(path, width, 8.5), 8.5, width))
+            blocks.append(bar_block(bars, limits, width))
     title, bars, limits = gradient_bars(incident)
     if title:
         heading(title)
         if bars:
-            blocks.append(bar_block(bars, limits, width, escape))
+            blocks.append(bar_block(bars, limits, width))
         else:
             body(["no finite value left in the offending gradients"])
     if incident.verdict.evidence:
@@ -499,7 +498,7 @@ def layout_caption(layout: Layout) -> str:
             f" each{down}")
 
 
-def legend_blocks(incident: Incident, states: Dict[int, int], outlined: bool, escape: Escape) -> List[Block]:
+def legend_blocks(incident: Incident, states: Dict[int, int], outlined: bool) -> List[Block]:
     """A swatch and a line (or two) per state: who, how many, how it got there."""
     width = GRID_LEFT_IN + GRID_WIDTH_IN - MARGIN_IN - 0.3
     origin = list(incident.origin)
@@ -524,7 +523,7 @@ def legend_blocks(incident: Incident, states: Dict[int, int], outlined: bool, es
                            " rank(s)")]
     blocks = []
     for state, text in entries:
-        lines = wrapped(text, escape, width, 9)
+        lines = wrapped(text, width, 9)
         block = text_block(lines, 9, width)
 
         def draw(figure, left: float, top: float, state=state, block=block) -> None:
@@ -551,7 +550,7 @@ def _height(blocks: Sequence[Block], gap: float) -> float:
     return sum(block.height for block in blocks) + gap * max(0, len(blocks) - 1)
 
 
-def draw_incident(report: Report, escape: Escape):
+def draw_incident(report: Report):
     """The report's incident as a matplotlib figure, and what it shows (``layout``, ``states``,
     ``pooled``, ``outlined_rows``, ``title``, ``bars``)."""
     try:
@@ -566,14 +565,14 @@ def draw_incident(report: Report, escape: Escape):
         raise InputError(f"{report.run_dir}: no failing step to plot")
     layout, states = parallel_layout(_views(incident)), rank_states(incident)
     full = WIDTH_IN - 2 * MARGIN_IN
-    title = wrapped(verdict_headline(incident), escape, full, 12)
-    subtitle = wrapped(f"{step_headline(incident)}  ·  {report.run_dir}", escape, full, 10)
+    title = wrapped(verdict_headline(incident), full, 12)
+    subtitle = wrapped(f"{step_headline(incident)}  ·  {report.run_dir}", full, 10)
     grid, drawn = grid_block(incident, layout, states)
-    caption = text_block(wrapped(f"Every rank by its place in the job: {layout_caption(layout)}", escape,
+    caption = text_block(wrapped(f"Every rank by its place in the job: {layout_caption(layout)}",
                                  GRID_LEFT_IN + GRID_WIDTH_IN - MARGIN_IN, 10), 10,
                          GRID_LEFT_IN + GRID_WIDTH_IN - MARGIN_IN, fontweight="bold")
-    left = [caption, grid, *legend_blocks(incident, states, bool(drawn["outlined_rows"]), escape)]
-    right = evidence_blocks(incident, escape)
+    left = [caption, grid, *legend_blocks(incident, states, bool(drawn["outlined_rows"]))]
+    right = evidence_blocks(incident)
     head = [text_block(title, 12, full, fontweight="bold"), text_block(subtitle, 10, full, color="#444444")]
     body_top = MARGIN_IN + _height(head, 0.05) + 0.25
     height = body_top + max(_height(left, 0.08), _height(right, 0.1)) + MARGIN_IN
@@ -586,13 +585,13 @@ def draw_incident(report: Report, escape: Escape):
     return figure, {"layout": layout, "states": states, "title": title, "bars": bars, **drawn}
 
 
-def plot_incident(report: Report, path: Path, escape: Escape) -> Dict[str, Any]:
+def plot_incident(report: Report, path: Path) -> Dict[str, Any]:
     """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix); return what was drawn
     (``draw_incident``). matplotlib's warnings (a glyph missing from the font for a name from a file,
     numpy's overflow near float64's limit) are dropped: the terminal gets the report, not those."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        figure, drawn = draw_incident(report, escape)
+        figure, drawn = draw_incident(report)
         import matplotlib
 
         try:
@@ -600,8 +599,8 @@ def plot_incident(report: Report, path: Path, escape: Escape) -> Dict[str, Any]:
                                         "svg.fonttype": "path"}):
                 figure.savefig(path, dpi=DPI)
         except (OSError, ValueError) as exc:
-            reason = clean(str(exc).splitlines()[0], escape)
-            raise UsageError(f"{clean(path, escape)}: cannot write the picture ({reason})") from None
+            reason = clean(str(exc).splitlines()[0])
+            raise UsageError(f"{clean(path)}: cannot write the picture ({reason})") from None
         finally:
             import matplotlib.pyplot as plt
 

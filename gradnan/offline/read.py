@@ -14,13 +14,37 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 from ..errors import InputError
 from ..formats import bundle, maps, records, selftest
 from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
 
 KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)
+MAX_PROBLEMS = 1000  # problems kept as text; past them only counted (a file of 50 M junk lines)
+
+
+class Problems(list):
+    """The first ``MAX_PROBLEMS`` problems, and ``total``: how many there were. A list (the report lists
+    them), of bounded length whatever the input: more are counted, not kept."""
+
+    def __init__(self, problems: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.total = 0
+        self.extend(problems)
+
+    def append(self, problem: str) -> None:
+        self.total += 1
+        if len(self) < MAX_PROBLEMS:
+            super().append(problem)
+
+    def extend(self, problems: Iterable[str]) -> None:
+        for problem in problems:
+            self.append(problem)
+
+    def __iadd__(self, problems: Iterable[str]) -> "Problems":
+        self.extend(problems)
+        return self
 
 
 @dataclass
@@ -32,7 +56,7 @@ class RunFiles:
     records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
     selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     bundles: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
-    problems: List[str] = field(default_factory=list)
+    problems: Problems = field(default_factory=Problems)
 
     def all_records(self) -> List[Dict[str, Any]]:
         return [record for records in self.records.values() for record in records]
@@ -44,7 +68,7 @@ class RunFiles:
         path, number, offset = record.location
         return records.load_at(path, number, offset)
 
-    def map_params(self, path: Path) -> List[Dict[str, Any]]:
+    def params_of_map(self, path: Path) -> List[Dict[str, Any]]:
         """A map's parameters (read back from its file where it was read without them); none where that
         file can no longer be read."""
         document = self.maps[path]
@@ -67,10 +91,11 @@ class LeanRecord(dict):
         self.location = location
 
 
-def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """The records of one file; with ``params=False`` a record keeps its parameters while ``budget[0]``
-    (entries left, shared by every file of the run) allows, so the failing step's need no second read."""
-    found, problems = [], []
+def _read_records(path: Path, params: bool, budget: List[int], problems: Problems) -> List[Dict[str, Any]]:
+    """The records of one file, its bad lines added to ``problems``; with ``params=False`` a record keeps
+    its parameters while ``budget[0]`` (entries left, shared by every file of the run) allows, so the
+    failing step's need no second read."""
+    found = []
     for line in records.stream(path):
         if line.record is None:
             problems.append(line.problem)
@@ -82,7 +107,7 @@ def _read_records(path: Path, params: bool, budget: List[int]) -> Tuple[List[Dic
         else:
             budget[0] = 0  # spent: from here only records without offenders stay whole
             found.append(LeanRecord(line.record, (path, line.number, line.offset)))
-    return found, problems
+    return found
 
 
 def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
@@ -124,24 +149,34 @@ def _listing(run_dir: Path) -> Tuple[List[Path], List[Path], List[Path], List[st
     return map_files, record_files, selftest_files, listing
 
 
-def read_maps(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool]) -> List[Dict[str, Any]]:
-    """The whole maps of the ranks ``wanted`` accepts, given a map without its parameters (its ``rank``):
-    every map is read for that (a version 2 table is not parsed), the chosen ones again whole, so one
-    rank of 16,000 costs one table. A map that cannot be read is left out, as ``read_run`` leaves it."""
-    chosen = []
+def map_params(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool],
+               keep: Callable[[Dict[str, Any]], bool]) -> Tuple[int, List[Dict[str, Any]]]:
+    """How many maps ``wanted`` accepts (given each without its parameters: every map is read for that, a
+    version 2 table not parsed, so one rank of 16,000 costs one table), and their
+    parameters ``keep`` accepts, each with its map's ``rank`` (global rank) and ``optimizer_index``. The
+    tables are streamed (``maps.stream_params``): ``gradnan maps --id 5`` of a map of a million
+    parameters holds one of them, not the million. A map that cannot be read is left out whole."""
+    chosen, rows = 0, []
     for path in _listing(Path(run_dir))[0]:
         try:
-            if wanted(maps.load(path, params=False)):
-                chosen.append(maps.load(path))
+            chosen_map = maps.stream_params(path, wanted)
+            if chosen_map is None:
+                continue
+            header, params = chosen_map
+            place = {"rank": header["rank"]["global_rank"],
+                     "optimizer_index": header.get("optimizer_index", 0)}
+            kept = [{**place, **entry} for entry in params if keep(entry)]
         except InputError:
             continue
-    return chosen
+        chosen += 1
+        rows += kept
+    return chosen, rows
 
 
 def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     run_dir = Path(run_dir)
     map_files, record_files, selftest_files, listing = _listing(run_dir)
-    files = RunFiles(run_dir, problems=listing)
+    files = RunFiles(run_dir, problems=Problems(listing))
     for path in map_files:
         try:
             files.maps[path] = maps.load(path, params)
@@ -159,11 +194,13 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             files.problems.append(str(exc))
     budget = [KEPT_PARAMS]
     for path in record_files:
+        problems = Problems()
         try:
-            found, problems = _read_records(path, params, budget)
+            found = _read_records(path, params, budget, problems)
         except InputError as exc:
             files.problems.append(str(exc))
             continue
         files.records[path] = found
         files.problems += problems
+        files.problems.total += problems.total - len(problems)
     return files

@@ -44,6 +44,7 @@ from ..formats.layout import MANIFEST
 from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
 from ..formats.records import is_growth
 from ..formats.schema import Schema
+from ..formats.text import printable_lines, shell_word
 from ..formats.trace import Trace, TraceError, has_nonfinite, same_values, tensors_in
 from .trace_replay import output_tree, replay
 
@@ -323,7 +324,7 @@ def fused_text(fused: Dict[str, Any]) -> str:
 
 def format_text(result: Dict[str, Any]) -> str:
     rank = result["rank"]
-    lines = [f"gradnan replay of {result['bundle']}",
+    lines = [f"gradnan replay of {shell_word(result['bundle'])}",
              f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
              f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
              f" {rank['host']} {rank['device']})"
@@ -345,4 +346,4 @@ def format_text(result: Dict[str, Any]) -> str:
     changes = result["outputs_changed_after_return"]
     if changes:
         lines.append(f"Training went on with other values: {changed_text(changes)}")
-    return "\n".join(lines)
+    return printable_lines(lines)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..formats.incident import Conclusion, RecordKind, describe_largest, growth_path
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
+from ..formats.text import printable_lines, shell_word
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
 from .frames_view import summary_lines
 from .read import RunFiles
@@ -217,9 +218,9 @@ def rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
         lines.append(f"  received it from there (not origins): rank(s) "
                      f"{rank_ranges([r['global_rank'] for r in rerun.receivers])}")
     if rerun.bundle:
-        lines.append(f"  replay it: gradnan replay {rerun.bundle}")
+        lines.append(f"  replay it: gradnan replay {shell_word(rerun.bundle)}")
     if rerun.batch:
-        lines.append(f"  the micro-batch: {rerun.batch}")
+        lines.append(f"  the micro-batch: {shell_word(rerun.batch)}")
     return lines
 
 
@@ -281,11 +282,12 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
 
 
 def format_text(report: Report, max_modules: int = 10) -> str:
-    lines = [f"gradnan report for {report.run_dir}  ({len(report.ranks_seen)} rank(s) wrote files)"]
+    lines = [f"gradnan report for {shell_word(report.run_dir)}"
+             f"  ({len(report.ranks_seen)} rank(s) wrote files)"]
     if len(report.runs) > 1:
-        listed = ", ".join(f"{r['run']}" + (f" (fails at step {r['first_step']})" if r["first_step"] else "")
-                           for r in report.runs)
-        lines.append(f"Launches here: {listed}; showing {report.run} (--run KEY for another)")
+        listed = ", ".join(shell_word(r["run"]) + (f" (fails at step {r['first_step']})" if r["first_step"]
+                                                   else "") for r in report.runs)
+        lines.append(f"Launches here: {listed}; showing {shell_word(report.run)} (--run KEY for another)")
     incident = report.incident
     if incident is None and report.loss_scale_overflow_steps:
         steps = report.loss_scale_overflow_steps
@@ -302,12 +304,16 @@ def format_text(report: Report, max_modules: int = 10) -> str:
         lines.append("Also captured for replay:" if shown else "Captured for replay:")
         lines += _listed(others, lambda bundle: [
             f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
-            f"    gradnan replay {bundle['path']}"], "bundle(s)")
+            f"    gradnan replay {shell_word(bundle['path'])}"], "bundle(s)")
     if incident is not None and incident.capture_settings:
         lines.append("To capture this step on a rerun from a checkpoint, set:")
-        lines.append("  " + " ".join(f"{key}={value}" for key, value in incident.capture_settings.items()))
+        lines.append("  " + " ".join(f"{key}={shell_word(value)}"
+                                     for key, value in incident.capture_settings.items()))
     lines += _listed(list(report.selftests), _selftest_lines, "self-test result(s)")
     if report.problems:
-        lines.append(f"Files that could not be read: {len(report.problems)}")
-        lines += _listed(list(report.problems), lambda problem: [f"  {problem}"], "problem(s)")
-    return "\n".join(lines)
+        total = max(report.problems_total, len(report.problems))
+        lines.append(f"Files that could not be read: {total}")
+        lines += [f"  {problem}" for problem in report.problems[:MAX_LISTED]]
+        if total > MAX_LISTED:
+            lines.append(f"  ... and {total - MAX_LISTED} more problem(s) (see --json)")
+    return printable_lines(lines)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, TextIO
 
-from ..commandline import say
+from ..commandline import printable_lines, say
 from .wording import shortened
 
 if TYPE_CHECKING:
@@ -59,4 +59,4 @@ def format_text(document: Dict[str, Any], path: Optional[Path]) -> str:
         named = len(document["failing_ranks"])
         lines.append(f"FAIL: {named} of {world} rank(s) named above" if named
                      else f"FAIL: {unreachable['phase']} failed")
-    return "\n".join(lines)
+    return printable_lines(lines)

@@ -70,7 +70,7 @@ def write_result(out_dir: Path, started: datetime.datetime, document: Dict[str, 
     """Write ``document`` to a new result file under ``out_dir``; ``InputError`` when it cannot be written."""
     try:
         path = result_path(out_dir, started)
-        write_json_atomic(path, document)
+        write_json_atomic(path, document, root=out_dir)
     except OSError as exc:
         raise InputError(f"--out {out_dir}: cannot write the result: {exc}") from None
     return path

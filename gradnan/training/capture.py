@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..config import GradnanConfig
+from ..formats.text import shell_word
 from ..formats.trace import Trace, has_nonfinite, same_values, tensors_in
 from ..log import logger
 from .clock import StepClock
@@ -343,7 +344,7 @@ class CaptureManager:
         if written is not None:
             logger.warning("%s: captured %s on %s (%s); replay it: gradnan replay %s", when(written),
                            capture.name, where(written), context.get("trigger", capture.mode),
-                           written.path)
+                           shell_word(written.path))
         return written
 
     def _selected(self) -> List[Tuple[str, torch.nn.Module]]:

@@ -29,6 +29,7 @@ from ..config import GradnanConfig, RerunMode
 from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log
 from ..formats.magnitude import Growth
 from ..formats.schema import json_float
+from ..formats.text import shell_word
 from ..log import logger
 from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
@@ -420,7 +421,7 @@ class StepRerun:
         """A ``rerun`` record's log line: where the value grew and went non-finite, and the conclusion."""
         verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
         explanation = verdict.explain(OwnFailure(record["own_failure"]) if record["own_failure"] else None)
-        tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {record['bundle']})"
+        tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {shell_word(record['bundle'])})"
                 if record["bundle"] else "")
         grew_in = record.get("grew_in")
         if role is RerunRole.ORIGIN:

@@ -6,7 +6,13 @@ bound logged once when it is reached.
 A file that cannot be written (an out_dir that is a file, a full disk, no permission) is the machine's
 fault, not gradnan's: it is logged once per reason (a read-only out_dir once, not once per file), with
 the path and the reason, and training goes on, ``strict`` or not. A map is never written over another
-launch's (``layout.launch_tag``)."""
+launch's (``layout.launch_tag``).
+
+Everything lands inside ``out_dir`` (itself may be a symbolic link: the user chose it): below it no
+symbolic link is followed, and a records file that is a link, a FIFO or a hard link to another file is
+not appended to (``schema.open_directory``, ``RefusedPath``). A shared out dir where someone planted
+``records/rank00000....jsonl -> ~victim/.bashrc`` gets a warning naming that path, once; the record is
+not written there and nothing of the victim's file is touched."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from ..config import GradnanConfig
 from ..formats import bundle, maps, records
 from ..formats.layout import batch_path, bundle_dir, launch_tag, map_path, records_path, run_identity
 from ..formats.maps import ParamSlot
-from ..formats.schema import append_json_line
+from ..formats.schema import RefusedPath, append_json_line, held_directory
 from ..log import logger
 from .events import ModelFacts
 
@@ -62,6 +68,11 @@ class Writer:
             logger.log(level, message, *args)
 
     def _unwritable(self, what: str, path: Path, error: OSError) -> None:
+        if isinstance(error, RefusedPath):  # once per refused path: each is a different planted link
+            self._log_bound_once(f"refused {error.filename}", logging.WARNING,
+                                 "not writing the %s %s (%s: %s); training goes on unchanged",
+                                 what, path, error.filename, error.strerror)
+            return
         self._log_bound_once(f"unwritable {error.errno or type(error).__name__}", logging.ERROR,
                              "cannot write the %s %s: %s (training goes on unchanged;"
                              " later files may be missing)",
@@ -70,16 +81,17 @@ class Writer:
     def _write_map(self, wanted: Path, document: Dict[str, Any], coords: Mapping[str, Any],
                    optimizer_index: int) -> Path:
         """Where the map went: its own name, or with the launch tag where another launch's map has it."""
+        root = Path(self.config.out_dir)
         path = self._maps_written.get(wanted)
         if path is not None:
-            maps.write(path, document)
+            maps.write(path, document, root=root)
             return path
         try:
-            maps.write(wanted, document, replace=False)
+            maps.write(wanted, document, replace=False, root=root)
             path = wanted
         except FileExistsError:
             path = map_path(self.config.out_dir, coords, optimizer_index, launch_tag(self.run, coords))
-            maps.write(path, document)
+            maps.write(path, document, root=root)
         self._maps_written[wanted] = path
         return path
 
@@ -105,12 +117,10 @@ class Writer:
                                  found[:self.config.max_params_per_record], len(found), extra)
         path = records_path(self.config.out_dir, coords)
         try:
-            if path.exists() and path.stat().st_size >= self.config.max_records_bytes:
+            if not append_json_line(path, record, Path(self.config.out_dir), self.config.max_records_bytes):
                 self._log_bound_once("max_records_bytes", logging.ERROR,
                                      "%s reached max_records_bytes (%d): later records are not written", path,
                                      self.config.max_records_bytes)
-            else:
-                append_json_line(path, record)
         except OSError as error:
             self._unwritable("record", path, error)
         return Written(record, path)
@@ -132,7 +142,8 @@ class Writer:
                     "step": step, "iteration": iteration}
         path = bundle_dir(self.config.out_dir, coords, step, module_name, iteration)
         try:
-            bundle.write(path, manifest, tensors)
+            with held_directory(path, Path(self.config.out_dir)) as directory:
+                bundle.write(directory / path.name, manifest, tensors)
         except OSError as error:
             self._unwritable("bundle", path, error)
             return None
@@ -144,7 +155,8 @@ class Writer:
         """Keep one micro-batch's tensors; what the ``rerun`` record says of it, or None if not written."""
         path = batch_path(self.config.out_dir, self.coords(), step, micro_batch, self._facts.iteration())
         try:
-            path = bundle.write_batch(path, tensors)
+            with held_directory(path, Path(self.config.out_dir)) as directory:
+                path = path.with_name(bundle.write_batch(directory / path.name, tensors).name)
         except OSError as error:
             self._unwritable("micro-batch", path, error)
             return None
