@@ -389,20 +389,12 @@ def _untouched(victim: Path) -> None:
     assert victim.read_text() == "alias ls='ls --color'\n" and sorted(victim.parent.iterdir()) == [victim]
 
 
-def test_a_records_file_that_is_a_link_is_refused(tmp_path, victim):
+@pytest.mark.parametrize("link, reason", [("symlink_to", "a symbolic link"), ("hardlink_to", "a hard link")])
+def test_a_records_file_that_is_a_link_is_refused(tmp_path, victim, link, reason):
     out_dir = tmp_path / "out"
     (out_dir / "records").mkdir(parents=True)
-    (out_dir / "records" / "rank00000.jsonl").symlink_to(victim)
-    with pytest.raises(RefusedPath, match="a symbolic link"):
-        append_json_line(out_dir / "records" / "rank00000.jsonl", {"a": 1}, out_dir)
-    _untouched(victim)
-
-
-def test_a_records_file_that_is_a_hard_link_is_refused(tmp_path, victim):
-    out_dir = tmp_path / "out"
-    (out_dir / "records").mkdir(parents=True)
-    (out_dir / "records" / "rank00000.jsonl").hardlink_to(victim)
-    with pytest.raises(RefusedPath, match="a hard link"):
+    getattr(out_dir / "records" / "rank00000.jsonl", link)(victim)
+    with pytest.raises(RefusedPath, match=reason):
         append_json_line(out_dir / "records" / "rank00000.jsonl", {"a": 1}, out_dir)
     _untouched(victim)
 
