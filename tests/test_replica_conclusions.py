@@ -64,7 +64,7 @@ def test_a_forward_glitch_is_transient_on_its_own_replica_only_and_keeps_its_mic
     assert [entry["global_rank"] for entry in incident.origin] == [1]
     drain, selftest = incident.next_steps
     origin = incident.origin[0]
-    assert drain.text.startswith(f"drain {origin['host']} ({origin['device']}, rank 1)")
+    assert drain.text.startswith(f"drain {origin['host']} {origin['device']} (rank 1)")
     assert selftest.command[:2] == ("torchrun", "--nproc_per_node=2")  # both ranks ran on this host
     text = format_text(analysis)
     assert "NOT reproduced: transient, on the replica of rank(s) 1\n" in text, text

@@ -257,9 +257,8 @@ class Action(str, enum.Enum):
 
 
 _ACTION_WORDING = {
-    Action.DRAIN: "drain {subject}: take the node out of the job's node list before restarting; the"
-                  " verdict points at that device",
-    Action.SELFTEST: "confirm or clear {subject}: launch gradnan selftest there as training is launched"
+    Action.DRAIN: "drain {subject}: take its node out of the job before restarting",
+    Action.SELFTEST: "confirm or clear {subject}: gradnan selftest, launched there as training is"
                      " (docs/selftest.md)",
     Action.SKIP_ITERATION: "to train past iteration {subject}, restart Megatron-LM from its last checkpoint"
                            " with this option added: its loop consumes that iteration's micro-batches"

@@ -569,10 +569,10 @@ def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequenc
             named = [entry["global_rank"] for entry in origin if (entry.get("host"), entry.get("device"))
                      == (host, device)]
             steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
-                f"{host} ({device}, rank {', '.join(map(str, named))})")))
+                f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})")))
         for host in dict.fromkeys(host for host, _ in devices[:MAX_DRAINED]):
             processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
-            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"the devices of {host}"), (
+            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
                 "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
     reproducible = rerun is not None and rerun.conclusion is Conclusion.REPRODUCIBLE
     if verdict.cause is Cause.DATA_OR_NUMERICS and reproducible and isinstance(iteration, int):
