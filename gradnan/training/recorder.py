@@ -150,16 +150,9 @@ class OpRecorder(TorchDispatchMode):
         """The entry of a Function about to run, its arguments named by its ``forward``'s signature (so a
         reference can take them by name), whether they are finite (before the call: a kernel may write in
         place), and the index its inner ops start at."""
-        named_args, named = _bound(cls, args, kwargs)
-        entry: Dict[str, Any] = {
-            "op": fused_name(cls),
-            "fused": {"class": cls.__qualname__, "class_module": cls.__module__,
-                      "module": enclosing_module(self._module_names)},
-            "args": [encode(value, self._input_name) for value in named_args],
-            "kwargs": {key: encode(value, self._input_name) for key, value in named.items()}}
-        if any("opaque" in node for node in nodes(op_inputs(entry))):
-            entry["opaque"] = True
-        return entry, self._first.inputs_finite(entry["op"], named_args, named), len(self._ops)
+        entry = {"op": fused_name(cls), "fused": {"class": cls.__qualname__, "class_module": cls.__module__,
+                                                  "module": enclosing_module(self._module_names)}}
+        return (*self._with_arguments(entry, *_bound(cls, args, kwargs)), len(self._ops))
 
     def _end_fused(self, entry: Dict[str, Any], finite: bool, start: int, out: Any) -> None:
         """Record the Function unless recorded ops inside it produced all its outputs (then they say it
@@ -199,11 +192,17 @@ class OpRecorder(TorchDispatchMode):
             entry["collective"] = True
         elif namespace != "aten" or not allowed_in_replay(func.__name__.split(".")[0]):
             entry["external"] = True  # not executed at replay: its outputs become leaves
+        return self._with_arguments(entry, args, kwargs)
+
+    def _with_arguments(self, entry: Dict[str, Any], args: Any,
+                        kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
+        """``entry`` with its arguments written down (tensors by name; ``opaque`` where one cannot be), and
+        whether they are finite, read before the call (it may write into them)."""
         entry["args"] = [encode(value, self._input_name) for value in args]
         entry["kwargs"] = {key: encode(value, self._input_name) for key, value in kwargs.items()}
         if any("opaque" in node for node in nodes(op_inputs(entry))):
             entry["opaque"] = True
-        return entry, self._first.inputs_finite(name, args, kwargs)
+        return entry, self._first.inputs_finite(entry["op"], args, kwargs)
 
 
 def _bound(cls: type, args: Any, kwargs: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
