@@ -92,7 +92,8 @@ class ModuleCall:
         forward hook (its result replaced the output) or changed in place after the call (its version
         counter moved and its values differ; a tensor whose storage was swapped, as Megatron's pipeline
         does to free a sent output, is not compared). Each as ``{"output", "by", "nonfinite"}``, and the
-        values training used, by output number."""
+        values training used, by output number (an output changed in place is the live tensor, not a copy:
+        this is asked at each ``nonfinite``, and a bundle is written from it at once)."""
         changes, used = [], {}
         if self.hooked is not None:
             hooked = [(i, t) for i, t in enumerate(self.hooked)
@@ -103,7 +104,7 @@ class ModuleCall:
             if i in used or tensor._version == version or tensor.shape != self.outputs[i].shape:
                 continue
             if not same_values(self.outputs[i], tensor):
-                used[i] = tensor.detach().clone()
+                used[i] = tensor.detach()
                 changes.append({"output": i, "by": "in_place", "nonfinite": has_nonfinite(tensor)})
         return changes, used
 
