@@ -33,7 +33,7 @@ from ..errors import GradnanError, InputError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
 from .replay import replay_bundle, replay_device
-from .replay_limits import ReplayLimits
+from .replay_limits import ReplayLimits, trace_too_long
 
 _STDERR_TAIL = 4096
 
@@ -52,10 +52,9 @@ def replay_isolated(path: Path, device: Optional[str], limits: ReplayLimits) -> 
     ends it without a result."""
     path = Path(path)
     replay_device(device)  # a device that is not here: the usage error, before a process starts
-    length = _trace_length(path)
-    if length > limits.max_ops:
-        raise InputError(f"{path}: the trace has {length} ops, more than the {limits.max_ops} a replay runs"
-                         " (--max-ops): refused")
+    refusal = trace_too_long(_trace_length(path), limits.max_ops)
+    if refusal is not None:
+        raise InputError(f"{path}: {refusal}")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory(prefix="gradnan-replay-") as scratch:

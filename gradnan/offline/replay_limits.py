@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 DEFAULT_MAX_OPS = 100_000
 DEFAULT_MAX_CPU_SECONDS = 3600
@@ -26,6 +27,14 @@ class ReplayLimits:
     def wall_seconds(self) -> int:
         """The wall-clock backstop, for a child that waits without computing."""
         return 2 * self.max_cpu_seconds + 60
+
+
+def trace_too_long(ops: int, max_ops: int) -> Optional[str]:
+    """Why a trace of ``ops`` operators is not replayed, or None: one wording for the command, which
+    refuses before a child starts, and for ``trace_replay.replay``, which refuses before anything runs."""
+    if ops <= max_ops:
+        return None
+    return f"the trace has {ops} ops, more than the {max_ops} a replay runs (--max-ops): refused"
 
 
 def physical_memory() -> int:

@@ -52,6 +52,7 @@ from ..formats.trace import (
 )
 from .references import compute, judge
 from .replay_checks import check_call, check_tensors
+from .replay_limits import trace_too_long
 
 
 class _Watch(TorchDispatchMode):
@@ -266,9 +267,9 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     recorded ops already. ``max_ops``: the most ops the forward (the trace, checked before anything runs)
     and the backward (counted as it runs) may each run. Every op is checked before it runs
     (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op."""
-    if max_ops is not None and len(trace.ops) > max_ops:
-        raise TraceError(f"the trace has {len(trace.ops)} ops, more than the {max_ops} a replay runs"
-                         " (--max-ops): refused")
+    refusal = None if max_ops is None else trace_too_long(len(trace.ops), max_ops)
+    if refusal is not None:
+        raise TraceError(refusal)
     check_tensors([trace.leaves, grad_outputs], "a leaf or incoming gradient")
     device = torch.device(device) if device is not None else next(
         (t.device for t in trace.leaves.values()), torch.device("cpu"))
