@@ -209,7 +209,10 @@ def nonfinite_counts(entry: Mapping[str, Any]) -> str:
 
 
 def with_path(error: OSError, path: Path) -> OSError:
-    """The same error naming ``path`` (an ENOSPC from ``write`` names no file)."""
+    """The same error naming ``path`` (an ENOSPC from ``write`` names no file); a RefusedPath as it is (it
+    names its path and says why)."""
+    if isinstance(error, RefusedPath):
+        return error
     return OSError(error.errno, error.strerror or str(error), str(path))
 
 
@@ -298,7 +301,7 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[
     try:
         directory = open_directory(path, root)
     except OSError as error:
-        raise error if isinstance(error, RefusedPath) else with_path(error, path) from None
+        raise with_path(error, path) from None
     temporary = f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
         handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644,
@@ -360,7 +363,7 @@ def append_json_line(path: Path, document: Mapping[str, Any], root: Optional[Pat
         finally:
             os.close(directory)
     except OSError as error:
-        raise error if isinstance(error, RefusedPath) else with_path(error, path) from None
+        raise with_path(error, path) from None
     try:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
@@ -374,8 +377,6 @@ def append_json_line(path: Path, document: Mapping[str, Any], root: Optional[Pat
         _write_all(descriptor, line)
         os.fsync(descriptor)
         return True
-    except RefusedPath:
-        raise
     except OSError as error:
         raise with_path(error, path) from None
     finally:
