@@ -5,7 +5,6 @@ for a large one) and ``build_report`` (the ``gradnan.report`` JSON document). Bo
 
 from __future__ import annotations
 
-import shlex
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -261,7 +260,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
             lines += textwrap.wrap(step.text, WIDTH, initial_indent=f"  {number}. ",
                                    subsequent_indent="     ")
             if step.command:
-                lines.append(f"     {shlex.join(step.command)}")  # whole, on its own line: to copy
+                lines.append(f"     {' '.join(map(shell_word, step.command))}")  # whole, on its own line
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
     lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]
