@@ -183,6 +183,7 @@ class Report:
     run_dir: str
     ranks_seen: Tuple[int, ...]
     problems: Tuple[str, ...]
+    problems_total: int  # how many there were: ``problems`` holds the first ``read.MAX_PROBLEMS``
     run: Optional[str]
     runs: Tuple[Dict[str, Any], ...]  # every launch: ``run`` key, ``first_step``, ``ranks``
     incident: Optional[Incident]
@@ -192,7 +193,6 @@ class Report:
     bundles: Tuple[Dict[str, Any], ...]
     frames: Tuple[Dict[str, Any], ...]
     probes: Tuple[Dict[str, Any], ...]
-    problems_total: int = 0  # ``problems`` holds the first ``read.MAX_PROBLEMS`` of these
 
     @property
     def first_step(self) -> Optional[int]:
@@ -203,7 +203,7 @@ class Report:
         incident = self.incident
         return {**SCHEMA.header(), "run_dir": self.run_dir, "ranks_seen": list(self.ranks_seen),
                 "problems": list(self.problems),
-                "problems_total": max(self.problems_total, len(self.problems)), "first_step": self.first_step,
+                "problems_total": self.problems_total, "first_step": self.first_step,
                 "incident": None if incident is None else incident.to_json(),
                 "later_steps": list(self.later_steps),
                 "loss_scale_overflow_steps": list(self.loss_scale_overflow_steps),
@@ -673,7 +673,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
     return Report(
         run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems),
-        problems_total=getattr(files.problems, "total", len(files.problems)),
+        problems_total=max(getattr(files.problems, "total", 0), len(files.problems)),
         run=chosen,
         runs=tuple({"run": key, "first_step": failing[key],
                     "ranks": sorted({r["rank"].get("global_rank") for r in records})}

@@ -310,7 +310,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
                                      for key, value in incident.capture_settings.items()))
     lines += _listed(list(report.selftests), _selftest_lines, "self-test result(s)")
     if report.problems:
-        total = max(report.problems_total, len(report.problems))
+        total = report.problems_total
         lines.append(f"Files that could not be read: {total}")
         lines += [f"  {problem}" for problem in report.problems[:MAX_LISTED]]
         if total > MAX_LISTED:
