@@ -74,6 +74,9 @@ COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # fills what they return with NaN: ``returns_uninitialized``).
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                             "new_empty_strided", "resize_"})
+# The precisions a replay runs a trace in, by label: as captured, then every floating tensor cast wider
+# (``cast_dtype``); a fused kernel's reference math runs in the same three.
+REPLAY_PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
 # ``half_to_float`` is legal for a float16 input only; a replay cast to another dtype drops it.
 HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
 _OP_NAME = re.compile(r"(\w+)\.(\w+)\.(\w+)")

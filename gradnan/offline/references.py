@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..formats.trace import has_nonfinite
+from ..formats.trace import REPLAY_PRECISIONS, has_nonfinite
 
-PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
 _MASKED = -10000.0  # what Megatron's masked softmax kernels (and its unfused mask function) put in
 
 
@@ -198,7 +197,7 @@ def judge(op: Dict[str, Any], args: Any, kwargs: Dict[str, Any], saved: Any) -> 
     """Kernel or numerics, for a fused entry whose finite inputs (as replayed in the captured dtype) gave a
     non-finite ``saved`` output: which precisions the reference goes non-finite in, and the finding."""
     nonfinite: Dict[str, bool] = {}
-    for label, dtype in PRECISIONS:
+    for label, dtype in REPLAY_PRECISIONS:
         with torch.no_grad():
             result = compute(op, args, kwargs, saved, dtype)
         if result is None:

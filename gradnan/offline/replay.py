@@ -45,10 +45,9 @@ from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_li
 from ..formats.records import is_growth
 from ..formats.schema import Schema
 from ..formats.text import printable_lines, shell_word
-from ..formats.trace import Trace, TraceError, has_nonfinite, same_values, tensors_in
+from ..formats.trace import REPLAY_PRECISIONS, Trace, TraceError, has_nonfinite, same_values, tensors_in
 from .trace_replay import output_tree, replay
 
-PRECISIONS = (("captured", None), ("float32", torch.float32), ("float64", torch.float64))
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
 MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
@@ -108,7 +107,7 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
     try:
         runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"), max_ops)
-                for label, dtype in PRECISIONS}
+                for label, dtype in REPLAY_PRECISIONS}
     except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
         raise InputError(f"{path}: cannot replay:"
                          f" {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
