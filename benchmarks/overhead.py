@@ -3,16 +3,22 @@
     python benchmarks/overhead.py                 # ~1M, 10M and 50M parameter GPTs,
                                                   # about 6 minutes on 2 cores
     python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
+    python benchmarks/overhead.py --sizes 1b      # on a GPU: a 1.1B-parameter GPT, bf16, sequence 2048
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
 1. Step time, interleaved round by round (off, defaults, defaults without the rerun's kept step
    (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced;
-   each mode installed, one untimed step, then one timed step), reported as medians and the median of the
+   each mode installed, one untimed step, one timed step, then one step with the kit's own time clocked,
+   whose device synchronizations stay out of the timed one), reported as medians and the median of the
    per-round ratios.
 2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
-   hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, and the floor: one finite check over
-   the contiguous grad buffer (every gradient byte read once). Host syncs and peak extra memory of each.
+   hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, the floor: one finite check over
+   the contiguous grad buffer (every gradient byte read once), and a plain device copy of that buffer.
+   Throughput in GB/s of gradient bytes, host syncs and peak extra memory of each.
+3. The incident (``--incident``): a forward overflow in an fp16 copy of the model (the step is skipped, the
+   weights stay), the failing step timed without the kit and with it (detection, the rerun of the step's
+   forward pass, the capture and the files), the extra in forward passes of that model.
 Prints a markdown table and writes JSON (``--json``).
 """
 
@@ -31,14 +37,17 @@ import torch
 
 import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
-from gradnan.testing.toy import TinyGPT, TinyGPTJob
+from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
 from gradnan.training.scan import find_nonfinite, finite_flag
 
+SHAPE = dict(vocab_size=1024, seq_length=128, micro_batch_size=2)
 SIZES = {
-    "1m": dict(hidden_size=128, num_layers=4, num_heads=4),
-    "10m": dict(hidden_size=384, num_layers=5, num_heads=6),
-    "50m": dict(hidden_size=768, num_layers=7, num_heads=12),
+    "1m": dict(SHAPE, hidden_size=128, num_layers=4, num_heads=4),
+    "10m": dict(SHAPE, hidden_size=384, num_layers=5, num_heads=6),
+    "50m": dict(SHAPE, hidden_size=768, num_layers=7, num_heads=12),
+    "1b": dict(hidden_size=2048, num_layers=20, num_heads=16, vocab_size=32768, seq_length=2048,
+               micro_batch_size=2),
 }
 MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"},
          "pre_reduction_sync": {"pre_reduction": "sync"},
@@ -106,10 +115,10 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
             if MODES[mode] is not None:
                 gradnan.install(out_dir=out_dir, log_level="ERROR", **MODES[mode])
             model.step()
-            with KitClock(device) as clock:
-                seconds = _timed(model.step, device)
-            times[mode].append(seconds)
+            times[mode].append(_timed(model.step, device))
             if mode in kit_share:
+                with KitClock(device) as clock:
+                    seconds = _timed(model.step, device)
                 kit_share[mode].append(clock.seconds / seconds)
     gradnan.uninstall()
     ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in kit_share}
@@ -128,7 +137,9 @@ def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any
     bad = len(grads) // 2
     grads[bad].view(-1)[grads[bad].numel() // 3] = float("nan")
     copies = [g.clone() for g in grads]
+    copy_target = torch.empty_like(buffer)
     checks = {
+        "device copy of the grad buffer": lambda: copy_target.copy_(buffer),
         "floor: one check over the grad buffer": lambda: bool(finite_flag(buffer)),
         "gradnan scan (main_grad views)": lambda: find_nonfinite(grads),
         "gradnan scan (separate tensors)": lambda: find_nonfinite(copies),
@@ -154,10 +165,41 @@ def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any
             check()
         median = statistics.median(seconds[name])
         result["checks"][name] = {"median_s": median, "vs_floor": median / floor, "host_syncs": counter.total,
+                                  "gb_per_s": result["grad_buffer_bytes"] / median / 1e9,
                                   "peak_extra_bytes": peak.bytes,
                                   "peak_extra_pct_of_grads": 100.0 * peak.bytes / result["grad_buffer_bytes"]}
     grads[bad].zero_()
     return result
+
+
+def incident_cost(job: TinyGPTJob, reps: int, out_dir: str, device: torch.device) -> Dict[str, Any]:
+    """The failing step without and with the kit (defaults, a fresh installation and out dir each time),
+    interleaved, on an fp16 copy of ``job``: an Inf out of the last layer's MLP skips the step, so the
+    weights stay as they were for the next repetition. The extra is given in forward passes."""
+    model = TinyGPT(job.with_(dtype="fp16"), 0)
+    model.step()
+    batch = next(model.batches[0])
+    forward = [_timed(lambda: _forward(model, batch), device) for _ in range(reps + 1)][1:]
+    seconds: Dict[str, List[float]] = {"without": [], "with": []}
+    for rep in range(reps):
+        for mode in ("without", "with"):
+            gradnan.uninstall()
+            if mode == "with":
+                gradnan.install(out_dir=os.path.join(out_dir, f"incident{rep}"), log_level="CRITICAL")
+            step = len(model.result.steps) + 1
+            model.job = model.job.with_(injections=(
+                Injection(0, step, f"decoder.layers.{job.num_layers - 1}.mlp", "inf", where="forward"),))
+            seconds[mode].append(_timed(model.step, device))
+    gradnan.uninstall()
+    median = {mode: statistics.median(values) for mode, values in seconds.items()}
+    one_forward = statistics.median(forward)
+    return {"forward_s": one_forward, "failing_step_s": median,
+            "extra_forward_passes": (median["with"] - median["without"]) / one_forward}
+
+
+def _forward(model: TinyGPT, batch: Dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        model.chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
 
 def _without_torch_function(check: Callable[[], Any]) -> Callable[[], Any]:
@@ -192,12 +234,20 @@ def _table(results: Dict[str, Any]) -> str:
             lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} "
                          f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
                          f"{100 * steps['median_kit_share'][mode]:.2f}% |")
-    lines += ["", "| size | check | median (ms) | x floor | host syncs | peak extra (% of grad bytes) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | peak extra (% of grad bytes) "
+              "|", "|---|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
         for name, check in entry["scan"]["checks"].items():
-            lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['vs_floor']:.2f} | "
-                         f"{check['host_syncs']} | {check['peak_extra_pct_of_grads']:.3f} |")
+            lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['gb_per_s']:.1f} | "
+                         f"{check['vs_floor']:.2f} | {check['host_syncs']} | "
+                         f"{check['peak_extra_pct_of_grads']:.3f} |")
+    incidents = {size: entry["incident"] for size, entry in results["sizes"].items() if "incident" in entry}
+    if incidents:
+        lines += ["", "| size | forward pass (s) | failing step without the kit (s) | with it (s) | "
+                  "extra, in forward passes |", "|---|---|---|---|---|"]
+        for size, cost in incidents.items():
+            lines.append(f"| {size} | {cost['forward_s']:.4f} | {cost['failing_step_s']['without']:.4f} | "
+                         f"{cost['failing_step_s']['with']:.4f} | {cost['extra_forward_passes']:.2f} |")
     return "\n".join(lines)
 
 
@@ -208,11 +258,13 @@ def main() -> None:
     parser.add_argument("--scan-reps", type=int, default=15)
     parser.add_argument("--dtype", default=None, help="fp32 on CPU, bf16 on GPU by default")
     parser.add_argument("--json", default="benchmark-overhead.json")
+    parser.add_argument("--incident", type=int, default=0, metavar="REPS",
+                        help="also time the failing step without and with the kit, REPS times each")
     args = parser.parse_args()
     device = _setup()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    default_rounds = {"1m": 21, "10m": 11, "50m": 7}
+    default_rounds = {"1m": 21, "10m": 11, "50m": 7, "1b": 9}
     results: Dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
@@ -220,8 +272,8 @@ def main() -> None:
         "dtype": dtype, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="gradnan-bench-") as out_dir:
         for size in args.sizes.split(","):
-            job = TinyGPTJob(world_size=1, dtype=dtype, vocab_size=1024, seq_length=128,
-                             micro_batch_size=2, bucket_size=1_000_000, **SIZES[size])
+            job = TinyGPTJob(world_size=1, dtype=dtype, device=device.type, bucket_size=1_000_000,
+                             **SIZES[size])
             model = TinyGPT(job, 0)
             model.step()
             entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
@@ -230,7 +282,11 @@ def main() -> None:
             results["sizes"][size] = entry
             from gradnan.patches.model import destroy_model_parallel
 
+            del model
             destroy_model_parallel()
+            if args.incident:
+                entry["incident"] = incident_cost(job, args.incident, out_dir, device)
+                destroy_model_parallel()
             print(f"{size}: done", flush=True)
     with open(args.json, "w") as stream:
         json.dump(results, stream, indent=1)

@@ -74,3 +74,8 @@ def step_trace(outcome) -> Dict[int, List[tuple]]:
 
     return {rank: [(bits(s.loss), bits(s.grad_norm), s.update_successful) for s in result.steps]
             for rank, result in outcome.items()}
+
+
+def weight_digests(outcome) -> Dict[int, str]:
+    """Each rank's SHA-256 of its weights after the last step: equal digests, bitwise equal weights."""
+    return {rank: result.param_digest for rank, result in outcome.items()}

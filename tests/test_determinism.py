@@ -1,8 +1,8 @@
-"""The kit never changes training: losses, grad norms and step outcomes are bitwise identical with and
-without it, at the defaults, with the pre-reduction check in sync mode, with capture armed on several
-modules (across activation recompute), on a run where it detects and scans an injected NaN, and on runs
-whose failing step it runs again in place (the rerun), with dropout drawing from the RNG, where fp16 skips
-the step and training goes on, and where bf16 applies it."""
+"""The kit never changes training: losses, grad norms, step outcomes and the final weights are bitwise
+identical with and without it, at the defaults, with the pre-reduction check in sync mode, with capture
+armed on several modules (across activation recompute), on a run where it detects and scans an injected
+NaN, and on runs whose failing step it runs again in place (the rerun), with dropout drawing from the RNG,
+where fp16 skips the step and training goes on, and where bf16 applies it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import records_by_rank, step_trace
+from .helpers import records_by_rank, step_trace, weight_digests
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
@@ -53,6 +53,7 @@ def outcomes(tmp_path_factory):
 def test_bitwise_identical_with_and_without_the_kit(outcomes, name):
     without, with_kit, _ = outcomes[name]
     assert step_trace(with_kit) == step_trace(without)
+    assert weight_digests(with_kit) == weight_digests(without)
     assert len(step_trace(without)[0]) == CASES[name].steps
 
 

@@ -1,5 +1,6 @@
-"""Several real ``torch.distributed`` gloo processes on this machine, each running real megatron-core
-through the CPU shim: the one way the toy job, the tests' hand-written loops and the benchmarks start."""
+"""Several real ``torch.distributed`` processes on this machine, each running real megatron-core: gloo through
+the CPU shim (everywhere), or NCCL on one CUDA device per rank (on a GPU machine). The one way the toy job,
+the tests' hand-written loops and the benchmarks start."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def gloo_process(rank: int, world_size: int, port: int, quiet: bool = True) -> Iterator[None]:
-    """Inside a spawned process: launcher variables as torchrun sets them, one intra-op thread, the CPU
-    shim, a gloo process group for the block; the group is destroyed after it."""
+def gloo_process(rank: int, world_size: int, port: int, quiet: bool = True,
+                 device: str = "cpu") -> Iterator[None]:
+    """Inside a spawned process: launcher variables as torchrun sets them, one intra-op thread, and for
+    ``device="cpu"`` the CPU shim and a gloo process group, for ``"cuda"`` the rank's own GPU and an NCCL
+    group (no shim: megatron-core as on a cluster). The group is destroyed after the block."""
     from .cpu_shim import SHIM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -30,8 +33,14 @@ def gloo_process(rank: int, world_size: int, port: int, quiet: bool = True) -> I
     torch.set_num_threads(1)
     if quiet:
         warnings.filterwarnings("ignore")
-    SHIM.activate()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device == "cuda":  # deterministic kernels, so that two runs of one job compare bitwise
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.cuda.set_device(rank)
+        torch.distributed.init_process_group("nccl", rank=rank, world_size=world_size)
+    else:
+        SHIM.activate()
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         yield
     finally:

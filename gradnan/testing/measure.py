@@ -3,6 +3,9 @@
 - ``HostSyncCounter``: counts the tensor calls that make the host wait for the device (``item``,
   ``tolist``, ``bool``/``float``/``int`` conversion, ``numpy``). On CPU nothing waits, but the count is
   the same as on a GPU, which is what matters.
+- ``CudaSyncCounter``: on a GPU, every synchronization the CUDA runtime reports
+  (``torch.cuda.set_sync_debug_mode``), whoever made it: device-to-host copies, ``nonzero``, blocking
+  host-to-device copies, stream synchronizations.
 - ``PeakMemory``: the largest number of bytes the code had allocated beyond what existed before. On
   CUDA the allocator's peak; on CPU the fresh tensors produced by the code's operators (a
   ``TorchDispatchMode``), freed when their tensors die (allocations inside one kernel are not seen).
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import Counter
 from typing import Any
@@ -62,6 +66,32 @@ class HostSyncCounter:
             return counted
 
         return make
+
+
+class CudaSyncCounter:
+    """Counts the synchronizations PyTorch's CUDA runtime reports while active: its sync debug mode set to
+    warn, every warning recorded (the autograd engine's device threads hand theirs back to the caller)."""
+
+    MESSAGE = "called a synchronizing CUDA operation"
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._records: Any = None
+        self._catch: Any = None
+        self._mode = 0
+
+    def __enter__(self) -> "CudaSyncCounter":
+        self._catch = warnings.catch_warnings(record=True)
+        self._records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._catch.__exit__(*exc)
+        self.total = sum(self.MESSAGE in str(record.message) for record in self._records)
 
 
 class _LiveBytes(TorchDispatchMode):

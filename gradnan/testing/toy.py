@@ -1,14 +1,16 @@
 """A tiny real Megatron-Core GPT trained on CPU with gloo: the demo's job, the tests' and benchmarks' harness.
 
 Everything Megatron here is the real library (``GPTModel``, Megatron DDP, ``get_megatron_optimizer``, the
-pipeline schedules); only CUDA is replaced by the CPU shim. Faults are injected on purpose, through
-``Injection``, into one named parameter's gradient on one rank at one step.
+pipeline schedules); only CUDA is replaced by the CPU shim, or, with ``device="cuda"`` on a GPU machine, not
+even that (NCCL, one GPU per rank). Faults are injected on purpose, through ``Injection``, into one named
+parameter's gradient on one rank at one step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import math
@@ -100,6 +102,8 @@ class TinyGPTJob:
     # None: no state machine, no loss check. "disabled" raises at a NaN loss; "validate_results" runs the
     # step again in place, then the job checkpoints and exits (here: stops training) before the update
     rerun_mode: Optional[str] = None
+    # "cpu": gloo and the CPU shim; "cuda": NCCL and one real GPU per rank (the GPU machine's tests)
+    device: str = "cpu"
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -111,6 +115,8 @@ class StepResult:
     loss: Optional[float]
     grad_norm: Optional[float]
     update_successful: bool
+    # count_host_syncs: on CPU the tensor calls that would make the host wait; on CUDA the synchronizations
+    # the CUDA runtime itself reports (torch.cuda.set_sync_debug_mode)
     host_syncs: Optional[int] = None
 
 
@@ -121,6 +127,7 @@ class WorkerResult:
     injected: List[Dict[str, Any]] = field(default_factory=list)
     bucket_groups: int = 0
     exit_code: Optional[int] = None  # Megatron's result validation asked the job to exit (validate_results)
+    param_digest: Optional[str] = None  # SHA-256 of every parameter's bytes after the last step
 
 
 class JobFailed(RuntimeError):
@@ -204,6 +211,7 @@ def _wrap_model(job: TinyGPTJob, config, model, bucketing: bool = True):
 
 
 def _batches(job: TinyGPTJob, dp_rank: int):
+    """The same micro-batches on every device: drawn on the CPU, then moved to the job's device."""
     generator = torch.Generator().manual_seed(job.seed + 7919 * dp_rank)
     mask = torch.triu(torch.ones(job.seq_length, job.seq_length, dtype=torch.bool), diagonal=1)
     position_ids = torch.arange(job.seq_length).unsqueeze(0).expand(job.micro_batch_size, -1)
@@ -211,12 +219,12 @@ def _batches(job: TinyGPTJob, dp_rank: int):
         tokens = torch.randint(
             0, job.vocab_size, (job.micro_batch_size, job.seq_length + 1), generator=generator
         )
-        yield {
+        yield {name: tensor.to(job.device) for name, tensor in {
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
             "position_ids": position_ids,
             "attention_mask": mask.view(1, 1, job.seq_length, job.seq_length),
-        }
+        }.items()}
 
 
 def _forward_step(data_iterator, model, validate: bool = False):
@@ -422,6 +430,8 @@ class TinyGPT:
         torch.manual_seed(job.seed)
         model_parallel_cuda_manual_seed(job.seed)
         config, models = _build_chunks(job)
+        if job.device == "cuda":  # built on the CPU (the same initial weights everywhere), trained on the GPU
+            models = [model.cuda() for model in models]
         # as Megatron-LM does: only the first chunk's gradients are bucketed
         self.chunks = [_wrap_model(job, config, model, bucketing=index == 0)
                        for index, model in enumerate(models)]
@@ -461,9 +471,9 @@ class TinyGPT:
     def step(self) -> StepResult:
         if not self.job.count_host_syncs:
             return self._step()
-        from gradnan.testing.measure import HostSyncCounter
+        from gradnan.testing.measure import CudaSyncCounter, HostSyncCounter
 
-        with HostSyncCounter() as counter:
+        with (CudaSyncCounter() if self.job.device == "cuda" else HostSyncCounter()) as counter:
             outcome = self._step()
         outcome.host_syncs = counter.total
         return outcome
@@ -506,6 +516,16 @@ class TinyGPT:
         outcome = StepResult(step, loss, grad_norm, bool(update_successful))
         self.result.steps.append(outcome)
         return outcome
+
+    def param_digest(self) -> str:
+        """SHA-256 over every parameter's raw bytes, chunk by chunk in name order: equal digests mean the
+        weights are bitwise equal."""
+        digest = hashlib.sha256()
+        for chunk in self.chunks:
+            for name, param in sorted(chunk.named_parameters()):
+                digest.update(name.encode())
+                digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
 
 @contextmanager
@@ -557,13 +577,14 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         finally:
             if model.validation is not None:
                 model.validation.close()
+        model.result.param_digest = model.param_digest()
         return model.result
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:
     number = 0
     try:  # every rank's own error, not only the first the launcher sees (a taken port included)
-        with gloo_process(rank, jobs[0].world_size, port, quiet=jobs[0].quiet):
+        with gloo_process(rank, jobs[0].world_size, port, quiet=jobs[0].quiet, device=jobs[0].device):
             for number, job in enumerate(jobs):
                 result = train(job, rank)
                 path = Path(results_dir) / f"job{number}_rank{rank}.json"
@@ -580,8 +601,8 @@ def launch_many(jobs: List[TinyGPTJob]) -> List[Dict[int, WorkerResult]]:
     import torch.multiprocessing as mp
 
     world_size = jobs[0].world_size
-    if any(job.world_size != world_size for job in jobs):
-        raise ValueError("launch_many needs jobs of one world size")
+    if any((job.world_size, job.device) != (world_size, jobs[0].device) for job in jobs):
+        raise ValueError("launch_many needs jobs of one world size and one device")
     with tempfile.TemporaryDirectory(prefix="gradnan-job-") as scratch:
         try:
             mp.spawn(_worker, args=(jobs, free_port(), scratch), nprocs=world_size, join=True)
