@@ -68,12 +68,14 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 class KitClock:
-    """Time spent inside the kit during a step: every hook runs its work through the runtime's guard
-    (``ErrorGuard``); only the outermost of nested guarded calls is timed. Not the traced forward of an
+    """Host time spent inside the kit during a step: every hook runs its work through the runtime's guard
+    (``ErrorGuard``); only the outermost of nested guarded calls is timed. On CPU that is the kit's whole
+    cost; on a GPU it is what the kit adds to the host's side of the step, the device not waited for (a
+    synchronization there would time the queued training kernels instead). Not the traced forward of an
     armed capture, which runs inside the module: for that mode the step ratio is the figure."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.seconds = device, 0.0
+    def __init__(self) -> None:
+        self.seconds = 0.0
         self._original = ErrorGuard.__call__
         self._depth = 0
 
@@ -83,14 +85,12 @@ class KitClock:
         def timed_guarded(guard, what, fn, *args):
             if clock._depth:
                 return original(guard, what, fn, *args)
-            _sync(clock.device)
             start = time.perf_counter()
             clock._depth += 1
             try:
                 return original(guard, what, fn, *args)
             finally:
                 clock._depth -= 1
-                _sync(clock.device)
                 clock.seconds += time.perf_counter() - start
 
         ErrorGuard.__call__ = timed_guarded
@@ -117,7 +117,7 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
             model.step()
             times[mode].append(_timed(model.step, device))
             if mode in kit_share:
-                with KitClock(device) as clock:
+                with KitClock() as clock:
                     seconds = _timed(model.step, device)
                 kit_share[mode].append(clock.seconds / seconds)
     gradnan.uninstall()

@@ -164,7 +164,7 @@ def test_a_nan_gradient_names_its_rank_parameter_and_element(planted):
     run_dir, outcome = planted["cuda"]["nan_gradient_bf16"]
     [injected] = outcome[0].injected
     record = assert_origin(run_dir, rank=0, step=STEP, param=WEIGHT, value="nan", index=injected["index"],
-                           kind="nonfinite_grad_norm")
+                           kind="pre_reduction")  # the rank's own gradients, read before the norm's record
     assert record["rank"]["device"] == "cuda:0"
     essentials = _essentials(run_dir)
     # one rank, no replica to compare with, and a forward pass that runs clean again: undetermined, backward

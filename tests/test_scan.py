@@ -261,6 +261,29 @@ def test_locate_matches_the_definition_for_every_dtype_and_chunk(tensor, chunk_e
     assert locate(tensor, chunk_elements=chunk_elements) == locate_by_definition(tensor)
 
 
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None)
+@given(tensor=tensors_with_edge_values(), chunk_elements=st.integers(1, 16), slice_bytes=st.integers(1, 64))
+def test_locate_matches_the_definition_however_bad_runs_are_sliced(tensor, chunk_elements, slice_bytes):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan, "EXACT_SLICE_BYTES", slice_bytes)
+        assert locate(tensor, chunk_elements=chunk_elements) == locate_by_definition(tensor)
+
+
+def test_a_nan_spread_through_a_whole_tensor_is_counted_in_a_few_slices_not_per_row(monkeypatch):
+    """4,096 bad rows of 1,024 elements: one 16 MiB slice, not 4,096 sets of kernels (on a GPU each set
+    is a dozen launches: per row, an all-NaN 1B-parameter model took 40 s to scan)."""
+    calls = []
+    counted = scan._slice_stats
+    monkeypatch.setattr(scan, "_slice_stats", lambda piece, start: calls.append(piece.numel())
+                        or counted(piece, start))
+    tensor = torch.full((1 << 22,), NAN)
+    tensor[5] = 2.0
+    found = locate(tensor, chunk_elements=1024)
+    assert (found.nan, found.first_bad, found.abs_max_finite) == ((1 << 22) - 1, 0, 2.0)
+    assert calls == [1 << 22]
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_locate_tells_a_nonfinite_value_from_the_largest_finite_one(dtype, bad):

@@ -12,10 +12,13 @@ Two levels, in the manner of ``torch.nn.utils.clip_grad``:
   on CPU.
 - ``locate``: the exact statistics of one tensor (NaN/Inf counts, first bad element, abs max of the
   finite values): one integer pass over the bit pattern finds the rows holding a NaN or an Inf, the
-  exact counts only for those.
-Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) and the
-scratch size (``scratch_elements_for``: 4 MiB, at most 1/128 of what is scanned), never the size of the
-input; results stay on the device until one host read per level."""
+  exact counts only for those, over runs of consecutive bad rows in slices of ``EXACT_SLICE_BYTES``: a
+  NaN that spread through every gradient costs a few kernels per tensor, not a few per row (on a GPU,
+  kernel launches per row made such a scan of a 1B-parameter model take 40 s).
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), the
+scratch size (``scratch_elements_for``: 4 MiB, at most 1/128 of what is scanned) and, for the exact counts
+of bad rows, ``EXACT_SLICE_BYTES``, never the size of the input; results stay on the device until one
+host read per level."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's ca
 SCRATCH_SHARE = 128  # and is at most 1/128 of what is scanned (the overhead target: under 1% extra memory)
 PACK_BELOW = 1 << 15  # elements: a smaller CPU tensor is copied into a pack, a larger one read where it is
 PACK_ROW = 1024  # elements summed together in a pack: a bad row suspects the one or two tensors it overlaps
+EXACT_SLICE_BYTES = 1 << 24  # 16 MiB of a bad run counted at once (a mask and an abs copy of it at most)
 
 # Row sums over one flat range (a span, a pack), the row length, and which positions ``[low, high)`` covers.
 _Rows = Tuple[torch.Tensor, int, Callable[[int, int], List[int]]]
@@ -250,8 +254,9 @@ class NonFinite:
         return "nan" if self.nan else "inf"
 
 
-def _row_stats(row: torch.Tensor, offset: int) -> torch.Tensor:
-    """NaN, +Inf, -Inf counts, first bad flat index (or a huge value) and finite abs max of one row."""
+def _slice_stats(row: torch.Tensor, offset: int) -> torch.Tensor:
+    """NaN, +Inf, -Inf counts, first bad flat index (or a huge value) and finite abs max of one 1-D slice
+    that starts at flat index ``offset``."""
     finite = torch.isfinite(row)
     bad = ~finite
     first = torch.where(bad.any(), bad.to(torch.uint8).argmax() + offset, torch.iinfo(torch.int64).max)
@@ -271,6 +276,22 @@ def _rows(flat: torch.Tensor, chunk: int) -> List[torch.Tensor]:
     if flat.numel() > full * chunk:
         views.append(flat[full * chunk:].view(1, -1))
     return views
+
+
+def _bad_slices(flat: torch.Tensor, chunk: int, bad_rows: List[int]) -> Iterator[Tuple[torch.Tensor, int]]:
+    """``(slice, its first flat index)`` covering exactly the bad rows: runs of consecutive bad rows, each
+    cut into slices of at most ``EXACT_SLICE_BYTES`` (and never less than one row)."""
+    step = max(chunk, EXACT_SLICE_BYTES // flat.element_size())
+    runs: List[List[int]] = []
+    for row in bad_rows:
+        if runs and runs[-1][1] == row:
+            runs[-1][1] = row + 1
+        else:
+            runs.append([row, row + 1])
+    for first_row, end_row in runs:
+        end = min(end_row * chunk, flat.numel())
+        for start in range(first_row * chunk, end, step):
+            yield flat[start:min(start + step, end)], start
 
 
 def _abs_bits_row_maxima(flat: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -307,7 +328,7 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
         raise TypeError(f"locate: no NaN/Inf scan for {flat.dtype} (only {', '.join(map(str, _BITS))})")
     chunk = chunk_elements or chunk_elements_for(flat.numel())
     if flat.numel() <= chunk:
-        nan, pos_inf, neg_inf, first_bad, abs_max_finite = _row_stats(flat, 0).tolist()
+        nan, pos_inf, neg_inf, first_bad, abs_max_finite = _slice_stats(flat, 0).tolist()
         if nan + pos_inf + neg_inf == 0:
             return None
         return NonFinite(int(nan), int(pos_inf), int(neg_inf), int(first_bad), abs_max_finite)
@@ -317,7 +338,7 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
     bad_rows = [row for row, ok in enumerate(finite.tolist()) if not ok]
     if not bad_rows:
         return None
-    stats = torch.stack([_row_stats(flat[row * chunk:(row + 1) * chunk], row * chunk) for row in bad_rows])
+    stats = torch.stack([_slice_stats(piece, start) for piece, start in _bad_slices(flat, chunk, bad_rows)])
     summary = torch.cat([stats[:, :3].sum(dim=0), stats[:, 3:4].amin(dim=0),
                          torch.maximum(stats[:, 4].amax(), good_abs_max).reshape(1)])
     nan, pos_inf, neg_inf, first_bad, abs_max_finite = summary.tolist()
