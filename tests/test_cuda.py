@@ -29,7 +29,13 @@ from gradnan.testing.gloo import free_port
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 from gradnan.training.scan import find_nonfinite, locate, unravel
 
-from .helpers import assert_origin, environ_without_gradnan, step_trace, weight_digests
+from .helpers import (
+    environ_without_gradnan,
+    map_names,
+    records_by_rank,
+    step_trace,
+    weight_digests,
+)
 from .test_scan import (
     FLOAT_DTYPES,
     found_by_definition,
@@ -163,9 +169,13 @@ def test_a_planted_fault_gets_the_same_answer_on_the_gpu_as_on_the_cpu(planted, 
 def test_a_nan_gradient_names_its_rank_parameter_and_element(planted):
     run_dir, outcome = planted["cuda"]["nan_gradient_bf16"]
     [injected] = outcome[0].injected
-    record = assert_origin(run_dir, rank=0, step=STEP, param=WEIGHT, value="nan", index=injected["index"],
-                           kind="pre_reduction")  # the rank's own gradients, read before the norm's record
-    assert record["rank"]["device"] == "cuda:0"
+    at_step = {record["kind"]: record for record in records_by_rank(run_dir)[0] if record["step"] == STEP}
+    for kind in ("pre_reduction", "nonfinite_grad_norm"):  # the rank's own gradients, then the norm's
+        [found] = at_step[kind]["params"]
+        assert (found["name"], found["first_bad_flat"], found["nan"], found["inf"]) == (
+            WEIGHT, injected["index"], 1, 0)
+    norm = at_step["nonfinite_grad_norm"]
+    assert norm["rank"]["device"] == "cuda:0" and map_names(norm["map"])[norm["params"][0]["id"]] == WEIGHT
     essentials = _essentials(run_dir)
     # one rank, no replica to compare with, and a forward pass that runs clean again: undetermined, backward
     assert essentials["cause"] == "undetermined" and essentials["rerun"] == (None, "backward")

@@ -349,7 +349,9 @@ def _apply_scale_injections(job, rank, step, chunks, result) -> None:
         if param is None:
             raise ValueError(f"no parameter named {injection.target} on this rank")
         with torch.no_grad():
-            param.mul_(injection.number() / param.abs().max().float())
+            # a Python number: a 0-dim CUDA tensor would be cast to the parameter's dtype first (1e6 is
+            # fp16 Inf), where a CPU scalar is applied in float32
+            param.mul_(injection.number() / float(param.abs().max()))
             main = getattr(param, "main_param", None)  # the fp32 copy a Float16 optimizer steps
             if main is not None and main.shape == param.shape:
                 main.copy_(param.float())
