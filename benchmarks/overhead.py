@@ -258,6 +258,8 @@ def main() -> None:
     parser.add_argument("--scan-reps", type=int, default=15)
     parser.add_argument("--dtype", default=None, help="fp32 on CPU, bf16 on GPU by default")
     parser.add_argument("--json", default="benchmark-overhead.json")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="micro-batches per step (gradient accumulation): the checks run once a step")
     parser.add_argument("--incident", type=int, default=0, metavar="REPS",
                         help="also time the failing step without and with the kit, REPS times each")
     args = parser.parse_args()
@@ -269,11 +271,11 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
-        "dtype": dtype, "sizes": {}}
+        "dtype": dtype, "micro_batches": args.micro_batches, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="gradnan-bench-") as out_dir:
         for size in args.sizes.split(","):
             job = TinyGPTJob(world_size=1, dtype=dtype, device=device.type, bucket_size=1_000_000,
-                             **SIZES[size])
+                             micro_batches=args.micro_batches, **SIZES[size])
             model = TinyGPT(job, 0)
             model.step()
             entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
