@@ -32,6 +32,7 @@ from .events import (
     RerunnableStep,
 )
 from .forward import ForwardWatch
+from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
@@ -52,7 +53,9 @@ class Runtime:
                                        self.named_modules, self.module_hooking)
         self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded,
                                self.named_modules, self.window.recording, self.module_hooking)
-        self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected)
+        self.health = DeviceHealth()
+        self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected,
+                                     self.health)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
                                     self.module_hooking)
         self.norms = PendingNorms()
@@ -99,6 +102,8 @@ class Runtime:
             return
         self.clock.add(optimizer)
         self.writer.remember_coords()
+        if self.config.detect:
+            self.guarded("device health", self.health.start, str(self.writer.coords().get("device")))
         if self.config.maps:
             built = slots()
             state.map_file = self.writer.write_map(state.index, type(optimizer).__name__, built)
