@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .layout import step_label
 from .magnitude import LIMIT_MARGIN, magnitude_text
 
 
@@ -398,3 +399,27 @@ def health_line(values: Mapping[str, Any], unread: Mapping[str, str]) -> str:
     if unread:
         parts.append("not read: " + ", ".join(f"{key} ({reason})" for key, reason in unread.items()))
     return "; ".join(parts)
+
+
+def failing_step_headline(step: int, iteration: Optional[int], kinds) -> str:
+    """The failing step as the report's first line names it, and as TensorBoard shows it at training time."""
+    megatron = f", Megatron iteration {iteration}" if iteration else ""
+    return f"First failing step: {step}{megatron}  ({', '.join(kinds)})"
+
+
+def board_text(headline: str, step: int, iteration: Optional[int], conclusion: Optional[Conclusion],
+               origin_rank: Optional[int], micro_batch: Optional[int], rank: Any,
+               record: Optional[Mapping[str, Any]], out_dir: str) -> str:
+    """The incident as TensorBoard shows it at its iteration (markdown, a paragraph a line), from what the
+    rank that writes it knows: the failing step, its replica's rerun (the report's wording), its own
+    non-finite gradients, and where the job's verdict is (the report reads every rank's files)."""
+    lines = [headline]
+    if conclusion is not None:
+        origin = f", forward origin on rank {origin_rank}" if origin_rank is not None else ""
+        batch = f", micro-batch {micro_batch}" if micro_batch is not None else ""
+        lines.append(f"Rerun of {step_label(step, iteration)} in place: {conclusion.headline}{origin}{batch}"
+                     f" (the data-parallel replica of rank {rank})")
+    if record is not None:
+        lines.append(f"Rank {rank}: {record['params_total']} parameter(s) with non-finite gradients")
+    lines.append(f"The verdict, from every rank's records: gradnan report {out_dir}")
+    return "\n\n".join(lines)

@@ -8,7 +8,14 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.incident import Conclusion, RecordKind, describe_largest, growth_path, health_line
+from ..formats.incident import (
+    Conclusion,
+    RecordKind,
+    describe_largest,
+    failing_step_headline,
+    growth_path,
+    health_line,
+)
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from ..formats.text import printable_lines, shell_word
@@ -238,8 +245,7 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
 
 def step_headline(incident: Incident) -> str:
     """The failing step as the report's first line names it (the text and the plot)."""
-    iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
-    return f"First failing step: {incident.step}{iteration}  ({', '.join(incident.kinds)})"
+    return failing_step_headline(incident.step, incident.iteration, incident.kinds)
 
 
 def verdict_headline(incident: Incident) -> str:

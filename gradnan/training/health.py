@@ -6,7 +6,8 @@ or against a device fault, read on the device itself when the fault is fresh.
 Nothing here runs on a healthy step: the device is found and its XID events are subscribed to once, when
 the optimizer is built; the counters are read only when an incident record is written (once per step, at
 most ``MAX_READ_STEPS`` steps a run). NVML is optional: where it cannot be imported, cannot start, or runs
-no device for this process, no field is written and the log says why once. Each value NVML refuses (not
+no device for this process, no field is written and the log says why once per node, at the first
+incident. Each value NVML refuses (not
 supported, no permission, a driver error) is named in ``unread`` with NVML's reason: a read never raises
 into training.
 """
@@ -14,6 +15,7 @@ into training.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -104,18 +106,19 @@ class DeviceHealth:
         self._xids: List[int] = []
         self._events_unread: Optional[str] = None
         self._read: Dict[int, Optional[Dict[str, Any]]] = {}
+        self._unavailable: Optional[str] = None
+        self._local_rank = 0
 
-    def start(self, device: str) -> None:
+    def start(self, device: str, local_rank: int) -> None:
         """Find this process's device in NVML and subscribe to its XID errors; once. ``device``: the rank's
         device as its records name it (``cuda:N``; ``cpu``)."""
         if self._started:
             return
         self._started = True
-        unavailable = self._open(device)
-        if unavailable is not None:
+        self._local_rank = local_rank
+        self._unavailable = self._open(device)
+        if self._unavailable is not None:
             self._nvml = None
-            logger.info("device health is not read at incidents (%s); records carry no 'device_health'",
-                        unavailable)
 
     def _open(self, device: str) -> Optional[str]:
         """Why NVML cannot report on this process's device, or None once it can."""
@@ -186,10 +189,20 @@ class DeviceHealth:
         """The record's ``device_health`` at ``step`` (read once per step, for the first
         ``MAX_READ_STEPS`` steps asked); None without NVML."""
         if self._nvml is None:
+            self._say_unavailable()
             return None
         if step not in self._read:
             self._read[step] = self._reading() if len(self._read) < MAX_READ_STEPS else None
         return self._read[step]
+
+    def _say_unavailable(self) -> None:
+        """Why no reading, at the first incident: at INFO once per node (NVML is the node's: its driver, its
+        Python environment), at DEBUG on the node's other ranks."""
+        if self._unavailable is not None:
+            logger.log(logging.INFO if self._local_rank == 0 else logging.DEBUG,
+                       "device health not read at this incident (%s): the records carry no 'device_health'",
+                       self._unavailable)
+            self._unavailable = None
 
     def _reading(self) -> Dict[str, Any]:
         values, unread = read_health(self._nvml, self._handle)
