@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import json
 import math
@@ -100,6 +101,10 @@ class TinyGPTJob:
     # None: no state machine, no loss check. "disabled" raises at a NaN loss; "validate_results" runs the
     # step again in place, then the job checkpoints and exits (here: stops training) before the update
     rerun_mode: Optional[str] = None
+    # "module:function", called as function(job, rank) in each job process before the model is built: what
+    # a test puts in place there that a CI machine lacks (a stand-in for pynvml, Megatron-LM's TensorBoard
+    # writer where Megatron-LM's loop would hold it)
+    prepare: Optional[str] = None
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -544,6 +549,9 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
 
+    if job.prepare:
+        module, _, function = job.prepare.partition(":")
+        getattr(importlib.import_module(module), function)(job, rank)
     with one_job(), ExitStack() as stack:
         if job.norm_as_tensor:
             stack.enter_context(_grad_norm_as_tensor())
