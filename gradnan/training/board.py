@@ -63,9 +63,12 @@ class IncidentBoard:
     def writers(self) -> List[Any]:
         return [writer for writer in (self._facts.tensorboard(), self._own_writer()) if writer is not None]
 
-    def incident(self, outcome: Optional[RerunOutcome], record: Optional[Dict[str, Any]]) -> None:
+    def incident(self, outcome: Optional[RerunOutcome], record: Optional[Dict[str, Any]],
+                 pre_reduction: Optional[str]) -> None:
         """The run's first incident (later ones are its aftermath): ``outcome``, what the rerun concluded
-        (None: it did not run); ``record``, this rank's incident record (None: it wrote none)."""
+        (None: it did not run); ``record``, this rank's incident record (None: it wrote none);
+        ``pre_reduction``, this rank's own gradients before the data-parallel collective (its
+        ``pre_reduction`` records of the step, where "nonfinite" or "overflow")."""
         if self.done:
             return
         self.done = True
@@ -74,7 +77,9 @@ class IncidentBoard:
             return
         step = record["step"] if record is not None else self._clock.current()
         iteration = self._facts.iteration()
-        kinds = (record["kind"],) if record is not None else (RecordKind.RERUN.value,)
+        kinds = tuple(sorted({record["kind"]} | ({RecordKind.PRE_REDUCTION.value}
+                                                 if pre_reduction in ("nonfinite", "overflow") else set()))
+                      ) if record is not None else (RecordKind.RERUN.value,)
         text = board_text(failing_step_headline(step, iteration, kinds), step, iteration,
                           None if outcome is None else outcome.conclusion,
                           None if outcome is None else outcome.origin_rank,

@@ -209,7 +209,8 @@ class Runtime:
                          self.detections.last_at_norm)
         else:
             self.rerun.too_late(trigger)
-        self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record)
+        self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record,
+                     self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
 
