@@ -11,6 +11,8 @@ import types
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
 
 from gradnan.formats.incident import Conclusion
 from gradnan.offline.analysis import analyze
@@ -19,10 +21,6 @@ from gradnan.offline.report import step_headline
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank
-
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.util.tensor_util import make_ndarray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -77,13 +77,14 @@ class IncidentBoard:
             return
         step = record["step"] if record is not None else self._clock.current()
         iteration = self._facts.iteration()
-        kinds = tuple(sorted({record["kind"]} | ({RecordKind.PRE_REDUCTION.value}
-                                                 if pre_reduction in ("nonfinite", "overflow") else set()))
-                      ) if record is not None else (RecordKind.RERUN.value,)
-        text = board_text(failing_step_headline(step, iteration, kinds), step, iteration,
-                          None if outcome is None else outcome.conclusion,
-                          None if outcome is None else outcome.origin_rank,
-                          None if outcome is None else outcome.micro_batch,
+        kinds = {record["kind"]} if record is not None else set()
+        if pre_reduction in ("nonfinite", "overflow"):
+            kinds.add(RecordKind.PRE_REDUCTION.value)
+        headline = failing_step_headline(step, iteration, sorted(kinds) or [RecordKind.RERUN.value])
+        conclusion, origin_rank, micro_batch = (
+            (None, None, None) if outcome is None
+            else (outcome.conclusion, outcome.origin_rank, outcome.micro_batch))
+        text = board_text(headline, step, iteration, conclusion, origin_rank, micro_batch,
                           self._writer.coords().get("global_rank"), record, self.config.out_dir)
         at = iteration if iteration is not None else step
         for board in writers:
@@ -91,8 +92,8 @@ class IncidentBoard:
             for tag, value in board_scalars(outcome, record).items():
                 board.add_scalar(tag, value, at)
             board.flush()
-        logger.info("the incident is in TensorBoard at %s (%s)", "iteration" if iteration is not None
-                    else "step", at)
+        logger.info("the incident is in TensorBoard at %s %d",
+                    "iteration" if iteration is not None else "step", at)
 
     def close(self) -> None:
         if self._own is not None:
