@@ -355,15 +355,22 @@ _FLAGGED_SIGNS = (
 )
 
 
+def _listed(values: Mapping[str, Any], key: str) -> list:
+    """A list value of a reading (a file may hold anything a reader let through: a list of integers or
+    text, or something else, read as none)."""
+    value = values.get(key)
+    return value if isinstance(value, list) else []
+
+
 def health_signs(values: Mapping[str, Any]) -> Tuple[str, ...]:
     """What in NVML's reading of a device points at the device: XID errors, uncorrected ECC errors,
     retired or remapped memory, pending or failed repairs, clocks throttled by the hardware."""
-    signs = [f"XID error(s) {', '.join(str(xid) for xid in values['xid_errors'])}"] \
-        if values.get("xid_errors") else []
+    xids = _listed(values, "xid_errors")
+    signs = [f"XID error(s) {', '.join(str(xid) for xid in xids)}"] if xids else []
     signs += [words.format(n=values[key]) for key, words in _COUNTED_SIGNS
-              if isinstance(values.get(key), int) and values[key] > 0]
+              if type(values.get(key)) is int and values[key] > 0]
     signs += [words for key, words in _FLAGGED_SIGNS if values.get(key) is True]
-    throttled = [reason for reason in values.get("throttle_reasons") or () if reason in _HARDWARE_THROTTLE]
+    throttled = [reason for reason in _listed(values, "throttle_reasons") if reason in _HARDWARE_THROTTLE]
     if throttled:
         signs.append(f"clocks throttled by the hardware ({', '.join(throttled)})")
     return tuple(signs)
@@ -378,7 +385,7 @@ def health_evidence(where: str, signs: Tuple[str, ...], unread: int) -> str:
             f" memory or hardware throttling{partly}")
 
 
-_HEALTH_UNITS = (("temperature_c", "{} C"), ("power_w", "{:g} W"), ("sm_clock_mhz", "SM {} MHz"),
+_HEALTH_UNITS = (("temperature_c", "{} C"), ("power_w", "{} W"), ("sm_clock_mhz", "SM {} MHz"),
                  ("mem_clock_mhz", "memory {} MHz"))
 
 
@@ -386,16 +393,15 @@ def health_line(values: Mapping[str, Any], unread: Mapping[str, str]) -> str:
     """NVML's reading as the report prints it beside the device to drain, every value NVML gave."""
     parts = [unit.format(values[key]) for key, unit in _HEALTH_UNITS if key in values]
     if "throttle_reasons" in values:
-        parts.append(f"throttle: {', '.join(values['throttle_reasons']) or 'none'}")
+        parts.append(f"throttle: {', '.join(map(str, _listed(values, 'throttle_reasons'))) or 'none'}")
     ecc = [f"{key.removeprefix('ecc_').replace('_', ' ')} {values[key]}" for key in values
            if key.startswith("ecc_")]
     if ecc:
         parts.append("ECC " + ", ".join(ecc))
-    memory = [f"{key.replace('_', ' ')} {values[key]}" for key in values
+    parts += [f"{key.replace('_', ' ')} {values[key]}" for key in values
               if key.startswith(("retired_pages_", "remapped_rows_"))]
-    parts += memory
     if "xid_errors" in values:
-        parts.append(f"XID: {', '.join(str(xid) for xid in values['xid_errors']) or 'none'}")
+        parts.append(f"XID: {', '.join(map(str, _listed(values, 'xid_errors'))) or 'none'}")
     if unread:
         parts.append("not read: " + ", ".join(f"{key} ({reason})" for key, reason in unread.items()))
     return "; ".join(parts)
