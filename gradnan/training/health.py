@@ -96,8 +96,7 @@ def _text(value: Any) -> str:
 class DeviceHealth:
     """This process's GPU in NVML, found once (``start``), read at incidents (``at``)."""
 
-    def __init__(self, import_nvml: Callable[[], Any] = lambda: importlib.import_module("pynvml")) -> None:
-        self._import_nvml = import_nvml
+    def __init__(self) -> None:
         self._started = False
         self._nvml: Any = None
         self._handle: Any = None
@@ -123,7 +122,7 @@ class DeviceHealth:
     def _open(self, device: str) -> Optional[str]:
         """Why NVML cannot report on this process's device, or None once it can."""
         try:
-            nvml = self._import_nvml()
+            nvml = importlib.import_module("pynvml")
         except ImportError:
             return "pynvml is not importable: pip install nvidia-ml-py"
         try:
