@@ -201,16 +201,18 @@ class Runtime:
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
                   megatron: Optional[MegatronRerun] = None, record: Optional[Dict[str, Any]] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
-        the run's first incident goes to TensorBoard where a writer is (``record``: this rank's record of
-        it); then the run stops if asked to. A norm read after its step (one Megatron returned as a device
-        tensor) comes after the update: that step can no longer be run again as it was."""
+        the run's first incident goes to TensorBoard where a writer is and this rank records (``record``:
+        its record of it); then the run stops if asked to. A norm read after its step (one Megatron
+        returned as a device tensor) comes after the update: that step can no longer be run again as it
+        was."""
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
                          self.detections.last_at_norm)
         else:
             self.rerun.too_late(trigger)
-        self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record,
-                     self.detections.last_pre_reduction)
+        if self.window.recording():
+            self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record,
+                         self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
 
