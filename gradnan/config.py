@@ -208,6 +208,11 @@ class GradnanConfig:
     max_batch_bytes: int = 64 << 20
     """The failing micro-batch's tensors are kept by the rerun up to this size."""
 
+    tensorboard_dir: str = ""
+    """Where gradnan writes the run's first incident for TensorBoard (on the last rank), besides
+    Megatron-LM's own writer (``--tensorboard-dir``), which it uses whenever one exists; empty: none of
+    its own."""
+
     ranks: str = ""
     """Global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all. Maps are
     written on every rank (the report needs them to name receivers)."""

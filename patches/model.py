@@ -164,6 +164,13 @@ def megatron_lm_iteration() -> Optional[int]:
     return iteration + 1 if isinstance(iteration, int) and not isinstance(iteration, bool) else None
 
 
+def megatron_lm_tensorboard() -> Optional[object]:
+    """Megatron-LM's TensorBoard writer (``--tensorboard-dir``; it makes one on the last rank), when its
+    training loop runs in this process; None otherwise. Never imports Megatron-LM."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+
+
 def versions() -> Dict[str, Optional[str]]:
     megatron = megatron_version()
     return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}
@@ -195,4 +202,4 @@ def destroy_model_parallel() -> None:
 
 MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
                             named_modules=global_named_modules, observed_grad=model_grad,
-                            param_facts=tensor_parallel_facts)
+                            param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard)

@@ -35,6 +35,7 @@ def test_defaults_match_the_documented_values():
         "max_bundle_bytes": 256 << 20,
         "rerun": "auto",
         "max_batch_bytes": 64 << 20,
+        "tensorboard_dir": "",
         "ranks": "",
         "steps": "",
         "modules": "",

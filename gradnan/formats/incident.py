@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .layout import step_label
 from .magnitude import LIMIT_MARGIN, magnitude_text
 
 
@@ -336,3 +337,95 @@ def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optiona
 def values(enum_type: type) -> Tuple[str, ...]:
     """The strings a file may carry for ``enum_type``, in declaration order."""
     return tuple(member.value for member in enum_type)
+
+
+# NVML's reading of a device at an incident (a record's ``device_health``): what in it points at the
+# device itself. Hardware throttling is a sign; software caps (power, thermal) and idling are not.
+_HARDWARE_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+_COUNTED_SIGNS = (
+    ("ecc_volatile_uncorrected", "{n} uncorrected ECC error(s) since the driver loaded"),
+    ("ecc_aggregate_uncorrected", "{n} uncorrected ECC error(s) in the device's lifetime"),
+    ("retired_pages_double_bit", "{n} page(s) retired for double-bit ECC errors"),
+    ("remapped_rows_uncorrectable", "{n} memory row(s) remapped for uncorrectable errors"),
+)
+_FLAGGED_SIGNS = (
+    ("retired_pages_pending", "a page retirement pending (it takes effect at the device's next reset)"),
+    ("remapped_rows_pending", "a row remapping pending (it takes effect at the device's next reset)"),
+    ("remapped_rows_failed", "a row remapping failed"),
+)
+
+
+def _listed(values: Mapping[str, Any], key: str) -> list:
+    """A list value of a reading (a file may hold anything a reader let through: a list of integers or
+    text, or something else, read as none)."""
+    value = values.get(key)
+    return value if isinstance(value, list) else []
+
+
+def health_signs(values: Mapping[str, Any]) -> Tuple[str, ...]:
+    """What in NVML's reading of a device points at the device: XID errors, uncorrected ECC errors,
+    retired or remapped memory, pending or failed repairs, clocks throttled by the hardware."""
+    xids = _listed(values, "xid_errors")
+    signs = [f"XID error(s) {', '.join(str(xid) for xid in xids)}"] if xids else []
+    signs += [words.format(n=values[key]) for key, words in _COUNTED_SIGNS
+              if type(values.get(key)) is int and values[key] > 0]
+    signs += [words for key, words in _FLAGGED_SIGNS if values.get(key) is True]
+    throttled = [reason for reason in _listed(values, "throttle_reasons") if reason in _HARDWARE_THROTTLE]
+    if throttled:
+        signs.append(f"clocks throttled by the hardware ({', '.join(throttled)})")
+    return tuple(signs)
+
+
+def health_evidence(where: str, signs: Tuple[str, ...], unread: int) -> str:
+    """A verdict's evidence line from NVML's reading of an origin device (``where``: host, device, rank)."""
+    if signs:
+        return f"NVML at the incident on {where}: {'; '.join(signs)}: signs of a device fault"
+    partly = f" (in what it could read; {unread} value(s) not read)" if unread else ""
+    return (f"NVML at the incident on {where}: no XID error, uncorrected ECC error, retired or remapped"
+            f" memory or hardware throttling{partly}")
+
+
+_HEALTH_UNITS = (("temperature_c", "{} C"), ("power_w", "{} W"), ("sm_clock_mhz", "SM {} MHz"),
+                 ("mem_clock_mhz", "memory {} MHz"))
+
+
+def health_line(values: Mapping[str, Any], unread: Mapping[str, str]) -> str:
+    """NVML's reading as the report prints it beside the device to drain, every value NVML gave."""
+    parts = [unit.format(values[key]) for key, unit in _HEALTH_UNITS if key in values]
+    if "throttle_reasons" in values:
+        parts.append(f"throttle: {', '.join(map(str, _listed(values, 'throttle_reasons'))) or 'none'}")
+    ecc = [f"{key.removeprefix('ecc_').replace('_', ' ')} {values[key]}" for key in values
+           if key.startswith("ecc_")]
+    if ecc:
+        parts.append("ECC " + ", ".join(ecc))
+    parts += [f"{key.replace('_', ' ')} {values[key]}" for key in values
+              if key.startswith(("retired_pages_", "remapped_rows_"))]
+    if "xid_errors" in values:
+        parts.append(f"XID: {', '.join(map(str, _listed(values, 'xid_errors'))) or 'none'}")
+    if unread:
+        parts.append("not read: " + ", ".join(f"{key} ({reason})" for key, reason in unread.items()))
+    return "; ".join(parts)
+
+
+def failing_step_headline(step: int, iteration: Optional[int], kinds) -> str:
+    """The failing step as the report's first line names it, and as TensorBoard shows it at training time."""
+    megatron = f", Megatron iteration {iteration}" if iteration else ""
+    return f"First failing step: {step}{megatron}  ({', '.join(kinds)})"
+
+
+def board_text(headline: str, step: int, iteration: Optional[int], conclusion: Optional[Conclusion],
+               origin_rank: Optional[int], micro_batch: Optional[int], rank: Any,
+               record: Optional[Mapping[str, Any]], out_dir: str) -> str:
+    """The incident as TensorBoard shows it at its iteration (markdown, a paragraph a line), from what the
+    rank that writes it knows: the failing step, its replica's rerun (the report's wording), its own
+    non-finite gradients, and where the job's verdict is (the report reads every rank's files)."""
+    lines = [headline]
+    if conclusion is not None:
+        origin = f", forward origin on rank {origin_rank}" if origin_rank is not None else ""
+        batch = f", micro-batch {micro_batch}" if micro_batch is not None else ""
+        lines.append(f"Rerun of {step_label(step, iteration)} in place: {conclusion.headline}{origin}{batch}"
+                     f" (the data-parallel replica of rank {rank})")
+    if record is not None:
+        lines.append(f"Rank {rank}: {record['params_total']} parameter(s) with non-finite gradients")
+    lines.append(f"The verdict, from every rank's records: gradnan report {out_dir}")
+    return "\n\n".join(lines)

@@ -85,6 +85,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
                          " booleans")
     check_run(record.get("run"), where)
     _check_largest(record.get("largest_grad"), where)
+    if not optional(record.get("device_health"), is_device_health):
+        raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
+                         " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
     for key in ("kind", "pre_reduction", "mode", "map"):
         if not optional(record.get(key), is_text):
             raise InputError(f"{where}: '{key}' must be text")
@@ -109,6 +112,25 @@ def _check_largest(largest: Any, where: str) -> None:
             and isinstance(largest.get("overflows"), bool)):
         raise InputError(f"{where}: 'largest_grad' needs a text 'name', a numeric 'value', an 'index' list of"
                          " integers and a boolean 'overflows'")
+
+
+def _is_health_value(value: Any) -> bool:
+    return isinstance(value, bool) or is_finite(value) or (
+        isinstance(value, list) and all(is_int(item) or is_text(item) for item in value))
+
+
+def is_device_health(health: Any) -> bool:
+    """An incident record's ``device_health`` (optional, added in place): NVML's reading of the rank's
+    device at the incident. The report prints its values: each must be a plain number, a boolean or a
+    list of integers or text, named by text."""
+    if not (isinstance(health, dict) and is_text(health.get("source"))
+            and all(isinstance(health.get(key), dict) for key in ("device", "values", "unread"))):
+        return False
+    device, values, unread = health["device"], health["values"], health["unread"]
+    return (optional(device.get("index"), is_int) and all(optional(device.get(key), is_text)
+                                                          for key in ("name", "uuid"))
+            and all(is_text(name) and _is_health_value(value) for name, value in values.items())
+            and all(is_text(name) and is_text(reason) for name, reason in unread.items()))
 
 
 def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:

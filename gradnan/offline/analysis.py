@@ -33,6 +33,8 @@ from ..formats.incident import (
     OwnFailure,
     RecordKind,
     RerunRole,
+    health_evidence,
+    health_signs,
     norm_overflow_summary,
     rejected_loss_summary,
     values,
@@ -135,17 +137,37 @@ class RerunFinding:
 
 
 @dataclass(frozen=True)
+class HealthReading:
+    """NVML's reading of an origin rank's device at the failing step (its record's ``device_health``), and
+    what in it points at the device (``signs``, ``formats.incident.health_signs``)."""
+
+    rank: View
+    nvml_device: Dict[str, Any]
+    values: Dict[str, Any]
+    unread: Dict[str, str]
+    signs: Tuple[str, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {**self.rank, "nvml_device": self.nvml_device, "values": self.values, "unread": self.unread,
+                "signs": list(self.signs)}
+
+
+@dataclass(frozen=True)
 class NextStep:
     """One thing to do about the verdict: what and why (``text``), and what to type (``command``, an
-    argument list, or the option to add; None where there is nothing to type)."""
+    argument list, or the option to add; None where there is nothing to type). A device to drain carries
+    NVML's readings of it at the incident (``health``), where its ranks' records hold them."""
 
     action: Action
     text: str
     command: Optional[Tuple[str, ...]] = None
+    health: Tuple[HealthReading, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
+        drained = {"health": [reading.to_json() for reading in self.health]} if self.action is Action.DRAIN \
+            else {}
         return {"action": self.action.value, "text": self.text,
-                "command": None if self.command is None else list(self.command)}
+                "command": None if self.command is None else list(self.command), **drained}
 
 
 @dataclass(frozen=True)
@@ -165,6 +187,7 @@ class Incident:
     rerun: Optional[RerunFinding]
     capture_settings: Optional[Dict[str, str]]  # GRADNAN_CAPTURE_* to capture it on a rerun from a checkpoint
     next_steps: Tuple[NextStep, ...] = ()
+    health: Tuple[HealthReading, ...] = ()  # the origin devices' NVML readings at the step, where recorded
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "iteration": self.iteration, "kinds": list(self.kinds),
@@ -173,7 +196,8 @@ class Incident:
                 "parameters": list(self.parameters), "pattern": self.pattern.to_json(),
                 "verdict": self.verdict.to_json(),
                 "rerun": None if self.rerun is None else self.rerun.to_json(),
-                "next": [step.to_json() for step in self.next_steps]}
+                "next": [step.to_json() for step in self.next_steps],
+                "health": [reading.to_json() for reading in self.health]}
 
 
 @dataclass(frozen=True)
@@ -521,11 +545,32 @@ def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any
     return evidence
 
 
+def health_readings(at_step: Sequence[Dict[str, Any]], origin: Sequence[View]) -> List[HealthReading]:
+    """NVML's reading of each origin rank's device at the failing step: the first of its records there
+    that carries one (a rank reads its device once per step)."""
+    readings: Dict[Any, HealthReading] = {}
+    ranks = {entry["global_rank"] for entry in origin}
+    for record in at_step:
+        rank, health = record["rank"].get("global_rank"), record.get("device_health")
+        if health is not None and rank in ranks and rank not in readings:
+            readings[rank] = HealthReading(rank_view(record["rank"]), health["device"], health["values"],
+                                           health["unread"], health_signs(health["values"]))
+    return [readings[rank] for rank in sorted(readings)]
+
+
+def _health_evidence(readings: Sequence[HealthReading]) -> List[str]:
+    """What NVML said of the origin's devices at the incident."""
+    return [health_evidence(f"{reading.rank.get('host')} {reading.rank.get('device')} (rank"
+                            f" {reading.rank['global_rank']})", reading.signs, len(reading.unread))
+            for reading in readings]
+
+
 def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
-                    selftests: Sequence[Dict[str, Any]]) -> Verdict:
+                    selftests: Sequence[Dict[str, Any]], health: Sequence[HealthReading] = ()) -> Verdict:
     """The verdict, from all the evidence at once. The rerun's conclusion outranks the pattern-based
     reading where it decides (it saw the same step again); the reading then stays as one line of
-    evidence. The self-tests of the (final) origin's devices are added as evidence."""
+    evidence. The self-tests of the (final) origin's devices, and NVML's readings of them at the
+    incident, are added as evidence."""
     decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
                                                                   rerun.micro_batch, rerun.own_failure,
                                                                   rerun.grew_in)
@@ -539,7 +584,8 @@ def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Seq
         cause, summary, evidence = reading.cause, reading.summary, list(reading.evidence)
         if rerun is not None and rerun.conclusion.evidence:
             evidence.insert(0, rerun.conclusion.evidence)
-    return Verdict(cause, summary, tuple(evidence + _selftest_evidence(origin, selftests)))
+    return Verdict(cause, summary, tuple(evidence + _selftest_evidence(origin, selftests)
+                                         + _health_evidence(health)))
 
 
 def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
@@ -558,10 +604,12 @@ MAX_DRAINED = 8  # devices named to drain, at most (a hardware verdict names one
 
 
 def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
-                iteration: Optional[int], ranks: Dict[int, Dict[str, Any]], run_dir: str) -> List[NextStep]:
-    """What the verdict calls for: for a device, drain each origin device and self-test each of their
-    nodes (one process per rank the job ran there); for data that fails again in place where
-    Megatron-LM's loop runs, the option that skips its iteration on restart."""
+                iteration: Optional[int], ranks: Dict[int, Dict[str, Any]], run_dir: str,
+                health: Sequence[HealthReading] = ()) -> List[NextStep]:
+    """What the verdict calls for: for a device, drain each origin device (with NVML's readings of it at
+    the incident) and self-test each of their nodes (one process per rank the job ran there); for data
+    that fails again in place where Megatron-LM's loop runs, the option that skips its iteration on
+    restart."""
     steps: List[NextStep] = []
     if verdict.cause is Cause.HARDWARE:
         devices = list(dict.fromkeys((entry.get("host"), entry.get("device")) for entry in origin))
@@ -569,7 +617,8 @@ def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequenc
             named = [entry["global_rank"] for entry in origin if (entry.get("host"), entry.get("device"))
                      == (host, device)]
             steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
-                f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})")))
+                f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
+                health=tuple(reading for reading in health if reading.rank["global_rank"] in named)))
         for host in dict.fromkeys(host for host, _ in devices[:MAX_DRAINED]):
             processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
             steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
@@ -619,7 +668,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     if losses and not gradient_origin:
         basis, origin, reading = _rejected_losses(losses, rerun)
-    verdict = _decide_verdict(reading, rerun, origin, selftests)
+    health = health_readings(at_step, origin)
+    verdict = _decide_verdict(reading, rerun, origin, selftests, health)
     return Incident(
         step=step, iteration=iteration,
         kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,), origin_basis=basis,
@@ -628,7 +678,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
         verdict=verdict, rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration),
-        next_steps=tuple(_next_steps(verdict, rerun, origin, iteration, ranks, str(files.run_dir))))
+        next_steps=tuple(_next_steps(verdict, rerun, origin, iteration, ranks, str(files.run_dir), health)),
+        health=tuple(health))
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

@@ -8,7 +8,14 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.incident import Conclusion, RecordKind, describe_largest, growth_path
+from ..formats.incident import (
+    Conclusion,
+    RecordKind,
+    describe_largest,
+    failing_step_headline,
+    growth_path,
+    health_line,
+)
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
 from ..formats.text import printable_lines, shell_word
@@ -238,8 +245,7 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
 
 def step_headline(incident: Incident) -> str:
     """The failing step as the report's first line names it (the text and the plot)."""
-    iteration = f", Megatron iteration {incident.iteration}" if incident.iteration else ""
-    return f"First failing step: {incident.step}{iteration}  ({', '.join(incident.kinds)})"
+    return failing_step_headline(incident.step, incident.iteration, incident.kinds)
 
 
 def verdict_headline(incident: Incident) -> str:
@@ -261,6 +267,10 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
                                    subsequent_indent="     ")
             if step.command:
                 lines.append(f"     {' '.join(map(shell_word, step.command))}")  # whole, on its own line
+            for reading in step.health:
+                lines += textwrap.wrap(f"NVML at the incident (rank {reading.rank['global_rank']}): "
+                                       + health_line(reading.values, reading.unread), WIDTH,
+                                       initial_indent="     ", subsequent_indent="       ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
     lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -104,6 +105,10 @@ class TinyGPTJob:
     rerun_mode: Optional[str] = None
     # "cpu": gloo and the CPU shim; "cuda": NCCL and one real GPU per rank (the GPU machine's tests)
     device: str = "cpu"
+    # "module:function", called as function(job, rank) in each job process before the model is built: what
+    # a test puts in place there that a CI machine lacks (a stand-in for pynvml, Megatron-LM's TensorBoard
+    # writer where Megatron-LM's loop would hold it)
+    prepare: Optional[str] = None
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -566,6 +571,9 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
 
+    if job.prepare:
+        module, _, function = job.prepare.partition(":")
+        getattr(importlib.import_module(module), function)(job, rank)
     with one_job(), ExitStack() as stack:
         if job.norm_as_tensor:
             stack.enter_context(_grad_norm_as_tensor())

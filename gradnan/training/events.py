@@ -38,6 +38,10 @@ def _no_iteration() -> Optional[int]:
     return None
 
 
+def _no_tensorboard() -> Optional[Any]:
+    return None
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """coords: this rank's global rank, world size, parallel coordinates, host and device.
@@ -45,7 +49,8 @@ class ModelFacts:
     iteration: the training loop's own iteration for the step in progress (Megatron-LM's), or None.
     named_modules: every module of the model chunks with its global name.
     observed_grad: a parameter's gradient as the optimizer sees it (Megatron's ``main_grad``).
-    param_facts: what a parameter is beyond its shape (its tensor-parallel partition)."""
+    param_facts: what a parameter is beyond its shape (its tensor-parallel partition).
+    tensorboard: the training loop's own TensorBoard writer on this rank (Megatron-LM's), or None."""
 
     coords: Callable[[], Dict[str, Any]]
     versions: Callable[[], Dict[str, Any]]
@@ -53,6 +58,7 @@ class ModelFacts:
     named_modules: Callable[[Sequence[torch.nn.Module]], NamedModules] = _no_modules
     observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = _plain_grad
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
+    tensorboard: Callable[[], Optional[Any]] = _no_tensorboard
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
 from .events import DescribeBuckets, Grads
+from .health import DeviceHealth
 from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params
 from .writer import Writer
@@ -42,10 +43,12 @@ class OptimizerState:
 
 class Detections:
     def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
-                 rerun_expected: Callable[[], bool]) -> None:
+                 rerun_expected: Callable[[], bool], health: DeviceHealth) -> None:
         """``rerun_expected()``: the failing step will be run again in place (``rerun``), which finds a
-        forward origin better than watching later steps."""
+        forward origin better than watching later steps. ``health``: the device's health, read into the
+        records of an incident (never of a routine fp16 overflow)."""
         self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
+        self._health = health
         self._rerun_expected = rerun_expected
         self._lock = threading.Lock()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerState]" = weakref.WeakKeyDictionary()
@@ -142,7 +145,8 @@ class Detections:
                  "micro_batch": None}
         if largest is not None:
             extra.update(norm_overflow=True, largest_grad=largest)
-        record = self._writer.record("pre_reduction", self._clock.current(), found, extra)
+        record = self._writer.record("pre_reduction", self._clock.current(), found,
+                                     self._with_health(extra, level >= logging.ERROR))
         with self._lock:
             if largest is None:
                 self._pre_reduction_found = True
@@ -183,8 +187,13 @@ class Detections:
 
     # -- the optimizer's findings ----------------------------------------------------------------------
 
+    def _with_health(self, extra: Dict[str, Any], incident: bool) -> Dict[str, Any]:
+        """``extra`` and, at an incident where NVML reports on this rank's device, its ``device_health``."""
+        health = self._health.at(self._clock.current()) if incident else None
+        return extra if health is None else {**extra, "device_health": health}
+
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
-                extra: Dict[str, Any]) -> Dict[str, Any]:
+                extra: Dict[str, Any], incident: bool = True) -> Dict[str, Any]:
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
         pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm"
                                              else logging.DEBUG)
@@ -194,8 +203,9 @@ class Detections:
         if kind == RecordKind.NONFINITE_GRAD_NORM:
             # every gradient here finite: the largest says whether this rank's own norm overflowed
             extra = {**extra, "largest_grad": None if found else largest_gradient(slots, grads)}
-        return self._writer.record(kind, self._clock.current(optimizer), found, {
-            "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra})
+        return self._writer.record(kind, self._clock.current(optimizer), found, self._with_health({
+            "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra},
+            incident))
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> Dict[str, Any]:
@@ -254,14 +264,15 @@ class Detections:
         # 2**32), and a run of skips is how dynamic loss scaling finds its footing, not an incident; unless
         # the loss itself was non-finite: no loss scale makes the forward pass overflow
         warmup = not state.warmed_up and loss_finite is not False
+        incident = self.overflow_is_incident(optimizer, scale, min_scale, loss_finite)
         record = self._record(
             optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
             {"loss_scale": None if scale is None else json_float(scale),
              "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
              "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup,
-             "loss_finite": loss_finite})
+             "loss_finite": loss_finite}, incident)
         first = self.config.skip_warn_after
-        if self.overflow_is_incident(optimizer, scale, min_scale, loss_finite):
+        if incident:
             self._capture_after(record, len(slots))
         if loss_finite is False:
             logger.error("%s: fp16 step skipped with a non-finite loss (loss scale %s): the forward pass"
@@ -286,9 +297,9 @@ class Detections:
                        batch: Optional[Dict[str, Any]], rerun_skipped: Optional[str]) -> Dict[str, Any]:
         """Megatron's loss check rejected this rank's loss (``--rerun-mode disabled``): record and log it
         before Megatron's RuntimeError goes on to the user."""
-        record = self._writer.record("nonfinite_loss", self._clock.current(), [], {
+        record = self._writer.record("nonfinite_loss", self._clock.current(), [], self._with_health({
             "micro_batch": micro_batch, "loss": json_float(loss), "message": message,
-            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped})
+            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped}, True))
         logger.error("%s: Megatron's loss check rejected a non-finite loss (%s) on %s, micro-batch %s"
                      " (%r); Megatron raises next; %s%s; record: %s", when(record), record["loss"],
                      where(record), micro_batch, message,

@@ -217,6 +217,16 @@ def norm_overflowed(overflow: float, nonfinite: float) -> bool:
     return overflow > 0 and not nonfinite > 0
 
 
+@dataclass(frozen=True)
+class RerunOutcome:
+    """What the rerun concluded for this rank's data-parallel replica, the same on each of its ranks: the
+    conclusion, the global rank of its forward origin (None: no origin there) and the failing micro-batch."""
+
+    conclusion: Conclusion
+    origin_rank: Optional[int]
+    micro_batch: Optional[int]
+
+
 class StepRerun:
     """Keeps the latest training step (``step_kept``) while a rerun may still be wanted, and runs it again
     at the first incident (``incident``). One rerun per run: later incidents are that failure's aftermath."""
@@ -231,6 +241,7 @@ class StepRerun:
         self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
         self.in_pass = False  # one of the rerun's own forward passes is running
+        self.outcome: Optional[RerunOutcome] = None  # what the run's rerun concluded, once it ran
 
     def keeps_steps(self) -> bool:
         """Whether a rerun may still come: its passes are traced through module hooks."""
@@ -342,12 +353,15 @@ class StepRerun:
              float("nonfinite" in (at_norm, local_gradients))], "max", "model")
         facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron,
                              norm_overflowed(overflow, nonfinite))
-        micro_batch = kept.all_reduce([NONE if found_mb is None else found_mb,
-                                       NONE if loss_micro_batch is None else loss_micro_batch],
-                                      "min", "model")
+        origin_rank = float(self._writer.coords()["global_rank"]) if role is RerunRole.ORIGIN else NONE
+        *micro_batch, first_origin = kept.all_reduce([NONE if found_mb is None else found_mb,
+                                                      NONE if loss_micro_batch is None else loss_micro_batch,
+                                                      origin_rank], "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
         if failing_mb is None and facts.own_failure is not None and len(kept.micro_batches()) == 1:
             failing_mb = 0  # the step's only micro-batch is the failing one
+        self.outcome = RerunOutcome(facts.conclusion(), None if first_origin == NONE else int(first_origin),
+                                    failing_mb)
         bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
             if reproduced else None
         batch = self.keep_batch(kept, failing_mb)

@@ -19,6 +19,7 @@ from ..config import GradnanConfig
 from ..errors import INTENDED_STOPS
 from ..formats.incident import RecordKind
 from ..formats.maps import ParamSlot
+from .board import IncidentBoard
 from .capture import CaptureManager
 from .clock import StepClock
 from .error_guard import ErrorGuard
@@ -32,6 +33,7 @@ from .events import (
     RerunnableStep,
 )
 from .forward import ForwardWatch
+from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
@@ -52,10 +54,13 @@ class Runtime:
                                        self.named_modules, self.module_hooking)
         self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded,
                                self.named_modules, self.window.recording, self.module_hooking)
-        self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected)
+        self.health = DeviceHealth()
+        self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected,
+                                     self.health)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
                                     self.module_hooking)
         self.norms = PendingNorms()
+        self.board = IncidentBoard(config, self.clock, self.writer, facts)
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
         self._ids_by_name: Dict[str, int] = {}
@@ -67,6 +72,7 @@ class Runtime:
         self.flush_at_end()
         self.captures.close()
         self.forward.close()
+        self.guarded("tensorboard", self.board.close)
 
     # -- the model ----------------------------------------------------------------------------------
 
@@ -99,6 +105,10 @@ class Runtime:
             return
         self.clock.add(optimizer)
         self.writer.remember_coords()
+        if self.config.detect:
+            coords = self.writer.coords()
+            self.guarded("device health", self.health.start, str(coords.get("device")),
+                         int(coords.get("local_rank") or 0))
         if self.config.maps:
             built = slots()
             state.map_file = self.writer.write_map(state.index, type(optimizer).__name__, built)
@@ -137,9 +147,9 @@ class Runtime:
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> None:
-        stop = (self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads) if self.window.recording()
-                else None)
-        self._incident("nonfinite_grad_norm", stop)
+        record = (self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads)
+                  if self.window.recording() else None)
+        self._incident("nonfinite_grad_norm", record, record=record)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None:
@@ -189,15 +199,20 @@ class Runtime:
             self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
 
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
-                  megatron: Optional[MegatronRerun] = None) -> None:
+                  megatron: Optional[MegatronRerun] = None, record: Optional[Dict[str, Any]] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
-        then the run stops if asked to. A norm read after its step (one Megatron returned as a device
-        tensor) comes after the update: that step can no longer be run again as it was."""
+        the run's first incident goes to TensorBoard where a writer is and this rank records (``record``:
+        its record of it); then the run stops if asked to. A norm read after its step (one Megatron
+        returned as a device tensor) comes after the update: that step can no longer be run again as it
+        was."""
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
                          self.detections.last_at_norm)
         else:
             self.rerun.too_late(trigger)
+        if self.window.recording():
+            self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record,
+                         self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
 
