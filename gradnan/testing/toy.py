@@ -103,8 +103,9 @@ class TinyGPTJob:
     # "random": random token batches; "mock_gpt": megatron-core's MockGPTDataset, read as Megatron-LM's
     # training loop reads it (``MegatronLMData``), with its arguments where Megatron-LM keeps them
     data: str = "random"
-    # global sample indices of the mock data whose token at ``poison_position`` is ``POISON_TOKEN``: a token
-    # the data never holds otherwise, whose embedding row is NaN (data that fails wherever it is read)
+    # global sample indices of the mock data whose token at ``poison_position`` is the poisoned token: one the
+    # data never holds otherwise, whose embedding row is finite but so large (``POISON_ROW``) that the first
+    # layer norm's variance overflows to NaN: data that fails wherever it is read, every weight finite
     poisoned_samples: Tuple[int, ...] = ()
     poison_position: int = 3
 
@@ -227,6 +228,7 @@ def _batches(job: TinyGPTJob, dp_rank: int):
 
 
 POISON_TOKEN_FROM_END = 1  # the poisoned token is the model's last vocabulary entry
+POISON_ROW = 1e38
 
 
 class _TinyTokenizer:
@@ -312,11 +314,11 @@ class MegatronLMData:
 
 
 def _poison_token_row(chunks, token: int) -> None:
-    """The poisoned token's embedding row NaN (on the stage that embeds)."""
+    """The poisoned token's embedding row ``POISON_ROW`` (on the stage that embeds)."""
     weight = _param_by_global_name(chunks, "embedding.word_embeddings.weight")
     if weight is not None:
         with torch.no_grad():
-            weight[token] = math.nan
+            weight[token] = POISON_ROW
 
 
 def _forward_step(data_iterator, model, validate: bool = False):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
-from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log
+from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log, samples_wording
 from ..formats.magnitude import Growth
 from ..formats.schema import json_float
 from ..formats.text import shell_word
@@ -450,6 +450,9 @@ class StepRerun:
         elif grew_in:
             logger.error("%s, run again in place: %s on %s, micro-batch %s", when(record),
                          growth_log(grew_in, None, None), where(record), grew_in["micro_batch"])
+        if record.get("samples") and role is RerunRole.ORIGIN:
+            logger.error("%s, the failing micro-batch in the data: %s", when(record),
+                         samples_wording(record["samples"], record["micro_batch"]))
         if role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
