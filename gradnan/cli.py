@@ -1,5 +1,5 @@
-"""The ``gradnan`` command: demo, report, maps, frames, replay, selftest. Bad input: one line on stderr, exit
-code 2."""
+"""The ``gradnan`` command: demo, report, maps, frames, batch, replay, selftest. Bad input: one line on
+stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="only this Megatron-LM iteration (as trace_steps counts there)")
     frames.add_argument("--last", type=positive, metavar="N", help="only the last N frames of each record")
     frames.add_argument("--json", action="store_true", help="the frames records as JSON")
+    batch = commands.add_parser("batch", help="a micro-batch the rerun kept: its tensors, token ids, text,"
+                                " and where the value went non-finite")
+    batch.add_argument("file", type=Path, help="a batches/<rank>/<when>_mb<M>.pt file of a run directory")
+    batch.add_argument("--tokenizer", help="decode the token ids: a tokenizer.json file (needs the"
+                                           " 'tokenizers' package) or a Hugging Face tokenizer name or"
+                                           " directory (needs 'transformers')")
     replay = commands.add_parser("replay",
                                  help="rerun a captured module call offline: does the failure reproduce?")
     replay.add_argument("bundle", type=Path, help="a bundle directory written by capture")
@@ -152,6 +158,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
             result = replay_isolated(args.bundle, args.device, limits)
             say(json.dumps(result, indent=1) if args.json else replay_text(result))
+        elif args.command == "batch":
+            from .offline.batch_view import format_batch
+
+            say(format_batch(args.file, args.tokenizer))
         elif args.command == "selftest":
             return selftest.run(args)
         elif args.command == "frames":

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..training.events import Events
+from .data import micro_batch_samples
 from .instrumentor import Instrumentor
 from .undo_log import Patcher, patch_scope
 
@@ -179,8 +180,15 @@ class KeptStep:
 
     def micro_batches(self) -> List[Any]:
         """The items the first data iterator yielded this step, in order (empty without one)."""
-        first = self._kept_iterator[0] if isinstance(self._kept_iterator, list) else self._kept_iterator
-        return list(first.items) if first is not None else []
+        return list(self._first_iterator().items) if self._first_iterator() is not None else []
+
+    def _first_iterator(self) -> Optional[KeepingIterator]:
+        return self._kept_iterator[0] if isinstance(self._kept_iterator, list) else self._kept_iterator
+
+    def samples(self, micro_batch: int) -> Optional[Dict[str, Any]]:
+        """Where micro-batch ``micro_batch`` came from in the data (``data.micro_batch_samples``)."""
+        first = self._first_iterator()
+        return micro_batch_samples(micro_batch, first.source if first is not None else None)
 
     def forward(self) -> None:
         """The step's forward pass again: same micro-batches, from the RNG state the step started with,

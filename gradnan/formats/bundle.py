@@ -175,7 +175,6 @@ def _check_declared_sizes(stream: BinaryIO, where: Path) -> None:
 
 def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """The manifest and the tensors of a bundle; InputError (one line) for anything unusable or unsafe."""
-    import torch
 
     path = Path(path)
     if not path.is_dir():
@@ -185,9 +184,17 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         raise InputError(f"{path / MANIFEST}: a bundle manifest needs a 'trace' object")
     if not (path / TENSORS).exists():
         raise InputError(f"{path / TENSORS}: missing")
+    return manifest, load_tensors(path / TENSORS)
+
+
+def load_tensors(path: Path) -> Dict[str, torch.Tensor]:
+    """A flat name -> tensor dict as gradnan saves them (a bundle's tensors, a kept micro-batch), loaded
+    without running code from the file; InputError (one line) for anything unusable or unsafe."""
+    import torch
+
     try:
-        with open_regular(path / TENSORS, MAX_TENSORS_BYTES) as stream, warnings.catch_warnings():
-            _check_declared_sizes(stream, path / TENSORS)
+        with open_regular(path, MAX_TENSORS_BYTES) as stream, warnings.catch_warnings():
+            _check_declared_sizes(stream, path)
             warnings.simplefilter("ignore")  # torch's notes on an odd tensor: the error is one line
             tensors = torch.load(stream, weights_only=True, map_location="cpu")
     except InputError:
@@ -195,8 +202,8 @@ def load(path: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     except Exception as exc:  # an unpickling refusal, a truncated zip, a foreign file
         reason = "holds a pickled object that is not a tensor: refused" if "weights_only" in str(
             exc).lower() or "unpickl" in type(exc).__name__.lower() else f"unreadable ({type(exc).__name__})"
-        raise InputError(f"{path / TENSORS}: {reason}") from None
+        raise InputError(f"{path}: {reason}") from None
     if not isinstance(tensors, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
-        raise InputError(f"{path / TENSORS}: not a flat name -> tensor dict")
-    return manifest, tensors
+        raise InputError(f"{path}: not a flat name -> tensor dict")
+    return tensors

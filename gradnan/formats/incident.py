@@ -263,8 +263,43 @@ _ACTION_WORDING = {
                      " (docs/selftest.md)",
     Action.SKIP_ITERATION: "to train past iteration {subject}, restart Megatron-LM from its last checkpoint"
                            " with this option added: its loop consumes that iteration's micro-batches"
-                           " without training on them",
+                           " without training on them. Megatron's own rerun state machine does the same"
+                           " from its --result-rejected-tracker-filename file only for a loss its"
+                           " validate_result rejected: at start-up Megatron-LM adds to --iterations-to-skip"
+                           " an iteration the file shows failing reproducibly (or with reruns disabled)"
+                           " twice on the same rank, never one that more than one rank of a job reported",
 }
+
+
+MAX_SAMPLES_SHOWN = 8  # sample indices (and their documents) a log line or the report names
+
+
+def samples_wording(samples: Dict[str, Any], micro_batch: Any) -> str:
+    """Where a failing micro-batch sits in Megatron-LM's data (a ``rerun`` record's ``samples``), in one
+    sentence: its global sample indices on its data-parallel rank, the samples consumed before the
+    iteration, and the documents behind each sample where the dataset is megatron-core's."""
+    where = (f"data-parallel rank {samples['data_parallel_rank']} of {samples['data_parallel_size']},"
+             f" micro-batch {micro_batch}")
+    consumed = f"{samples['consumed']} samples consumed before this iteration"
+    indices = samples.get("indices")
+    if not indices:
+        return f"{where}: {consumed}; sample indices not derived ({samples.get('not_derived')})"
+    shown = ", ".join(map(str, indices[:MAX_SAMPLES_SHOWN]))
+    more = f" and {len(indices) - MAX_SAMPLES_SHOWN} more" if len(indices) > MAX_SAMPLES_SHOWN else ""
+    text = f"{where}: global samples {shown}{more} ({consumed})"
+    sources = [_source_wording(source) for source in (samples.get("sources") or [])[:MAX_SAMPLES_SHOWN]]
+    return text + ("; " + "; ".join(sources) if sources else "")
+
+
+def _source_wording(source: Dict[str, Any]) -> str:
+    blend = (f"blend dataset {source['blend_dataset']} sample {source['blend_sample']}, "
+             if source.get("blend_dataset") is not None else "")
+    documents = ", ".join(map(str, source["documents"]))
+    more = (f" (of {source['documents_total']})"
+            if (source.get("documents_total") or 0) > len(source["documents"]) else "")
+    path = f" {source['dataset_path']}" if source.get("dataset_path") else ""
+    return (f"sample {source['index']}: {blend}{source['dataset']}{path} document(s) {documents}{more}"
+            f" from token {source.get('offset')}")
 
 
 class OriginBasis(str, enum.Enum):

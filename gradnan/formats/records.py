@@ -158,14 +158,19 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
-            or not optional(record.get("grew_in"), is_growth)):
+            or not optional(record.get("grew_in"), is_growth)
+            or not optional(record.get("samples"), is_samples)
+            or not optional(record.get("nonfinite_at"), is_element)):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
                          f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
                          " integer or null 'micro_batch'/'call', 'own_failure' null or one of"
                          f" {', '.join(OWN_FAILURES)}, 'batch' null or an object with a text 'path',"
                          " and 'grew_in' absent, null or an object with text 'module'/'class'/'dtype',"
                          " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
-                         " 'near_limit'")
+                         " 'near_limit', 'samples' absent, null or an object with integer 'consumed',"
+                         " 'data_parallel_rank'/'data_parallel_size' and 'indices'/'sources' null or lists,"
+                         " and 'nonfinite_at' absent, null or an object with integer 'output' and"
+                         " 'shape'/'index' lists of integers")
 
 
 def is_growth(grew_in: Any) -> bool:
@@ -176,6 +181,35 @@ def is_growth(grew_in: Any) -> bool:
             and is_finite(grew_in.get("output_abs_max"))
             and optional(grew_in.get("inputs_abs_max"), is_finite)
             and isinstance(grew_in.get("near_limit"), bool))
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(is_int(item) for item in value)
+
+
+def is_element(element: Any) -> bool:
+    """A ``rerun`` record's ``nonfinite_at``: the origin output's first non-finite element (optional)."""
+    return (isinstance(element, dict) and is_int(element.get("output")) and _int_list(element.get("shape"))
+            and _int_list(element.get("index")) and len(element["index"]) == len(element["shape"]))
+
+
+def _is_source(source: Any) -> bool:
+    return (isinstance(source, dict) and is_int(source.get("index")) and is_text(source.get("dataset"))
+            and optional(source.get("dataset_path"), is_text) and _int_list(source.get("documents"))
+            and all(optional(source.get(key), is_int)
+                    for key in ("shuffled", "documents_total", "offset", "blend_dataset", "blend_sample")))
+
+
+def is_samples(samples: Any) -> bool:
+    """A ``rerun`` record's ``samples``: where the failing micro-batch sits in Megatron-LM's data (optional,
+    added in place)."""
+    return (isinstance(samples, dict)
+            and all(is_int(samples.get(key))
+                    for key in ("consumed", "data_parallel_rank", "data_parallel_size"))
+            and all(optional(samples.get(key), is_text) for key in ("sampler", "not_derived"))
+            and optional(samples.get("micro_batch_size"), is_int)
+            and optional(samples.get("indices"), _int_list)
+            and optional(samples.get("sources"), lambda v: isinstance(v, list) and all(map(_is_source, v))))
 
 
 def _check_frames(record: Dict[str, Any], where: str) -> None:

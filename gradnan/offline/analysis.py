@@ -118,6 +118,7 @@ class RerunFinding:
     origins: Tuple[View, ...]
     receivers: Tuple[View, ...]
     grew_in: Optional[Dict[str, Any]] = None
+    samples: Tuple[Dict[str, Any], ...] = ()  # the failing micro-batch in the data, per replica
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -133,7 +134,7 @@ class RerunFinding:
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
-                "receivers": list(self.receivers), "grew_in": self.grew_in}
+                "receivers": list(self.receivers), "grew_in": self.grew_in, "samples": list(self.samples)}
 
 
 @dataclass(frozen=True)
@@ -478,6 +479,23 @@ def _growth(at_step: List[Dict[str, Any]], origin: Optional[Dict[str, Any]]) -> 
     return {**grown[0]["grew_in"], "global_rank": grown[0]["rank"].get("global_rank")} if grown else None
 
 
+def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> List[Dict[str, Any]]:
+    """Where the failing replicas' micro-batch sits in Megatron-LM's data: one entry per data-parallel rank
+    (its tensor- and pipeline-parallel ranks share the micro-batch), from the rank that named its dataset's
+    documents where one did (the ranks that read the data), else the lowest."""
+    chosen: Dict[int, Dict[str, Any]] = {}
+    for record in at_step:
+        samples = record.get("samples")
+        if samples is None or record["rank"].get("global_rank") not in failing:
+            continue
+        kept = chosen.get(samples["data_parallel_rank"])
+        if kept is None or (samples.get("sources") and not kept.get("sources")):
+            chosen[samples["data_parallel_rank"]] = {
+                "global_rank": record["rank"].get("global_rank"), "micro_batch": record.get("micro_batch"),
+                "nonfinite_at": record.get("nonfinite_at"), **samples}
+    return [chosen[dp_rank] for dp_rank in sorted(chosen)]
+
+
 def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -508,7 +526,7 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         origins=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
                         if r["role"] == RerunRole.RECEIVER),
-        grew_in=_growth(at_step, first))
+        grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
 
 
 def _rejected_losses(losses: List[Dict[str, Any]],

@@ -15,6 +15,7 @@ from ..formats.incident import (
     failing_step_headline,
     growth_path,
     health_line,
+    samples_wording,
 )
 from ..formats.layout import AXES, rank_label, step_label
 from ..formats.schema import nonfinite_counts
@@ -230,6 +231,19 @@ def rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     return lines
 
 
+def samples_lines(rerun: Optional[RerunFinding]) -> List[str]:
+    """Where the failing micro-batch sits in Megatron-LM's data, one paragraph per failing replica."""
+    if rerun is None or not rerun.samples:
+        return []
+    lines = ["Samples (the failing micro-batch in Megatron-LM's training data):"]
+    for entry in rerun.samples[:MAX_LISTED]:
+        lines += textwrap.wrap(samples_wording(entry, entry["micro_batch"]), WIDTH, initial_indent="  ",
+                               subsequent_indent="    ")
+    if len(rerun.samples) > MAX_LISTED:
+        lines.append(f"  ... and {len(rerun.samples) - MAX_LISTED} more data-parallel rank(s) (see --json)")
+    return lines
+
+
 def _origin_holds(entry: Dict[str, Any]) -> str:
     """What an origin rank is named for: its non-finite parameters, its own non-finite loss/gradients, the
     loss Megatron's check rejected, or (a norm overflow) its largest gradient."""
@@ -257,6 +271,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     verdict = incident.verdict
     lines = [step_headline(incident)]
     lines += rerun_lines(incident.rerun)
+    lines += samples_lines(incident.rerun)
     lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")

@@ -109,6 +109,14 @@ class TinyGPTJob:
     # a test puts in place there that a CI machine lacks (a stand-in for pynvml, Megatron-LM's TensorBoard
     # writer where Megatron-LM's loop would hold it)
     prepare: Optional[str] = None
+    # "random": random token batches; "mock_gpt": megatron-core's MockGPTDataset, read as Megatron-LM's
+    # training loop reads it (``MegatronLMData``), with its arguments where Megatron-LM keeps them
+    data: str = "random"
+    # global sample indices of the mock data whose token at ``poison_position`` is the poisoned token: one the
+    # data never holds otherwise, whose embedding row is finite but so large (``POISON_ROW``) that the first
+    # layer norm's variance overflows to NaN: data that fails wherever it is read, every weight finite
+    poisoned_samples: Tuple[int, ...] = ()
+    poison_position: int = 3
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)
@@ -230,6 +238,100 @@ def _batches(job: TinyGPTJob, dp_rank: int):
             "position_ids": position_ids,
             "attention_mask": mask.view(1, 1, job.seq_length, job.seq_length),
         }.items()}
+
+
+POISON_TOKEN_FROM_END = 1  # the poisoned token is the model's last vocabulary entry
+POISON_ROW = 1e38
+
+
+class _TinyTokenizer:
+    """What megatron-core's GPT datasets read of a tokenizer."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.eod, self.pad = vocab_size, 0, 1
+        self.unique_identifiers = {"class": "TinyTokenizer", "vocab_size": vocab_size}
+
+
+class PoisonedSamples(torch.utils.data.Dataset):
+    """``dataset`` with the token at ``position`` of each sample in ``poisoned`` replaced by ``token``."""
+
+    def __init__(self, dataset: Any, poisoned: Tuple[int, ...], position: int, token: int) -> None:
+        self.dataset, self.poisoned, self.position, self.token = dataset, set(poisoned), position, token
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        sample = self.dataset[index]
+        if index in self.poisoned:
+            sample = {**sample, "tokens": sample["tokens"].clone()}
+            sample["tokens"][self.position] = self.token
+        return sample
+
+
+def _pretraining_sampler(consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+    """Megatron-LM's ``MegatronPretrainingSampler`` (``--dataloader-type single``) as its ``__iter__``
+    walks the indices: rounds of ``micro_batch_size * dp_size``, this rank's block of each."""
+    batch = []
+    for index in range(consumed, 1 << 62):
+        batch.append(index)
+        if len(batch) == micro_batch_size * dp_size:
+            yield batch[dp_rank * micro_batch_size:(dp_rank + 1) * micro_batch_size]
+            batch = []
+
+
+class MegatronLMData:
+    """Megatron-LM's data path on megatron-core's real ``MockGPTDataset``: a torch ``DataLoader`` over it
+    with Megatron-LM's pretraining sampler, and its arguments (``consumed_train_samples``,
+    ``curr_iteration``, ...) in ``megatron.training.global_vars._GLOBAL_ARGS``, counted as its training
+    loop counts them (Megatron-LM itself is not installable here)."""
+
+    def __init__(self, job: "TinyGPTJob", dp_rank: int, dp_size: int) -> None:
+        import sys
+        import types
+
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+        config = GPTDatasetConfig(random_seed=job.seed, sequence_length=job.seq_length,
+                                  tokenizer=_TinyTokenizer(job.vocab_size - POISON_TOKEN_FROM_END),
+                                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                                  split="1,0,0")
+        dataset, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [None, None, None], lambda: True,
+                                                      config).build()
+        self.dataset = PoisonedSamples(dataset, job.poisoned_samples, job.poison_position,
+                                       job.vocab_size - POISON_TOKEN_FROM_END)
+        self.job, self.dp_rank, self.dp_size = job, dp_rank, dp_size
+        self.args = types.SimpleNamespace(consumed_train_samples=0, curr_iteration=0,
+                                          dataloader_type="single", micro_batch_size=job.micro_batch_size)
+        module = types.ModuleType("megatron.training.global_vars")
+        module._GLOBAL_ARGS = self.args
+        self._saved = sys.modules.get(module.__name__)
+        sys.modules[module.__name__] = module
+
+    def iterator(self) -> Iterator[Any]:
+        sampler = _pretraining_sampler(self.args.consumed_train_samples, self.job.micro_batch_size,
+                                       self.dp_rank, self.dp_size)
+        return iter(torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler))
+
+    def iteration_done(self) -> None:
+        self.args.curr_iteration += 1
+        self.args.consumed_train_samples += self.dp_size * self.job.micro_batch_size * self.job.micro_batches
+
+    def close(self) -> None:
+        import sys
+
+        sys.modules.pop("megatron.training.global_vars", None)
+        if self._saved is not None:
+            sys.modules["megatron.training.global_vars"] = self._saved
+
+
+def _poison_token_row(chunks, token: int) -> None:
+    """The poisoned token's embedding row ``POISON_ROW`` (on the stage that embeds)."""
+    weight = _param_by_global_name(chunks, "embedding.word_embeddings.weight")
+    if weight is not None:
+        with torch.no_grad():
+            weight[token] = POISON_ROW
 
 
 def _forward_step(data_iterator, model, validate: bool = False):
@@ -442,6 +544,11 @@ class TinyGPT:
         # as Megatron-LM does: only the first chunk's gradients are bucketed
         self.chunks = [_wrap_model(job, config, model, bucketing=index == 0)
                        for index, model in enumerate(models)]
+        self.data = (MegatronLMData(job, parallel_state.get_data_parallel_rank(),
+                                    parallel_state.get_data_parallel_world_size())
+                     if job.data == "mock_gpt" else None)
+        if self.data is not None:  # before the optimizer copies the weights it steps
+            _poison_token_row(self.chunks, job.vocab_size - POISON_TOKEN_FROM_END)
         config.finalize_model_grads_func = finalize_model_grads
         no_sync = [chunk.no_sync for chunk in self.chunks]
         config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
@@ -462,7 +569,10 @@ class TinyGPT:
         )
         config.grad_scale_func = self.optimizer.scale_loss
         # one iterator per chunk (the interleaved schedule takes a list), each drawing the same micro-batches
-        self.batches = [_batches(job, parallel_state.get_data_parallel_rank()) for _ in self.chunks]
+        if self.data is not None:
+            self.batches = [self.data.iterator() for _ in self.chunks]
+        else:
+            self.batches = [_batches(job, parallel_state.get_data_parallel_rank()) for _ in self.chunks]
         self.validation = _ResultValidation(self.batches, job.rerun_mode) if job.rerun_mode else None
         if self.validation is not None:
             self.batches = self.validation.iterators
@@ -522,6 +632,8 @@ class TinyGPT:
         grad_norm = float(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
         outcome = StepResult(step, loss, grad_norm, bool(update_successful))
         self.result.steps.append(outcome)
+        if self.data is not None:
+            self.data.iteration_done()
         return outcome
 
     def param_digest(self) -> str:
@@ -587,6 +699,8 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         finally:
             if model.validation is not None:
                 model.validation.close()
+            if model.data is not None:
+                model.data.close()
         model.result.param_digest = model.param_digest()
         return model.result
 

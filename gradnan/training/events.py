@@ -89,6 +89,10 @@ class RerunnableStep(Protocol):
     def micro_batches(self) -> List[Any]:
         """What the data iterator yielded for each micro-batch of the step (empty without one)."""
 
+    def samples(self, micro_batch: int) -> Optional[Dict[str, Any]]:
+        """Where micro-batch ``micro_batch`` came from in the training data (the ``rerun`` record's
+        ``samples``), where the adapter knows it (Megatron-LM's loop), else None."""
+
     def ended_early(self, micro_batch: int) -> None:
         """The training pass raised at micro-batch ``micro_batch`` (Megatron's loss check rejected its
         loss): a pass again covers the micro-batches up to that one, and its loss counts as non-finite."""

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
-from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log
+from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log, samples_wording
 from ..formats.magnitude import Growth
 from ..formats.schema import json_float
 from ..formats.text import shell_word
@@ -117,6 +117,20 @@ def batch_tensors(item: Any, limit: int) -> Tuple[Dict[str, torch.Tensor], int]:
 
     walk("", item)
     return found, left_out
+
+
+def first_nonfinite_element(outputs: Sequence[torch.Tensor]) -> Optional[Dict[str, Any]]:
+    """The first non-finite element of a module call's outputs (which output, its shape, the element's index
+    in it): where in the sequence the value went non-finite, for ``gradnan batch`` to map onto the
+    micro-batch's samples and tokens. One device read, at the incident only."""
+    for position, tensor in enumerate(outputs):
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        flat = torch.nonzero(~torch.isfinite(tensor.reshape(-1)))[:1].tolist()
+        if flat:
+            index = [int(i) for i in torch.unravel_index(torch.tensor(flat[0][0]), tensor.shape)]
+            return {"output": position, "shape": list(tensor.shape), "index": index}
+    return None
 
 
 class PassResult:
@@ -362,17 +376,20 @@ class StepRerun:
             failing_mb = 0  # the step's only micro-batch is the failing one
         self.outcome = RerunOutcome(facts.conclusion(), None if first_origin == NONE else int(first_origin),
                                     failing_mb)
-        bundle = self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None, failing_mb) \
-            if reproduced else None
+        bundle, nonfinite_at = (self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None,
+                                                   failing_mb) if reproduced else (None, None))
         batch = self.keep_batch(kept, failing_mb)
         if role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica():
             return None
-        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch, grew_in)
+        samples = None if failing_mb is None else kept.samples(failing_mb)
+        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch, grew_in,
+                            {"samples": samples, "nonfinite_at": nonfinite_at})
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
-                      micro_batch: Optional[int]) -> Optional[str]:
+                      micro_batch: Optional[int]) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
         """Every rank runs the pass again (its collectives need them all); the origin's rank captures the
-        origin module's call of the failing micro-batch."""
+        origin module's call of the failing micro-batch: the bundle written, and where its output first
+        held a non-finite element."""
         capture = None
         named = dict(self._watched())
         if origin is not None and origin.module in named and self._recording():
@@ -386,17 +403,16 @@ class StepRerun:
         finally:
             if capture is not None:
                 capture.detach()
-        if capture is None:
-            return None
-        call = capture.chosen_call()
+        call = None if capture is None else capture.chosen_call()
         if call is None:
-            return None
+            return None, None
+        element = first_nonfinite_element(call.outputs)
         frames = [frame.to_json()
                   for frame in seen.frames[:seen.frames.index(origin) + 1]][-self.config.max_frames:]
         written = self._captures.write_call(self._clock.current(), capture, call, {
             "trigger": "rerun", "forward_origin": origin.module, "micro_batch": micro_batch,
-            "frames": frames, "grew_in": seen.grew_in()})
-        return None if written is None else written.path
+            "frames": frames, "grew_in": seen.grew_in(), "nonfinite_at": element})
+        return (None if written is None else written.path), element
 
     def keep_batch(self, kept: RerunnableStep, micro_batch: Optional[int]) -> Optional[Dict[str, Any]]:
         """The failing micro-batch as this rank's data iterator gave it, where it gave one."""
@@ -410,8 +426,9 @@ class StepRerun:
 
     def _report(self, trigger: str, role: RerunRole, frame: Optional[Frame], seen: PassResult,
                 micro_batch: Optional[int], facts: ReplicaFacts, bundle: Optional[str],
-                batch: Optional[Dict[str, Any]],
-                grew_in: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+                batch: Optional[Dict[str, Any]], grew_in: Optional[Dict[str, Any]],
+                located: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """``located``: the optional ``samples`` and ``nonfinite_at`` fields, written where known."""
         if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
@@ -426,7 +443,8 @@ class StepRerun:
             "class": frame.cls if frame is not None else None,
             "call": frame.call if frame is not None else None,
             "output_abs_max": largest(highs),
-            "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch, "grew_in": grew_in})
+            "frames_traced": len(seen.frames), "bundle": bundle, "batch": batch, "grew_in": grew_in,
+            **{key: value for key, value in located.items() if value is not None}})
         self.log(record)
         return record
 
@@ -446,6 +464,9 @@ class StepRerun:
         elif grew_in:
             logger.error("%s, run again in place: %s on %s, micro-batch %s", when(record),
                          growth_log(grew_in, None, None), where(record), grew_in["micro_batch"])
+        if record.get("samples") and role is RerunRole.ORIGIN:
+            logger.error("%s, the failing micro-batch in the data: %s", when(record),
+                         samples_wording(record["samples"], record["micro_batch"]))
         if role is RerunRole.RECEIVER:
             logger.info("%s, run again in place: non-finite values reached %s on %s from another rank (a"
                         " receiver, not the origin)", when(record), record["module"], where(record))
