@@ -331,6 +331,11 @@ class RunUpFinding(str, enum.Enum):
     UNDECIDED = "undecided"
     """The run-up does not decide (too few steps kept, the culprit in no recorded bucket, none named)."""
 
+    @property
+    def headline(self) -> str:
+        """The finding in a few words (the plot's heading)."""
+        return _RUNUP_HEADLINES[self]
+
     def summary(self, parameter: Optional[str], ratio: Optional[float], first: str, before: Optional[int],
                 reason: str) -> str:
         """The finding as one sentence: ``ratio``, the largest of the last steps over the earlier median
@@ -345,6 +350,13 @@ class RunUpFinding(str, enum.Enum):
             return (f"{subject} did not grow before the failing step (at most {magnitude_text(ratio)}x their"
                     " earlier median on any rank): the value went non-finite at once, with no run-up")
         return f"the run-up does not say whether {subject} grew: {reason}"
+
+
+_RUNUP_HEADLINES = {
+    RunUpFinding.GREW: "the culprit's gradients grew before the failing step",
+    RunUpFinding.SUDDEN: "no growth before the failing step",
+    RunUpFinding.UNDECIDED: "not decided",
+}
 
 
 def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optional[str],
