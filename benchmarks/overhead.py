@@ -5,10 +5,11 @@
     python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
-1. Step time, interleaved round by round (off, defaults, defaults without the rerun's kept step
-   (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced;
-   each mode installed, one untimed step, then one timed step), reported as medians and the median of the
-   per-round ratios.
+1. Step time, interleaved round by round (off, defaults, defaults without the run-up ring
+   (``runup_steps=0``: the run-up's own cost is defaults / runup_off, printed per size), defaults without
+   the rerun's kept step (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention,
+   i.e. its every call traced; each mode installed, one untimed step, then one timed step), reported as
+   medians and the median of the per-round ratios.
 2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
    hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, and the floor: one finite check over
@@ -40,7 +41,7 @@ SIZES = {
     "10m": dict(hidden_size=384, num_layers=5, num_heads=6),
     "50m": dict(hidden_size=768, num_layers=7, num_heads=12),
 }
-MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"},
+MODES = {"off": None, "defaults": {}, "runup_off": {"runup_steps": 0}, "rerun_off": {"rerun": "off"},
          "pre_reduction_sync": {"pre_reduction": "sync"},
          "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True}}
 
@@ -113,7 +114,11 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
                 kit_share[mode].append(clock.seconds / seconds)
     gradnan.uninstall()
     ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in kit_share}
+    runup = [t / base for t, base in zip(times["defaults"], times["runup_off"])]
     return {
+        "runup_ratio": {"median": statistics.median(runup), "quartiles": _quartiles(runup),
+                        "kit_share_difference": statistics.median(kit_share["defaults"])
+                        - statistics.median(kit_share["runup_off"])},
         "median_s": {mode: statistics.median(values) for mode, values in times.items()},
         "median_ratio": {mode: statistics.median(values) for mode, values in ratios.items()},
         "ratio_quartiles": {mode: _quartiles(values) for mode, values in ratios.items()},
@@ -192,6 +197,13 @@ def _table(results: Dict[str, Any]) -> str:
             lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} "
                          f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
                          f"{100 * steps['median_kit_share'][mode]:.2f}% |")
+    lines += ["", "| size | run-up: defaults / runup_off step, median [quartiles] | kit time / step,"
+              " difference |", "|---|---|---|"]
+    for size, entry in results["sizes"].items():
+        runup = entry["steps"]["runup_ratio"]
+        low, _, high = runup["quartiles"]
+        lines.append(f"| {size} | {runup['median']:.3f} [{low:.3f}, {high:.3f}] | "
+                     f"{100 * runup['kit_share_difference']:+.2f} points |")
     lines += ["", "| size | check | median (ms) | x floor | host syncs | peak extra (% of grad bytes) |",
               "|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():

@@ -85,7 +85,7 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
                          " booleans")
     check_run(record.get("run"), where)
     _check_largest(record.get("largest_grad"), where)
-    for key in ("kind", "pre_reduction", "mode", "map"):
+    for key in ("kind", "pre_reduction", "mode", "map", "runup"):
         if not optional(record.get(key), is_text):
             raise InputError(f"{where}: '{key}' must be text")
     if record.get("kind") == "frames":
