@@ -26,6 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -34,7 +35,8 @@ import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
 from gradnan.testing.toy import TinyGPT, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
-from gradnan.training.scan import find_nonfinite, finite_flag
+from gradnan.training.runup import RunUp
+from gradnan.training.scan import abs_max, find_nonfinite, finite_flag
 
 SIZES = {
     "1m": dict(hidden_size=128, num_layers=4, num_heads=4),
@@ -126,6 +128,22 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
     }
 
 
+def runup_write_cost(model: TinyGPT, steps: int, device: torch.device) -> Dict[str, Any]:
+    """The run-up's own work on a healthy step, alone: every bucket group's maxima (as the pre-reduction
+    check computed them) copied into its ring, ``steps`` times (the ring wraps); median seconds per step."""
+    groups = [group for chunk in model.chunks for group in chunk.bucket_groups]
+    maxima = [torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets]) for group in groups]
+    ring = RunUp(32)
+
+    def write(step: int) -> None:
+        for index, (group, values) in enumerate(zip(groups, maxima)):
+            ring.write(group, index, step, values, list)
+
+    seconds = [_timed(partial(write, step), device) for step in range(steps)]
+    return {"bucket_groups": len(groups), "buckets": sum(len(g.buckets) for g in groups),
+            "median_s": statistics.median(seconds)}
+
+
 def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
     params = [p for p in model.chunk.parameters() if p.requires_grad]
     buffer = model.chunk.buffers[0].grad_data
@@ -198,12 +216,14 @@ def _table(results: Dict[str, Any]) -> str:
                          f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
                          f"{100 * steps['median_kit_share'][mode]:.2f}% |")
     lines += ["", "| size | run-up: defaults / runup_off step, median [quartiles] | kit time / step,"
-              " difference |", "|---|---|---|"]
+              " difference | ring writes alone / step (buckets) |", "|---|---|---|---|"]
     for size, entry in results["sizes"].items():
-        runup = entry["steps"]["runup_ratio"]
+        runup, write = entry["steps"]["runup_ratio"], entry["runup_write"]
         low, _, high = runup["quartiles"]
+        share = write["median_s"] / entry["steps"]["median_s"]["off"]
         lines.append(f"| {size} | {runup['median']:.3f} [{low:.3f}, {high:.3f}] | "
-                     f"{100 * runup['kit_share_difference']:+.2f} points |")
+                     f"{100 * runup['kit_share_difference']:+.2f} points | {100 * share:.3f}%"
+                     f" ({write['median_s'] * 1e6:.0f} us, {write['buckets']}) |")
     lines += ["", "| size | check | median (ms) | x floor | host syncs | peak extra (% of grad bytes) |",
               "|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
@@ -238,6 +258,7 @@ def main() -> None:
             model.step()
             entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
+            entry["runup_write"] = runup_write_cost(model, 200, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
             results["sizes"][size] = entry
             from gradnan.patches.model import destroy_model_parallel
