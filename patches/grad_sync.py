@@ -87,12 +87,15 @@ class GradSyncInstrumentor(Instrumentor):
         def describe(group, bad_buckets):
             return _bucket_params(group, bad_buckets, runtime.known_chunks(), runtime.ids_by_name())
 
+        def contents(group):
+            return _bucket_contents(group, runtime.known_chunks())
+
         def check(group):
             mode = runtime.config.pre_reduction
             if mode is PreReduction.OFF or not runtime.first_sync_of_step(group):
                 return
             maxima = torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets])
-            runtime.keep_runup(group, maxima, lambda: _bucket_contents(group, runtime.known_chunks()))
+            runtime.keep_runup(group, maxima, contents)
             megatron_checks = bool(getattr(group.ddp_config, "check_for_nan_in_grad", False))
             if mode is PreReduction.SYNC or megatron_checks:
                 runtime.pre_reduction_flags(group, maxima, describe, mode="sync")

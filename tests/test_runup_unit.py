@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -47,31 +48,52 @@ def decided(documents: List[Dict[str, Any]], parameter: str = CULPRIT):
 # -- the ring on the device ------------------------------------------------------------------------------
 
 def test_the_ring_keeps_the_last_steps_oldest_first_and_wraps():
-    ring = BucketGroupRing(0, 3, torch.zeros(2), lambda: BUCKETS)
+    ring = BucketGroupRing(0, 3, torch.zeros(2), lambda group: BUCKETS)
     for step in range(1, 6):
         ring.write(step, torch.tensor([float(step), 10.0 * step]))
-    document = ring.to_json()
+    document = ring.to_json(None)
     assert document["steps"] == [3, 4, 5]
     assert document["values"] == [[3.0, 30.0], [4.0, 40.0], [5.0, 50.0]]
     assert document["buckets"] == BUCKETS
 
 
 def test_a_ring_not_yet_full_holds_only_the_steps_written_and_nonfinite_values_as_json_text():
-    ring = BucketGroupRing(2, 4, torch.zeros(2), lambda: BUCKETS)
+    ring = BucketGroupRing(2, 4, torch.zeros(2), lambda group: BUCKETS)
     ring.write(7, torch.tensor([1.0, math.inf]))
     ring.write(8, torch.tensor([math.nan, 2.0]))
-    assert ring.to_json() == {"bucket_group": 2, "steps": [7, 8], "buckets": BUCKETS,
+    assert ring.to_json(None) == {"bucket_group": 2, "steps": [7, 8], "buckets": BUCKETS,
                               "values": [[1.0, "inf"], ["nan", 2.0]]}
+
+
+class Group:
+    """Stands in for a Megatron bucket group: the ring only keys on it (weakly) and hands it back."""
+
+    def __init__(self, buckets: List[Dict[str, Any]]) -> None:
+        self.buckets = buckets
+
+
+def _contents(group: Group) -> List[Dict[str, Any]]:
+    return group.buckets
 
 
 def test_groups_come_in_bucket_group_order_and_capacity_zero_keeps_nothing():
     kept, off = RunUp(2), RunUp(0)
-    first, second = object.__new__(type("Group", (), {})), object.__new__(type("Group", (), {}))
+    first, second = Group(BUCKETS), Group(BUCKETS[:1])
     for keeper in (kept, off):
-        keeper.write(second, 1, 1, torch.ones(1), lambda: BUCKETS[:1])
-        keeper.write(first, 0, 1, torch.ones(2), lambda: BUCKETS)
-    assert [group["bucket_group"] for group in kept.to_json()] == [0, 1]
+        keeper.write(second, 1, 1, torch.ones(1), _contents)
+        keeper.write(first, 0, 1, torch.ones(2), _contents)
+    assert [(group["bucket_group"], group["buckets"]) for group in kept.to_json()] == [(0, BUCKETS),
+                                                                                       (1, BUCKETS[:1])]
     assert off.to_json() == []
+
+
+def test_a_ring_goes_with_its_bucket_group():
+    """A rebuilt model's old groups (and their device tensors) are not kept alive by the run-up."""
+    kept, group = RunUp(2), Group(BUCKETS)
+    kept.write(group, 0, 1, torch.ones(2), _contents)
+    del group
+    gc.collect()
+    assert kept.to_json() == []
 
 
 @pytest.mark.parametrize("value", [-1, runup.MAX_RUNUP_STEPS + 1])

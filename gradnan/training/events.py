@@ -21,7 +21,7 @@ NamedModules = List[Tuple[str, torch.nn.Module]]
 Grads = Sequence[Optional[torch.Tensor]]
 DescribeBuckets = Callable[[Any, Sequence[int]], Tuple[List[ParamSlot], List[torch.Tensor], List[dict]]]
 # a bucket group's buckets as the run-up file lists them: ``bucket``, ``numel``, ``params`` (global names)
-DescribeContents = Callable[[], List[Dict[str, Any]]]
+DescribeContents = Callable[[Any], List[Dict[str, Any]]]
 
 
 def _no_modules(chunks: Sequence[torch.nn.Module]) -> NamedModules:

@@ -37,18 +37,21 @@ class BucketGroupRing:
         self._steps[slot] = step
         self._written += 1
 
-    def to_json(self) -> Dict[str, Any]:
-        """The rows oldest first, read back from the device (one copy: at an incident only)."""
+    def to_json(self, group: Any) -> Dict[str, Any]:
+        """The rows oldest first, read back from the device (one copy: at an incident only), and the
+        buckets of ``group`` (this ring's)."""
         capacity = len(self._steps)
         order = [(self._written + k) % capacity for k in range(capacity)]
         order = [slot for slot in order if self._steps[slot] is not None]
         rows = self._values.cpu().tolist()
         return {"bucket_group": self.index, "steps": [self._steps[slot] for slot in order],
-                "buckets": self.contents(), "values": [[json_float(v) for v in rows[slot]] for slot in order]}
+                "buckets": self.contents(group),
+                "values": [[json_float(v) for v in rows[slot]] for slot in order]}
 
 
 class RunUp:
-    """Every bucket group's ring (none when ``capacity`` is 0)."""
+    """Every bucket group's ring (none when ``capacity`` is 0), as long as its group lives (a ring holds no
+    reference to its group: ``contents`` is given the group when the run-up is written)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -69,5 +72,5 @@ class RunUp:
     def to_json(self) -> List[Dict[str, Any]]:
         """Every group's rows, in bucket-group order; empty when nothing was kept."""
         with self._lock:
-            rings = sorted(self._rings.values(), key=lambda ring: ring.index)
-        return [ring.to_json() for ring in rings]
+            rings = sorted(self._rings.items(), key=lambda item: item[1].index)
+        return [ring.to_json(group) for group, ring in rings]
