@@ -37,6 +37,11 @@ SCENARIOS = {
                                              SUDDEN, {}),
     "ring_of_8": (JOB, GROWING, {"runup_steps": 8}),
     "off": (JOB, GROWING, {"runup_steps": 0}),
+    # fp16: one routine skip (step 2) writes no run-up; skips that become an incident (the third in a row)
+    "fp16_routine_skip": (JOB.with_(dtype="fp16", steps=4),
+                          (Injection(1, 2, WEIGHT, "inf", where="backward", index=5),), {}),
+    "fp16_skips_escalate": (JOB.with_(dtype="fp16", steps=12), tuple(
+        Injection(1, step, WEIGHT, "inf", where="backward", index=5) for step in (9, 10, 11)), {}),
 }
 GREW = [name for name in SCENARIOS if name.startswith("grew")]
 
@@ -124,3 +129,34 @@ def test_training_is_bitwise_identical_with_the_runup_kept(outcomes, name):
     (_, with_kit), without = outcomes[0][name], outcomes[1]
     assert step_trace(with_kit) == step_trace(without)
     assert len(step_trace(without)[0]) == FAILING
+
+
+def _overflow_records(run_dir):
+    files, _ = _report(run_dir)
+    return [r for r in files.all_records() if r["kind"] == "loss_scale_overflow"], files
+
+
+def test_a_routine_fp16_skip_writes_no_runup(outcomes):
+    run_dir, _ = outcomes[0]["fp16_routine_skip"]
+    overflows, _ = _overflow_records(run_dir)
+    assert {r["step"] for r in overflows} == {2}
+    assert all(r["runup"] is None for r in overflows)
+    assert not (run_dir / RUNUP_DIR).exists()
+
+
+def test_fp16_skips_that_become_an_incident_write_the_runup_once(outcomes):
+    run_dir, _ = outcomes[0]["fp16_skips_escalate"]
+    overflows, files = _overflow_records(run_dir)
+    assert {r["step"]: r["consecutive_skips"] for r in overflows} == {9: 1, 10: 2, 11: 3}
+    assert {(r["step"], r["runup"] is not None) for r in overflows} == {(9, False), (10, False), (11, True)}
+    assert sorted(doc["step"] for doc in files.runups.values()) == [11, 11]  # one per rank
+
+
+def test_the_report_of_an_fp16_skip_run_reads_its_runup_up_to_where_the_run_began(outcomes):
+    """The report starts from step 9 (the run of skips), the run-up was written at 11 (the incident)."""
+    run_dir, _ = outcomes[0]["fp16_skips_escalate"]
+    _, report = _report(run_dir)
+    assert report["first_step"] == 9
+    runup = report["incident"]["runup"]
+    assert runup["finding"] == "sudden"  # an Inf planted at once: no growth before it
+    assert all(rank["steps"] == list(range(1, 10)) for rank in runup["ranks"])

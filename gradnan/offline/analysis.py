@@ -652,13 +652,19 @@ def _run_key(document: Dict[str, Any]) -> Tuple[Any, ...]:
 
 def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
            parameter: Optional[str]) -> Optional[RunUp]:
-    """The run-up finding from this launch's run-up files at ``step`` (a file names its launch as every
-    record does); None where no rank wrote one."""
+    """The run-up finding from this launch's run-up files (a file names its launch as every record does):
+    each rank's first at or after the failing ``step`` (a run of fp16 skips writes it where the run became
+    an incident, a few steps after the one the report starts from; the rule reads the rows up to
+    ``step``); None where no rank wrote one."""
     launches = {_run_key(record) for record in launch}
-    chosen = sorted((path for path, doc in files.runups.items()
-                     if doc["step"] == step and _run_key(doc) in launches), key=str)
-    if not chosen:
+    first: Dict[Any, Tuple[int, str, Any]] = {}
+    for path, doc in files.runups.items():
+        if doc["step"] >= step and _run_key(doc) in launches:
+            rank, candidate = doc["rank"]["global_rank"], (doc["step"], str(path), path)
+            first[rank] = min(first.get(rank, candidate), candidate)
+    if not first:
         return None
+    chosen = [path for _, _, path in sorted(first.values(), key=lambda item: item[1])]
     return decide(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
 
 
