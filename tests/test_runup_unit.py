@@ -138,7 +138,10 @@ def test_too_few_steps_does_not_decide_and_says_why():
     short = STEADY[:MIN_BASELINE_STEPS + RECENT_STEPS - 1] + ["inf"]
     result = decided([a_runup(0, short)])
     assert result.finding is RunUpFinding.UNDECIDED
+    assert f"at most {len(short) - 1} finite step(s) before it" in result.summary
     assert f"needs {MIN_BASELINE_STEPS + RECENT_STEPS}" in result.summary
+    skipped = decided([a_runup(0, ["inf"] * 5 + STEADY[:4] + ["inf"])])  # fp16 skips are not counted
+    assert skipped.finding is RunUpFinding.UNDECIDED and "at most 4 finite step(s)" in skipped.summary
 
 
 def test_a_culprit_in_no_bucket_or_none_named_does_not_decide():

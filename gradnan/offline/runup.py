@@ -114,12 +114,14 @@ def rank_runup(document: Dict[str, Any], groups: Sequence[Dict[str, Any]], param
                      ratio=ratio, grew=grew, onset=onset)
 
 
-def _reason(ranks: Sequence[RankRunUp], documents: int) -> str:
+def _reason(ranks: Sequence[RankRunUp], documents: int, step: int) -> str:
+    """Why the run-up does not decide (where no rank decides)."""
     if not documents:
         return "no rank wrote a run-up at this step"
     if not ranks:
         return "the culprit parameter is in no bucket the run-up recorded"
-    kept = max(sum(1 for s in rank.steps if s < max(rank.steps, default=0)) for rank in ranks)
+    kept = max(sum(1 for s, v in zip(rank.steps, rank.values) if s < step and math.isfinite(float(v)))
+               for rank in ranks)
     return (f"at most {kept} finite step(s) before it were kept; the rule needs"
             f" {MIN_BASELINE_STEPS + RECENT_STEPS} (runup_steps, or a run that had only started)")
 
@@ -144,7 +146,7 @@ def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]],
         finding, onset, ratio = RunUpFinding.SUDDEN, None, max(rank.ratio for rank in decided)
     else:
         finding, onset, ratio = RunUpFinding.UNDECIDED, None, None
-    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, len(documents))
+    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, len(documents), step)
     where = " and ".join(rank.label for rank in first[:MAX_NAMED])
     if len(first) > MAX_NAMED:
         where += f" and {len(first) - MAX_NAMED} more rank(s) at the same step"
