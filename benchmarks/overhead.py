@@ -6,11 +6,12 @@
     python benchmarks/overhead.py --sizes 1b      # on a GPU: a 1.1B-parameter GPT, bf16, sequence 2048
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
-1. Step time, interleaved round by round (off, defaults, defaults without the rerun's kept step
-   (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention, i.e. its every call traced;
-   each mode installed, one untimed step, one timed step, then one step with the kit's own time clocked,
-   whose device synchronizations stay out of the timed one), reported as medians and the median of the
-   per-round ratios.
+1. Step time, interleaved round by round (off, defaults, defaults without the run-up ring
+   (``runup_steps=0``: the run-up's own cost is defaults / runup_off, printed per size), defaults without
+   the rerun's kept step (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention,
+   i.e. its every call traced; each mode installed, one untimed step, one timed step, then one step with
+   the kit's own time clocked, whose device synchronizations stay out of the timed one), reported as
+   medians and the median of the per-round ratios.
 2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
    hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, the floor: one finite check over
@@ -31,6 +32,7 @@ import platform
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -39,7 +41,8 @@ import gradnan
 from gradnan.testing.measure import HostSyncCounter, PeakMemory
 from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
-from gradnan.training.scan import find_nonfinite, finite_flag
+from gradnan.training.runup import RunUp
+from gradnan.training.scan import abs_max, find_nonfinite, finite_flag
 
 SHAPE = dict(vocab_size=1024, seq_length=128, micro_batch_size=2)
 SIZES = {
@@ -49,7 +52,7 @@ SIZES = {
     "1b": dict(hidden_size=2048, num_layers=20, num_heads=16, vocab_size=32768, seq_length=2048,
                micro_batch_size=2),
 }
-MODES = {"off": None, "defaults": {}, "rerun_off": {"rerun": "off"},
+MODES = {"off": None, "defaults": {}, "runup_off": {"runup_steps": 0}, "rerun_off": {"rerun": "off"},
          "pre_reduction_sync": {"pre_reduction": "sync"},
          "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True}}
 
@@ -122,12 +125,32 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
                 kit_share[mode].append(clock.seconds / seconds)
     gradnan.uninstall()
     ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in kit_share}
+    runup = [t / base for t, base in zip(times["defaults"], times["runup_off"])]
     return {
+        "runup_ratio": {"median": statistics.median(runup), "quartiles": _quartiles(runup),
+                        "kit_share_difference": statistics.median(kit_share["defaults"])
+                        - statistics.median(kit_share["runup_off"])},
         "median_s": {mode: statistics.median(values) for mode, values in times.items()},
         "median_ratio": {mode: statistics.median(values) for mode, values in ratios.items()},
         "ratio_quartiles": {mode: _quartiles(values) for mode, values in ratios.items()},
         "median_kit_share": {mode: statistics.median(values) for mode, values in kit_share.items()},
     }
+
+
+def runup_write_cost(model: TinyGPT, steps: int, device: torch.device) -> Dict[str, Any]:
+    """The run-up's own work on a healthy step, alone: every bucket group's maxima (as the pre-reduction
+    check computed them) copied into its ring, ``steps`` times (the ring wraps); median seconds per step."""
+    groups = [group for chunk in model.chunks for group in chunk.bucket_groups]
+    maxima = [torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets]) for group in groups]
+    ring = RunUp(32)
+
+    def write(step: int) -> None:
+        for index, (group, values) in enumerate(zip(groups, maxima)):
+            ring.write(group, index, step, values, list)
+
+    seconds = [_timed(partial(write, step), device) for step in range(steps)]
+    return {"bucket_groups": len(groups), "buckets": sum(len(g.buckets) for g in groups),
+            "median_s": statistics.median(seconds)}
 
 
 def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
@@ -234,6 +257,15 @@ def _table(results: Dict[str, Any]) -> str:
             lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} "
                          f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
                          f"{100 * steps['median_kit_share'][mode]:.2f}% |")
+    lines += ["", "| size | run-up: defaults / runup_off step, median [quartiles] | kit time / step,"
+              " difference | ring writes alone / step (buckets) |", "|---|---|---|---|"]
+    for size, entry in results["sizes"].items():
+        runup, write = entry["steps"]["runup_ratio"], entry["runup_write"]
+        low, _, high = runup["quartiles"]
+        share = write["median_s"] / entry["steps"]["median_s"]["off"]
+        lines.append(f"| {size} | {runup['median']:.3f} [{low:.3f}, {high:.3f}] | "
+                     f"{100 * runup['kit_share_difference']:+.2f} points | {100 * share:.3f}%"
+                     f" ({write['median_s'] * 1e6:.0f} us, {write['buckets']}) |")
     lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | peak extra (% of grad bytes) "
               "|", "|---|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
@@ -280,6 +312,7 @@ def main() -> None:
             model.step()
             entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
+            entry["runup_write"] = runup_write_cost(model, 200, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
             results["sizes"][size] = entry
             from gradnan.patches.model import destroy_model_parallel

@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .errors import ConfigError, InputError
+from .formats.runup import MAX_RUNUP_STEPS
 from .formats.schema import read_text
 
 ENV_PREFIX = "GRADNAN_"
@@ -158,6 +159,11 @@ class GradnanConfig:
     pre_reduction: PreReduction = PreReduction.AUTO
     """When each rank's local gradients are checked before the data-parallel collective."""
 
+    runup_steps: int = 32
+    """Steps of each gradient bucket's largest magnitude before the data-parallel collective kept on the
+    device (the run-up), written at an incident so the report can tell whether the culprit's gradients grew
+    before the NaN; 0: off. Needs ``pre_reduction`` (it reuses that check's read)."""
+
     max_params_per_record: int = 64
     """Offending parameters listed in full per record; the rest are only counted."""
 
@@ -283,6 +289,8 @@ class GradnanConfig:
         if self.max_bundles < 0 or self.max_bundle_bytes < 0 or self.max_batch_bytes < 0:
             raise ConfigError("gradnan config fields 'max_bundles', 'max_bundle_bytes' and"
                               " 'max_batch_bytes' must be >= 0")
+        if not 0 <= self.runup_steps <= MAX_RUNUP_STEPS:
+            raise ConfigError(f"gradnan config field 'runup_steps' must be 0 (off) to {MAX_RUNUP_STEPS}")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:

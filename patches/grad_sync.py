@@ -2,7 +2,8 @@
 
 Wrapped so each rank's LOCAL gradients are checked before the reduce-scatter / all-reduce (and before
 Megatron's own ``check_grads`` can raise): one fused statistic per bucket (``bucket.grad_data`` is
-contiguous), its largest magnitude, read in one pass: NaN or Inf where the bucket holds one, and, where all
+contiguous), its largest magnitude, read in one pass (and kept on the device for the run-up,
+``training.runup``): NaN or Inf where the bucket holds one, and, where all
 are finite, whether the largest squares past float32's range, overflowing the grad norm (exploding
 gradients; what makes Megatron's own bucket check find Inf from finite gradients). Covers dense and expert
 bucket groups, ``overlap_grad_reduce`` on and off (the sync is started from the backward hooks or from
@@ -20,7 +21,7 @@ Modes (``GradnanConfig.pre_reduction``):
 from __future__ import annotations
 
 import importlib
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -36,16 +37,33 @@ _MODULE = "megatron.core.distributed.param_and_grad_buffer"
 _GROUP_CLASS = "_ParamAndGradBucketGroup"
 
 
+def _names(chunks: Sequence[torch.nn.Module]) -> Dict[int, Tuple[str, int]]:
+    """id(parameter) -> (global name, registration order)."""
+    return {id(param): (name, order) for order, (name, param) in enumerate(global_named_parameters(chunks))}
+
+
+def _unnamed(param: torch.nn.Parameter) -> Tuple[str, int]:
+    return f"<unnamed {tuple(param.shape)}>", -1
+
+
+def _bucket_contents(group: Any, chunks: Sequence[torch.nn.Module]) -> List[dict]:
+    """Every bucket of the group with the global names of its parameters (the run-up file's ``buckets``)."""
+    names = _names(chunks)
+    return [{"bucket": index, "numel": int(bucket.grad_data.numel()),
+             "params": [names.get(id(param), _unnamed(param))[0] for param in bucket.params_list]}
+            for index, bucket in enumerate(group.buckets)]
+
+
 def _bucket_params(group: Any, bad_buckets: Sequence[int], chunks: Sequence[torch.nn.Module],
                    ids_by_name: dict) -> Tuple[List[ParamSlot], List[torch.Tensor], List[dict]]:
     """Slots and local gradients of the parameters in the given buckets, in backward order."""
-    names = {id(param): (name, order) for order, (name, param) in enumerate(global_named_parameters(chunks))}
+    names = _names(chunks)
     slots, grads, buckets = [], [], []
     for bucket_index in bad_buckets:
         bucket = group.buckets[bucket_index]
         buckets.append({"bucket": bucket_index, "numel": int(bucket.grad_data.numel())})
         for param in bucket.params_list:
-            name, order = names.get(id(param), (f"<unnamed {tuple(param.shape)}>", -1))
+            name, order = names.get(id(param), _unnamed(param))
             slots.append(ParamSlot(
                 id=ids_by_name.get(name, -1), name=name, shape=tuple(param.shape), dtype=str(param.dtype),
                 numel=param.numel(), group=-1, wd_mult=None, lr_mult=None,
@@ -69,11 +87,15 @@ class GradSyncInstrumentor(Instrumentor):
         def describe(group, bad_buckets):
             return _bucket_params(group, bad_buckets, runtime.known_chunks(), runtime.ids_by_name())
 
+        def contents(group):
+            return _bucket_contents(group, runtime.known_chunks())
+
         def check(group):
             mode = runtime.config.pre_reduction
             if mode is PreReduction.OFF or not runtime.first_sync_of_step(group):
                 return
             maxima = torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets])
+            runtime.keep_runup(group, maxima, contents)
             megatron_checks = bool(getattr(group.ddp_config, "check_for_nan_in_grad", False))
             if mode is PreReduction.SYNC or megatron_checks:
                 runtime.pre_reduction_flags(group, maxima, describe, mode="sync")

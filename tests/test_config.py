@@ -20,6 +20,7 @@ def test_defaults_match_the_documented_values():
         "maps": True,
         "detect": True,
         "pre_reduction": "auto",
+        "runup_steps": 32,
         "max_params_per_record": 64,
         "skip_warn_after": 3,
         "strict": False,

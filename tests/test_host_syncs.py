@@ -2,7 +2,8 @@
 (item, tolist, bool/float/int conversions, numpy) with the kit at its defaults as without it, on real
 megatron-core (DP=2, bf16, overlapped reduction with several buckets). ``pre_reduction="sync"`` adds one
 read per bucket group per step, and none per parameter; frame tracing one read per step in all, however
-many module calls and tensors it measures."""
+many module calls and tensors it measures. The run-up ring (on at the defaults) adds none either, also
+once it wraps around."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def counts(tmp_path_factory):
             JOB.with_(gradnan={"out_dir": str(root / "sync"), "pre_reduction": "sync"}),
             JOB.with_(gradnan={"out_dir": str(root / "frames"), "frames": "detect"}),
             JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"}),
+            JOB.with_(gradnan={"out_dir": str(root / "runup_wraps"), "runup_steps": 2}),
             TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")})]
     outcomes = launch_many(jobs)
     return [{rank: [s.host_syncs for s in result.steps] for rank, result in outcome.items()}
@@ -53,3 +55,9 @@ def test_frame_tracing_reads_once_per_step_not_per_tensor(counts):
     for rank in without:  # dozens of module calls and over a hundred tensors measured per step
         assert [d - w for d, w in zip(detect[rank], without[rank])] == [1] * JOB.steps
         assert [t - w for t, w in zip(trace[rank], without[rank])] == [1] * JOB.steps
+
+
+def test_the_runup_ring_adds_no_host_sync_also_when_it_wraps_around(counts):
+    """``runup_steps=2`` over 4 steps: every row is overwritten, its index counted on the host."""
+    (without, _, _, _, _, wraps, *_), _ = counts
+    assert wraps == without

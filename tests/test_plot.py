@@ -139,3 +139,25 @@ def test_control_characters_from_a_file_reach_neither_the_picture_nor_the_termin
     plot_incident(report, tmp_path / "hostile.png")
     assert capfd.readouterr().err == ""
     assert "\x1b" not in (tmp_path / "hostile.svg").read_text()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_runup_panel_draws_the_culprit_bucket_on_the_first_rank_in_red_and_the_others_in_grey(reports,
+                                                                                                   size):
+    runup = reports[size].incident.runup
+    assert runup.first_ranks == (origin_rank(size),)
+    figure, _ = draw_incident(reports[size])
+    try:
+        [axes] = [axes for axes in figure.axes if axes.get_ylabel() == "largest |grad|"]
+        assert axes.get_yscale() == "log"
+        red = [line for line in axes.get_lines()
+               if line.get_color() == "#c0392b" and len(line.get_xdata()) > 1]
+        [first] = [rank for rank in runup.ranks if rank.grew]
+        assert [list(line.get_ydata()) for line in red] == [list(first.values[:-1])]  # the NaN: a mark
+        assert list(red[0].get_xdata()) == [step - runup.step for step in first.steps[:-1]]
+        others = len(runup.ranks) - 1
+        grey_lines = [line for line in axes.get_lines() if line.get_color() == "#999999"]
+        assert len(grey_lines) == (others if others <= 8 else 0)
+        assert len(axes.collections) == (0 if others <= 8 else 1)  # past 8: one band
+    finally:
+        matplotlib.pyplot.close(figure)

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from gradnan.cli import main
 from gradnan.errors import InputError
-from gradnan.formats import records, selftest
-from gradnan.formats.layout import MAPS_DIR, RECORDS_DIR, SELFTEST_DIR, rank_tag
+from gradnan.formats import records, runup, selftest
+from gradnan.formats.layout import MAPS_DIR, RECORDS_DIR, RUNUP_DIR, SELFTEST_DIR, rank_tag
 from gradnan.formats.maps import ParamSlot
 from gradnan.formats.maps import load as load_map
 from gradnan.formats.maps import to_json as map_document
@@ -171,6 +171,23 @@ def selftest_documents(draw) -> Dict[str, Any]:
                        for r in draw(st.lists(ranks, max_size=2, unique=True))])
 
 
+@st.composite
+def runup_documents(draw, rank: st.SearchStrategy[int] = ranks) -> Dict[str, Any]:
+    """A ``gradnan.runup`` file as the training side writes it: a few groups of a few buckets over the
+    steps up to an incident step (the records' steps), magnitudes steady, growing or non-finite."""
+    step = draw(st.integers(0, 6))
+    magnitude = st.sampled_from([0.0, 0.25, 0.3, 3.0, 1e4, 1e30, "nan", "inf"])
+    groups = []
+    for index in range(draw(st.integers(0, 2))):
+        kept = draw(st.integers(0, step + 1))
+        names = st.lists(st.sampled_from(PARAM_NAMES), max_size=3, unique=True)
+        buckets = [{"bucket": b, "numel": 64, "params": draw(names)} for b in range(draw(st.integers(1, 2)))]
+        groups.append({"bucket_group": index, "steps": list(range(step + 1 - kept, step + 1)),
+                       "buckets": buckets,
+                       "values": [[draw(magnitude) for _ in buckets] for _ in range(kept)]})
+    return runup.to_json(coords(draw(rank)), run_identity(draw), step, None, groups)
+
+
 def as_json(document: Any) -> bytes:
     """NaN and Infinity go in as the literals Python's json writes and reads (not strict JSON)."""
     return json.dumps(document, allow_nan=True, indent=1).encode("utf-8")
@@ -307,6 +324,8 @@ def run_directories(draw, breakage: Breakage) -> Dict[str, bytes]:
             files[f"{MAPS_DIR}/{tag}.json"] = some(map_documents(st.just(rank)))
         if draw(st.booleans()):
             files[f"{RECORDS_DIR}/{tag}.jsonl"] = draw(records_files(st.just(rank), breakage))
+        if draw(st.booleans()):
+            files[f"{RUNUP_DIR}/{tag}_step0000001.json"] = some(runup_documents(st.just(rank)))
     if draw(st.booleans()):
         files[f"{SELFTEST_DIR}/selftest.json"] = some(selftest_documents())
     return files
@@ -339,10 +358,16 @@ def check_selftest(path: Path) -> None:
     assert isinstance(document["pass"], bool) and isinstance(document["failing_ranks"], list)
 
 
+def check_runup(path: Path) -> None:
+    document = runup.load(path)
+    assert all(len(row) == len(group["buckets"]) for group in document["groups"] for row in group["values"])
+
+
 READERS: Dict[str, Tuple[Callable[[Path], None], st.SearchStrategy, Encode]] = {
     "load_map": (check_map, map_documents(), as_json),
     "load_records": (check_records, record_documents(), as_record_line),
     "load_selftest": (check_selftest, selftest_documents(), as_json),
+    "load_runup": (check_runup, runup_documents(), as_json),
 }
 
 
@@ -378,9 +403,10 @@ def test_a_reader_given_a_mutated_valid_file_returns_or_raises_the_clear_error(r
 
 
 def read_run_checked(run_dir: Path, files: Dict[str, bytes]) -> Optional[RunFiles]:
-    """``read_run`` raises only for a directory without a single candidate file; otherwise every file
-    is either read or named in ``problems``. None where it raised."""
-    if not files:
+    """``read_run`` raises only for a directory without a single candidate file (a map, a records file, a
+    self-test result: run-ups alone are no run); otherwise every file is either read or named in
+    ``problems``. None where it raised."""
+    if not any(relative.startswith((MAPS_DIR, RECORDS_DIR, SELFTEST_DIR)) for relative in files):
         with pytest.raises(InputError) as info:
             read_run(run_dir)
         assert_one_line_naming(str(info.value), run_dir)
@@ -390,7 +416,7 @@ def read_run_checked(run_dir: Path, files: Dict[str, bytes]) -> Optional[RunFile
         assert_one_line_naming(problem, run_dir)
     for relative in files:
         path = run_dir / relative
-        read = path in result.maps or path in result.records or path in result.selftests
+        read = any(path in found for found in (result.maps, result.records, result.selftests, result.runups))
         assert read or any(problem.startswith(f"{path}:") for problem in result.problems), path
     return result
 

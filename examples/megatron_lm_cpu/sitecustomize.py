@@ -13,6 +13,11 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
   gradient during backward;
 - ``PLANT_OVERFLOW=RANK:ITERATION:MODULE[:VALUE]``: an Inf (or VALUE, e.g. ``3.9e28``) in that module's
   forward output.
+- ``PLANT_POISON=SAMPLE[,SAMPLE...][:POSITION]``: poisoned data. Those global samples of the training
+  data carry, at token POSITION (default 3), the padded vocabulary's last token, which no data holds
+  (padding); that token's embedding row is finite but 1e38 on every rank, so a layer norm's variance of it
+  overflows: the samples fail wherever and whenever they are read, every weight finite. A reproducible data
+  incident, for the samples' indices and ``--iterations-to-skip``.
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
 iteration N only: a one-off glitch that a rerun does not meet again). Names are global
@@ -99,6 +104,39 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
         DistributedDataParallel.__init__ = init
 
+    POISON_ROW = 1e38
+
+    def _plant_poisoned_samples() -> None:
+        """The samples' token replaced as the GPT dataset hands them out, the token's embedding row set
+        once the model is built (on the tensor-parallel rank whose vocabulary shard holds it)."""
+        from megatron.core.datasets.gpt_dataset import GPTDataset
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.training.global_vars import get_args
+
+        from gradnan.patches.model import global_named_modules
+
+        samples, *position = os.environ["PLANT_POISON"].split(":")
+        poisoned, at = {int(sample) for sample in samples.split(",")}, int(position[0]) if position else 3
+        original_item, original_init = GPTDataset.__getitem__, DistributedDataParallel.__init__
+
+        def item(self, idx):
+            sample = original_item(self, idx)
+            if idx in poisoned and self.index_split.name == "train":
+                sample["tokens"] = sample["tokens"].clone()
+                sample["tokens"][at] = get_args().padded_vocab_size - 1
+            return sample
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            token = get_args().padded_vocab_size - 1
+            for name, module in global_named_modules([self]):
+                start, end = (getattr(module, key, None) for key in ("vocab_start_index", "vocab_end_index"))
+                if name == "embedding.word_embeddings" and start is not None and start <= token < end:
+                    with torch.no_grad():
+                        module.weight[token - start].fill_(POISON_ROW)
+
+        GPTDataset.__getitem__, DistributedDataParallel.__init__ = item, init
+
     def _poisoning(spec, value):
         """A tensor's first element set to ``value`` when ``spec`` is due (a copy: autograd's tensors
         untouched)."""
@@ -126,5 +164,7 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
+    if os.environ.get("PLANT_POISON"):
+        _plant_poisoned_samples()
     print(f"[sitecustomize rank {os.environ.get('RANK')}] Megatron-LM on CPU (stand-in CUDA)",
           file=sys.stderr)

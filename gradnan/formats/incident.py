@@ -356,6 +356,45 @@ class GradientPass(str, enum.Enum):
     """The maps needed to tell are missing."""
 
 
+class RunUpFinding(str, enum.Enum):
+    """Whether the culprit's gradients grew in the steps before the failing one (the run-up, read from the
+    ``gradnan.runup`` files; the rule: ``offline.runup``)."""
+
+    GREW = "grew"
+    """Its bucket's largest gradient before the collective rose well above its earlier median first."""
+    SUDDEN = "sudden"
+    """Its bucket stayed at its earlier level until the failing step: no run-up."""
+    UNDECIDED = "undecided"
+    """The run-up does not decide (too few steps kept, the culprit in no recorded bucket, none named)."""
+
+    @property
+    def headline(self) -> str:
+        """The finding in a few words (the plot's heading)."""
+        return _RUNUP_HEADLINES[self]
+
+    def summary(self, parameter: Optional[str], ratio: Optional[float], first: str, before: Optional[int],
+                reason: str) -> str:
+        """The finding as one sentence: ``ratio``, the largest of the last steps over the earlier median
+        (on the ``first`` ranks where it grew); ``before``: how many steps before the failing one it first
+        did; ``reason``: why the evidence does not decide."""
+        subject = f"the gradients of {parameter}'s bucket" if parameter else "the culprit's gradients"
+        if self is RunUpFinding.GREW:
+            return (f"{subject} grew before the failing step: up to {magnitude_text(ratio)}x their earlier"
+                    f" median, first on {first}, {before} step(s) before it: the value built up over"
+                    " several steps rather than appearing at once")
+        if self is RunUpFinding.SUDDEN:
+            return (f"{subject} did not grow before the failing step (at most {magnitude_text(ratio)}x their"
+                    " earlier median on any rank): the value went non-finite at once, with no run-up")
+        return f"the run-up does not say whether {subject} grew: {reason}"
+
+
+_RUNUP_HEADLINES = {
+    RunUpFinding.GREW: "the culprit's gradients grew before the failing step",
+    RunUpFinding.SUDDEN: "no growth before the failing step",
+    RunUpFinding.UNDECIDED: "not decided",
+}
+
+
 def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optional[str],
                           rerun_skipped: Optional[str]) -> str:
     """The verdict's summary of a loss Megatron's check rejected (``--rerun-mode disabled``): what

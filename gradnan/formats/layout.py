@@ -4,6 +4,7 @@
     <out_dir>/records/<rank tag>.jsonl                          append-only JSON lines
     <out_dir>/bundles/<rank tag>/<when>_<module>[_<k>]/         capture bundles (manifest.json, tensors.pt)
     <out_dir>/batches/<rank tag>/<when>_mb<M>.pt                the failing micro-batch the rerun kept
+    <out_dir>/runup/<rank tag>_<when>.json                      the gradient buckets' run-up at an incident
     <out_dir>/selftest/<time>.json                              self-test results
 
 ``<when>`` is ``iter<NNNNNNN>`` (Megatron-LM's iteration, where its loop runs) or ``step<NNNNNNN>``.
@@ -27,6 +28,7 @@ RECORDS_DIR = "records"
 BUNDLES_DIR = "bundles"
 BATCHES_DIR = "batches"
 SELFTEST_DIR = "selftest"
+RUNUP_DIR = "runup"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.pt"
 
@@ -98,6 +100,11 @@ def batch_path(out_dir: str, coords: Mapping[str, Any], step: int, micro_batch: 
                iteration: Optional[int] = None) -> Path:
     """Where the rerun keeps the failing micro-batch's tensors (``torch.save`` of a dict of tensors)."""
     return Path(out_dir) / BATCHES_DIR / rank_tag(coords) / f"{_when(step, iteration)}_mb{micro_batch}.pt"
+
+
+def runup_path(out_dir: str, coords: Mapping[str, Any], step: int, iteration: Optional[int] = None) -> Path:
+    """Where a rank writes the run-up of its gradient buckets at an incident step."""
+    return Path(out_dir) / RUNUP_DIR / f"{rank_tag(coords)}_{_when(step, iteration)}.json"
 
 
 def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:

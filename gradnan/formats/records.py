@@ -88,7 +88,7 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
                          " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
-    for key in ("kind", "pre_reduction", "mode", "map"):
+    for key in ("kind", "pre_reduction", "mode", "map", "runup"):
         if not optional(record.get(key), is_text):
             raise InputError(f"{where}: '{key}' must be text")
     if record.get("kind") == "frames":

@@ -197,9 +197,10 @@ def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False)
         raise InputError(f"{path}: not UTF-8 text") from None
 
 
-def read_document(path: Path, schema: Schema) -> Dict[str, Any]:
-    """A JSON file of ``schema``, checked for its name and version (the caller checks its fields)."""
-    return schema.check(parse_json(read_text(path), str(path)), str(path))
+def read_document(path: Path, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
+    """A JSON file of ``schema`` of at most ``max_bytes``, checked for its name and version (the caller
+    checks its fields)."""
+    return schema.check(parse_json(read_text(path, max_bytes), str(path)), str(path))
 
 
 def nonfinite_counts(entry: Mapping[str, Any]) -> str:

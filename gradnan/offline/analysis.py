@@ -45,6 +45,7 @@ from ..formats.schema import Schema
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
+from .runup import RunUp, decide
 
 SCHEMA = Schema("gradnan.report", 1)
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
@@ -189,6 +190,7 @@ class Incident:
     capture_settings: Optional[Dict[str, str]]  # GRADNAN_CAPTURE_* to capture it on a rerun from a checkpoint
     next_steps: Tuple[NextStep, ...] = ()
     health: Tuple[HealthReading, ...] = ()  # the origin devices' NVML readings at the step, where recorded
+    runup: Optional[RunUp] = None  # did the culprit's gradients grow first (None: no run-up was written)
 
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "iteration": self.iteration, "kinds": list(self.kinds),
@@ -198,7 +200,8 @@ class Incident:
                 "verdict": self.verdict.to_json(),
                 "rerun": None if self.rerun is None else self.rerun.to_json(),
                 "next": [step.to_json() for step in self.next_steps],
-                "health": [reading.to_json() for reading in self.health]}
+                "health": [reading.to_json() for reading in self.health],
+                "runup": None if self.runup is None else self.runup.to_json()}
 
 
 @dataclass(frozen=True)
@@ -697,7 +700,41 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         parameters=tuple(parameters), pattern=pattern,
         verdict=verdict, rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration),
         next_steps=tuple(_next_steps(verdict, rerun, origin, iteration, ranks, str(files.run_dir), health)),
-        health=tuple(health))
+        health=tuple(health),
+        runup=_runup(files, launch, step, _culprit_parameter(pattern, gradient_origin)))
+
+
+def _culprit_parameter(pattern: Pattern, origin: Sequence[View]) -> Optional[str]:
+    """The parameter whose run-up is read: the first non-finite gradient in backward order, else the
+    origin's first offending parameter, else its largest gradient (a norm overflow from finite ones)."""
+    if pattern.first_in_backward:
+        return pattern.first_in_backward
+    named = [entry["params"][0]["name"] for entry in origin if entry["params"]]
+    named += [entry["largest_grad"]["name"] for entry in origin if entry.get("largest_grad")]
+    return named[0] if named else None
+
+
+def _run_key(document: Dict[str, Any]) -> Tuple[Any, ...]:
+    run = document.get("run")
+    return tuple(sorted(run.items())) if isinstance(run, dict) else ()
+
+
+def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
+           parameter: Optional[str]) -> Optional[RunUp]:
+    """The run-up finding from this launch's run-up files (a file names its launch as every record does):
+    each rank's first at or after the failing ``step`` (a run of fp16 skips writes it where the run became
+    an incident, a few steps after the one the report starts from; the rule reads the rows up to
+    ``step``); None where no rank wrote one."""
+    launches = {_run_key(record) for record in launch}
+    first: Dict[Any, Tuple[int, str, Any]] = {}
+    for path, doc in files.runups.items():
+        if doc["step"] >= step and _run_key(doc) in launches:
+            rank, candidate = doc["rank"]["global_rank"], (doc["step"], str(path), path)
+            first[rank] = min(first.get(rank, candidate), candidate)
+    if not first:
+        return None
+    chosen = [path for _, _, path in sorted(first.values(), key=lambda item: item[1])]
+    return decide(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

@@ -16,6 +16,11 @@ Right: the evidence that decides the verdict: the rerun's forward origin and the
 (where the step was run again in place), the largest finite gradient of each offending parameter against
 its dtype's limit, and the verdict's evidence lines.
 
+Below it, the run-up (where ranks wrote one): the largest |gradient| of the culprit's bucket before the
+data-parallel collective, step by step up to the failing one, on a log scale: the ranks where it grew first
+(else the origin) in red, every other rank in grey (past ``MAX_RUNUP_LINES`` of them, the band between
+their smallest and largest value at each step); a non-finite value is a red mark at the top edge.
+
 Every text drawn is escaped like the terminal's text (``gradnan.formats.text.printable``) with its
 whitespace collapsed (a name from a file is one
 line of plain text), math text is off, and matplotlib's warnings (a glyph missing from the font) are
@@ -39,6 +44,7 @@ from ..formats.magnitude import DTYPE_MAX, magnitude_text
 from ..formats.text import printable
 from .analysis import Incident, Report, View
 from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline, verdict_headline
+from .runup import RankRunUp, RunUp
 
 NO_RANK, NO_RECORD, FINITE, RECEIVED, ORIGIN = range(5)  # a cell's state; a pooled cell shows the largest
 COLOURS = ("#ffffff", "#7f7f7f", "#dddddd", "#f39c12", "#c0392b")
@@ -57,6 +63,8 @@ MIN_PIXELS = 3  # a tensor-parallel peer narrower than this: cells show their st
 MAX_BARS = 8
 MAX_EVIDENCE_LINES = 12
 BAR_SLOT_IN = 0.42  # one bar and its name above it
+RUNUP_HEIGHT_IN = 1.9
+MAX_RUNUP_LINES = 8  # other ranks drawn one by one; more are drawn as one band
 LINE_HEIGHT = 1.45  # a text line's height in font sizes (with the gap to the next), conservative
 CHAR_WIDTH = 0.62  # DejaVu Sans' widest common glyphs in font sizes (the wrapping's budget per character)
 # a text's line length in characters, for a width in inches at a font size in points
@@ -333,10 +341,85 @@ def evidence_blocks(incident: Incident) -> List[Block]:
             blocks.append(bar_block(bars, limits, width))
         else:
             body(["no finite value left in the offending gradients"])
+    if incident.runup is not None:
+        heading(f"Run-up: {incident.runup.finding.headline}")
+        body([incident.runup.summary], limit=5)
+        if any(rank.steps for rank in incident.runup.ranks):
+            blocks.append(runup_block(incident.runup, highlighted_ranks(incident), width))
     if incident.verdict.evidence:
         heading("Why")
         body([f"- {item}" for item in incident.verdict.evidence], limit=MAX_EVIDENCE_LINES)
     return blocks
+
+
+def highlighted_ranks(incident: Incident) -> Tuple[int, ...]:
+    """The run-up's ranks drawn in red: where it grew first, else the origin's."""
+    runup = incident.runup
+    if runup is not None and runup.first_ranks:
+        return runup.first_ranks
+    return tuple(sorted({entry["global_rank"] for entry in incident.origin}))
+
+
+def _series(rank: RankRunUp, step: int) -> Tuple[List[int], List[float], List[int]]:
+    """A rank's finite values by steps before the failing ``step`` (x <= 0), and where it was not finite."""
+    xs, ys, bad = [], [], []
+    for at, value in zip(rank.steps, rank.values):
+        number = float(value)
+        if math.isfinite(number) and number > 0:
+            xs.append(at - step)
+            ys.append(number)
+        elif not math.isfinite(number):
+            bad.append(at - step)
+    return xs, ys, bad
+
+
+def _band(ranks: Sequence[RankRunUp], step: int) -> Tuple[List[int], List[float], List[float]]:
+    """Per step, the smallest and the largest finite value over ``ranks``."""
+    by_step: Dict[int, List[float]] = {}
+    for rank in ranks:
+        xs, ys, _ = _series(rank, step)
+        for x, y in zip(xs, ys):
+            by_step.setdefault(x, []).append(y)
+    xs = sorted(by_step)
+    return xs, [min(by_step[x]) for x in xs], [max(by_step[x]) for x in xs]
+
+
+def runup_block(runup: RunUp, highlighted: Sequence[int], width_in: float) -> Block:
+    """The culprit bucket's largest |gradient| per step on every rank, log scale (module docstring)."""
+    def draw(figure, left: float, top: float) -> None:
+        axes = figure.add_axes(_inches_to_figure(figure, left + 0.55, top, width_in - 0.6, RUNUP_HEIGHT_IN))
+        axes.set_yscale("log")
+        red = [rank for rank in runup.ranks if rank.global_rank in highlighted]
+        grey = [rank for rank in runup.ranks if rank.global_rank not in highlighted]
+        if len(grey) > MAX_RUNUP_LINES:
+            xs, low, high = _band(grey, runup.step)
+            axes.fill_between(xs, low, high, color="#bbbbbb", step="mid",
+                              label=f"{len(grey)} other ranks (smallest to largest)")
+        else:
+            for number, rank in enumerate(grey):
+                xs, ys, _ = _series(rank, runup.step)
+                axes.plot(xs, ys, color="#999999", linewidth=1, marker=".",
+                          label="other ranks" if number == 0 else None)
+        for number, rank in enumerate(red[:MAX_RUNUP_LINES]):
+            xs, ys, bad = _series(rank, runup.step)
+            axes.plot(xs, ys, color="#c0392b", linewidth=1.8, marker="o", markersize=3,
+                      label=shortened(clean(rank.label), 40) if number < 3 else None)
+            for x in bad:
+                axes.plot([x], [1], transform=axes.get_xaxis_transform(), marker="v", color="#c0392b",
+                          markersize=8, clip_on=False)
+        axes.set_xlabel("steps before the failing step (0: the failing step; red mark at the top: NaN/Inf)",
+                        fontsize=8)
+        axes.set_ylabel("largest |grad|", fontsize=8)
+        axes.yaxis.set_major_formatter(_magnitude_formatter())
+        axes.tick_params(labelsize=8)
+        axes.legend(fontsize=7, loc="upper left", frameon=False)
+    return Block(RUNUP_HEIGHT_IN + TICK_SPACE_IN + 0.05, draw)
+
+
+def _magnitude_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, _: magnitude_text(value))
 
 
 # --- the grid ------------------------------------------------------------------------------------------

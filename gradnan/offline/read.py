@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 from ..errors import InputError
-from ..formats import bundle, maps, records, selftest
-from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, SELFTEST_DIR
+from ..formats import bundle, maps, records, runup, selftest
+from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, RUNUP_DIR, SELFTEST_DIR
 
 KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)
 MAX_PROBLEMS = 1000  # problems kept as text; past them only counted (a file of 50 M junk lines)
@@ -56,6 +56,8 @@ class RunFiles:
     records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
     selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     bundles: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
+    # ``runup/``: the gradient buckets' run-up at an incident; with params=False without its groups
+    runups: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
 
     def all_records(self) -> List[Dict[str, Any]]:
@@ -67,6 +69,17 @@ class RunFiles:
             return record
         path, number, offset = record.location
         return records.load_at(path, number, offset)
+
+    def runup_groups(self, path: Path) -> List[Dict[str, Any]]:
+        """A run-up's groups (read back from its file where it was read without them); none where that file
+        can no longer be read."""
+        document = self.runups[path]
+        if "groups" in document:
+            return document["groups"]
+        try:
+            return runup.load(path)["groups"]
+        except InputError:
+            return []
 
     def params_of_map(self, path: Path) -> List[Dict[str, Any]]:
         """A map's parameters (read back from its file where it was read without them); none where that
@@ -190,6 +203,12 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     for path in _bundle_manifests(run_dir, files.problems):
         try:
             files.bundles[path.parent] = bundle.load_manifest(path)
+        except InputError as exc:
+            files.problems.append(str(exc))
+    for path in _listed(run_dir / RUNUP_DIR, ".json", files.problems):
+        try:
+            document = runup.load(path)
+            files.runups[path] = document if params else {k: v for k, v in document.items() if k != "groups"}
         except InputError as exc:
             files.problems.append(str(exc))
     budget = [KEPT_PARAMS]

@@ -24,6 +24,7 @@ from .analysis import Incident, Report, RerunFinding, analyze, module_of
 from .frames_view import summary_lines
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS
+from .runup import RunUp
 
 
 def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
@@ -267,6 +268,14 @@ def verdict_headline(incident: Incident) -> str:
     return f"Verdict: {incident.verdict.cause.value}: {incident.verdict.summary}"
 
 
+def runup_lines(runup: Optional[RunUp]) -> List[str]:
+    """The run-up's finding (nothing where no rank wrote a run-up)."""
+    if runup is None:
+        return []
+    return textwrap.wrap(f"Run-up: {runup.summary} (gradnan report --plot draws it)", WIDTH,
+                         subsequent_indent="    ")
+
+
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:
     verdict = incident.verdict
     lines = [step_headline(incident)]
@@ -275,6 +284,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    lines += runup_lines(incident.runup)
     if incident.next_steps:
         lines.append("Next:")
         for number, step in enumerate(incident.next_steps, 1):

@@ -3,7 +3,9 @@
 A job of ``world_size`` ranks laid out TP=8, PP=8 (16 from 2,048 ranks), the rest DP; every rank has a
 map of ``LAYERS_PER_STAGE`` transformer layers (12 parameters each, 2 more on the first stage). At
 ``STEP`` one rank (``origin``) finds a NaN in its own gradients before the data-parallel collective; its
-DP peers (same TP/PP position) hold the NaN after it; every other rank only sees the non-finite norm.
+DP peers (same TP/PP position) hold the NaN after it; every other rank only sees the non-finite norm. Every
+rank writes its run-up: two buckets, the stage's last three parameters and the rest, steady, but on the
+origin the first grew tenfold a step over the last ``GROWTH_STEPS`` steps before it.
 For the scale benchmark (``benchmarks/scale.py``) and the report's one-screen test; ``many_tensor_model``
 and ``TorchOptimizer`` give the training side's slot building 50,000 parameters without a distributed job.
 """
@@ -16,14 +18,15 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..formats import maps, records
-from ..formats.layout import map_path, records_path
+from ..formats import maps, records, runup
+from ..formats.layout import map_path, records_path, runup_path
 from ..formats.maps import ParamSlot
-from ..formats.schema import append_json_line
+from ..formats.schema import append_json_line, write_json_atomic
 from ..offline.read import RunFiles
 
 TP = 8
-STEP = 7
+STEP = 12
+GROWTH_STEPS = 4
 LAYERS_PER_STAGE = 24
 LAYER_PARAMS = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
@@ -98,14 +101,36 @@ def rank_records(rank: int, world_size: int, origin: int, map_file: Path) -> Lis
     return written
 
 
+@functools.lru_cache(maxsize=None)
+def _stage_buckets(pp: int) -> Tuple[Dict[str, Any], ...]:
+    names = [slot.name for slot in stage_slots(pp)]
+    return ({"bucket": 0, "numel": 3 * 512 * 64, "params": names[-3:]},
+            {"bucket": 1, "numel": (len(names) - 3) * 512 * 64, "params": names[:-3]})
+
+
+def rank_runup(rank: int, world_size: int, origin: int) -> Dict[str, Any]:
+    """One rank's run-up at ``STEP``, as the training side writes it."""
+    coords = coords_of(rank, world_size)
+    steady = [0.5 + 0.01 * ((rank + step) % 7) for step in range(1, STEP + 1)]
+    culprit = list(steady)
+    if rank == origin:
+        culprit[-GROWTH_STEPS - 1:] = [steady[0] * 10.0 ** k for k in range(1, GROWTH_STEPS + 1)] + ["nan"]
+    group = {"bucket_group": 0, "steps": list(range(1, STEP + 1)),
+             "buckets": list(_stage_buckets(coords["pp"])),
+             "values": [[first, other] for first, other in zip(culprit, steady)]}
+    return runup.to_json(coords, RUN, STEP, STEP, [group])
+
+
 def write_rank(out_dir: Path, rank: int, world_size: int, origin: int) -> None:
-    """One rank's map and its records at ``STEP``, as the training side writes them."""
+    """One rank's map, its records and its run-up at ``STEP``, as the training side writes them."""
     coords = coords_of(rank, world_size)
     path = map_path(str(out_dir), coords, 0)
     slots = stage_slots(coords["pp"])
     maps.write(path, maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots))
     for record in rank_records(rank, world_size, origin, path):
         append_json_line(records_path(str(out_dir), coords), record)
+    write_json_atomic(runup_path(str(out_dir), coords, STEP, STEP), rank_runup(rank, world_size, origin),
+                      indent=None)
 
 
 def write_run_dir(out_dir: Path, world_size: int) -> int:
@@ -119,7 +144,7 @@ def write_run_dir(out_dir: Path, world_size: int) -> int:
 def run_files(world_size: int, run_dir: Path = Path("synthetic")) -> RunFiles:
     """What ``read_run(params=False)`` reads of the run directory ``write_run_dir`` writes, built in memory
     (16,384 ranks in seconds, not the minute their files take): each map without its table, but the
-    origin's whole (the report looks up its parameters' dtypes)."""
+    origin's whole (the report looks up its parameters' dtypes), and every run-up whole."""
     origin = origin_rank(world_size)
     files = RunFiles(Path(run_dir))
     for rank in range(world_size):
@@ -130,6 +155,7 @@ def run_files(world_size: int, run_dir: Path = Path("synthetic")) -> RunFiles:
         document = maps.to_json(coords, VERSIONS, RUN, 0, "DistributedOptimizer", slots if whole else ())
         files.maps[path] = {**maps.from_json(document, str(path), params=whole), "params_count": len(slots)}
         files.records[records_path(str(run_dir), coords)] = rank_records(rank, world_size, origin, path)
+        files.runups[runup_path(str(run_dir), coords, STEP, STEP)] = rank_runup(rank, world_size, origin)
     return files
 
 

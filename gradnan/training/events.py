@@ -20,6 +20,8 @@ from ..formats.maps import ParamSlot
 NamedModules = List[Tuple[str, torch.nn.Module]]
 Grads = Sequence[Optional[torch.Tensor]]
 DescribeBuckets = Callable[[Any, Sequence[int]], Tuple[List[ParamSlot], List[torch.Tensor], List[dict]]]
+# a bucket group's buckets as the run-up file lists them: ``bucket``, ``numel``, ``params`` (global names)
+DescribeContents = Callable[[Any], List[Dict[str, Any]]]
 
 
 def _no_modules(chunks: Sequence[torch.nn.Module]) -> NamedModules:
@@ -187,3 +189,5 @@ class Events(Protocol):
 
     def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor,
                                   describe: DescribeBuckets) -> None: ...
+
+    def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None: ...

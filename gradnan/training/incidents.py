@@ -20,11 +20,14 @@ from ..formats.schema import json_float
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
-from .events import DescribeBuckets, Grads
+from .events import DescribeBuckets, DescribeContents, Grads
 from .health import DeviceHealth
 from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params
+from .runup import RunUp
 from .writer import Writer
+
+MAX_RUNUP_FILES = 16  # run-up files a rank writes at most (one per incident step; a run of bad steps: one)
 
 
 class OptimizerState:
@@ -60,6 +63,10 @@ class Detections:
         self._pre_reduction_overflow = False
         self._pre_reduction_logged = False
         self._bucket_group_index: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.runup = RunUp(config.runup_steps)
+        self._runup_step: Optional[int] = None  # the last incident step that asked for the run-up
+        self._runup_path: Optional[str] = None  # and where it was written (None: not)
+        self._runup_files = 0
         self.last_pre_reduction: Optional[str] = None  # this step's: were this rank's own gradients bad?
         # this step's, at the grad norm: "nonfinite", "overflow" (every gradient finite, the rank's own
         # float32 sum of squares not) or "finite"; None: no non-finite norm was recorded
@@ -101,6 +108,35 @@ class Detections:
             self._pre_reduction_checked = True
             return True
 
+    def bucket_group_index(self, group: Any) -> int:
+        """A bucket group's number in this rank's records and run-up: the order of their first sync."""
+        with self._lock:
+            return self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
+
+    def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None:
+        """This step's bucket abs maxima of ``group`` into its run-up ring (on the device, no host read)."""
+        self.runup.write(group, self.bucket_group_index(group), self._clock.current(), maxima, contents)
+
+    def _runup_file(self, step: int) -> Optional[str]:
+        """Write the run-up at an incident ``step``, once for the step (every record of it names the same
+        file); not for the step right after one that asked (a run of non-finite steps has one run-up, its
+        first's), and at most ``MAX_RUNUP_FILES`` per rank. Its path, or None."""
+        with self._lock:
+            if step == self._runup_step:
+                return self._runup_path
+            consecutive = self._runup_step == step - 1
+            self._runup_step, self._runup_path = step, None
+            if consecutive or self._runup_files >= MAX_RUNUP_FILES:
+                return None
+        groups = self.runup.to_json()
+        if not groups:
+            return None
+        path = self._writer.runup(step, groups)
+        with self._lock:
+            self._runup_path = path
+            self._runup_files += path is not None
+        return path
+
     def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets) -> None:
         """Keep a bucket group's on-device abs maxima until a non-finite norm asks for them (no host sync)."""
         with self._lock:
@@ -139,13 +175,13 @@ class Detections:
                               level: int, largest: Optional[Dict[str, Any]]) -> None:
         """Write and log a pre-reduction record: non-finite gradients (``found``), or a norm overflow from
         finite ones (``largest``: the largest gradient before the collective)."""
-        with self._lock:
-            group_index = self._bucket_group_index.setdefault(group, len(self._bucket_group_index))
-        extra = {"mode": mode, "bucket_group": group_index, "buckets": buckets, "order": "backward",
-                 "micro_batch": None}
+        step = self._clock.current()
+        extra = {"mode": mode, "bucket_group": self.bucket_group_index(group), "buckets": buckets,
+                 "order": "backward", "micro_batch": None,
+                 "runup": self._runup_file(step) if level > logging.DEBUG else None}
         if largest is not None:
             extra.update(norm_overflow=True, largest_grad=largest)
-        record = self._writer.record("pre_reduction", self._clock.current(), found,
+        record = self._writer.record("pre_reduction", step, found,
                                      self._with_health(extra, level >= logging.ERROR))
         with self._lock:
             if largest is None:
@@ -194,6 +230,7 @@ class Detections:
 
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
                 extra: Dict[str, Any], incident: bool = True) -> Dict[str, Any]:
+        """``incident``: not a routine fp16 skip; its run-up is written (``_runup_file``)."""
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
         pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm"
                                              else logging.DEBUG)
@@ -203,9 +240,10 @@ class Detections:
         if kind == RecordKind.NONFINITE_GRAD_NORM:
             # every gradient here finite: the largest says whether this rank's own norm overflowed
             extra = {**extra, "largest_grad": None if found else largest_gradient(slots, grads)}
-        return self._writer.record(kind, self._clock.current(optimizer), found, self._with_health({
-            "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction, **extra},
-            incident))
+        step = self._clock.current(optimizer)
+        return self._writer.record(kind, step, found, self._with_health({
+            "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction,
+            "runup": self._runup_file(step) if incident else None, **extra}, incident))
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> Dict[str, Any]:

@@ -25,6 +25,7 @@ from .clock import StepClock
 from .error_guard import ErrorGuard
 from .events import (
     DescribeBuckets,
+    DescribeContents,
     Grads,
     MegatronRerun,
     ModelFacts,
@@ -235,6 +236,9 @@ class Runtime:
 
     def defer_pre_reduction_flags(self, group: Any, maxima: torch.Tensor, describe: DescribeBuckets) -> None:
         self.detections.defer_pre_reduction_flags(group, maxima, describe)
+
+    def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None:
+        self.detections.keep_runup(group, maxima, contents)
 
     # -- the user's controls -------------------------------------------------------------------------
 

@@ -25,10 +25,18 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..config import GradnanConfig
-from ..formats import bundle, maps, records
-from ..formats.layout import batch_path, bundle_dir, launch_tag, map_path, records_path, run_identity
+from ..formats import bundle, maps, records, runup
+from ..formats.layout import (
+    batch_path,
+    bundle_dir,
+    launch_tag,
+    map_path,
+    records_path,
+    run_identity,
+    runup_path,
+)
 from ..formats.maps import ParamSlot
-from ..formats.schema import RefusedPath, append_json_line, held_directory
+from ..formats.schema import RefusedPath, append_json_line, held_directory, write_json_atomic
 from ..log import logger
 from .events import ModelFacts
 
@@ -124,6 +132,19 @@ class Writer:
         except OSError as error:
             self._unwritable("record", path, error)
         return Written(record, path)
+
+    def runup(self, step: int, groups: List[Dict[str, Any]]) -> Optional[str]:
+        """Write this rank's run-up at an incident ``step`` (``formats.runup``); its path, or None where it
+        could not be written."""
+        coords, iteration = self.coords(), self._facts.iteration()
+        path = runup_path(self.config.out_dir, coords, step, iteration)
+        try:
+            write_json_atomic(path, runup.to_json(coords, self.run, step, iteration, groups), indent=None,
+                              root=Path(self.config.out_dir))
+        except OSError as error:
+            self._unwritable("run-up", path, error)
+            return None
+        return str(path)
 
     def bundle(self, step: int, module_name: str, manifest: Dict[str, Any],
                tensors: Mapping[str, torch.Tensor]) -> Optional[Written]:
