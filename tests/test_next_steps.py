@@ -14,8 +14,8 @@ from .test_report_unit import _files, _record
 CORE = "decoder.layers.1.self_attention.core_attention"
 
 
-def _rerun(rank, conclusion, host, own=None, module=None, iteration=None):
-    record = _record(2, "rerun", rank, trigger="nonfinite_grad_norm", megatron=None,
+def _rerun(rank, conclusion, host, own=None, module=None, iteration=None, megatron=None):
+    record = _record(2, "rerun", rank, trigger="nonfinite_grad_norm", megatron=megatron,
                      role="origin" if module else "clean", conclusion=conclusion, own_failure=own,
                      micro_batch=0, module=module, bundle=None, batch=None, iteration=iteration,
                      **{"class": "DotProductAttention" if module else None})
@@ -48,9 +48,18 @@ def test_data_that_fails_again_in_place_under_megatron_lm_gets_the_option_that_s
     steps, document, text = _next([_rerun(1, "reproducible", "node3", module=CORE, iteration=1207),
                                    _rerun(0, "after_collective", "node3", iteration=1207)])
     assert [(step.action.value, step.command) for step in steps] == [
-        ("skip_iteration", ("--iterations-to-skip", "1207"))]
+        ("skip_iteration", ("--iterations-to-skip", "1206"))]  # Megatron-LM counts completed iterations
     assert "to train past iteration 1207, restart Megatron-LM from its last checkpoint" in text, text
-    assert "\n     --iterations-to-skip 1207\n" in text
+    assert "\n     --iterations-to-skip 1206\n" in text
+
+
+def test_after_megatrons_own_rerun_ended_the_job_the_restart_goes_without_it():
+    """A checkpoint Megatron's validate_results wrote at its exit makes the restart run the failing iteration
+    again and exit (17) instead of skipping it (seen on pretrain_gpt.py, docs/recipes.md)."""
+    steps, _, text = _next([_rerun(1, "reproducible", "node3", module=CORE, iteration=4,
+                                   megatron="reproducible")])
+    assert [step.command for step in steps] == [("--iterations-to-skip", "3", "--rerun-mode", "disabled")]
+    assert "\n     --iterations-to-skip 3 --rerun-mode disabled\n" in text
 
 
 def test_without_megatron_lms_iteration_there_is_no_option_to_give():

@@ -69,7 +69,7 @@ def test_the_report_prints_the_samples_and_the_skip_option(runs):
     assert entry["indices"] == [12, 13] and entry["micro_batch"] == 1
     text = format_text(report)
     assert "data-parallel rank 0 of 2, micro-batch 1: global samples 12, 13 (8 samples consumed" in text
-    assert "--iterations-to-skip 2" in text and "--result-rejected-tracker-filename" in text
+    assert "\n     --iterations-to-skip 1\n" in text and "--result-rejected-tracker-filename" in text
 
 
 @pytest.mark.slow

@@ -250,7 +250,8 @@ class Action(str, enum.Enum):
     SELFTEST = "selftest"
     """Confirm or clear that device: ``gradnan selftest`` launched on its node (docs/selftest.md)."""
     SKIP_ITERATION = "skip_iteration"
-    """Train past data that reproducibly fails: Megatron-LM's ``--iterations-to-skip``."""
+    """Train past data that reproducibly fails: Megatron-LM's ``--iterations-to-skip``, which names the
+    iterations completed before the skipped one (its loop compares the completed count)."""
 
     def wording(self, subject: str) -> str:
         """The sentence for one step about ``subject`` (a device, a node, an iteration)."""
@@ -262,12 +263,11 @@ _ACTION_WORDING = {
     Action.SELFTEST: "confirm or clear {subject}: gradnan selftest, launched there as training is"
                      " (docs/selftest.md)",
     Action.SKIP_ITERATION: "to train past iteration {subject}, restart Megatron-LM from its last checkpoint"
-                           " with this option added: its loop consumes that iteration's micro-batches"
-                           " without training on them. Megatron's own rerun state machine does the same"
-                           " from its --result-rejected-tracker-filename file only for a loss its"
-                           " validate_result rejected: at start-up Megatron-LM adds to --iterations-to-skip"
-                           " an iteration the file shows failing reproducibly (or with reruns disabled)"
-                           " twice on the same rank, never one that more than one rank of a job reported",
+                           " with the option below: its loop consumes that iteration's micro-batches"
+                           " without training on them. The option counts the iterations completed before"
+                           " the one it skips, one less than the number the log prints (Megatron-LM"
+                           " core_v0.16.1). Megatron's --result-rejected-tracker-filename adds skips only"
+                           " for a loss its validate_result rejected twice on one rank",
 }
 
 

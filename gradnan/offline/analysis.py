@@ -646,8 +646,11 @@ def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequenc
                 "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
     reproducible = rerun is not None and rerun.conclusion is Conclusion.REPRODUCIBLE
     if verdict.cause is Cause.DATA_OR_NUMERICS and reproducible and isinstance(iteration, int):
+        # a checkpoint written by Megatron's own validate_results exit runs the iteration again on restart,
+        # then exits (17) rather than skipping it: that restart goes without the rerun state machine
+        restarted_rerun = ("--rerun-mode", "disabled") if rerun.megatron else ()
         steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(iteration)),
-                              ("--iterations-to-skip", str(iteration))))
+                              ("--iterations-to-skip", str(iteration - 1), *restarted_rerun)))
     return steps
 
 
