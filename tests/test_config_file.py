@@ -208,8 +208,9 @@ def three_runs(tmp_path_factory):
 
 
 def _comparable(record: Dict[str, Any]) -> Dict[str, Any]:
-    """A record without what differs between launches: time, run identity, file paths, process id."""
-    kept = {key: value for key, value in record.items() if key not in ("time", "run", "map")}
+    """A record without what differs between launches: time, run identity, file paths (the map's, the
+    run-up's), process id."""
+    kept = {key: value for key, value in record.items() if key not in ("time", "run", "map", "runup")}
     kept["rank"] = {key: value for key, value in record["rank"].items() if key != "pid"}
     return kept
 
