@@ -263,8 +263,10 @@ class PoisonedSamples(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> Dict[str, Any]:
         sample = self.dataset[index]
+        # megatron-core before 0.13 counts mock tokens up past any vocabulary (0.13+ wraps them at the
+        # tokenizer's, which is below the poisoned token): wrapped there, the same data on every version
+        sample = {**sample, "tokens": sample["tokens"] % self.token, "labels": sample["labels"] % self.token}
         if index in self.poisoned:
-            sample = {**sample, "tokens": sample["tokens"].clone()}
             sample["tokens"][self.position] = self.token
         return sample
 
