@@ -20,22 +20,14 @@ read: nothing here imports Megatron-LM.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, List, Optional
+
+from .model import integer_or_none, megatron_lm_args
 
 MAX_SAMPLES = 64  # sample indices (and their documents) recorded per micro-batch at most
 MAX_DOCUMENTS = 16  # documents named per sample at most (a sample of short documents spans many)
 _BEHIND = ("source", "iterable", "_dataset", "dataset")  # how a data iterator reaches its dataset
 _MAX_DEPTH = 6
-
-
-def megatron_lm_args() -> Any:
-    """Megatron-LM's parsed arguments when its training loop runs in this process, else None."""
-    return getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None)
-
-
-def _count(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def why_not_derived(args: Any) -> Optional[str]:
@@ -47,7 +39,7 @@ def why_not_derived(args: Any) -> Optional[str]:
         return "--phase-transition-iterations: the data loader restarts at each phase"
     if getattr(args, "hybrid_context_parallel", False):
         return "--hybrid-context-parallel: its sampler hands out whole global batches"
-    if _count(getattr(args, "micro_batch_size", None)) is None:
+    if integer_or_none(getattr(args, "micro_batch_size", None)) is None:
         return "no integer micro_batch_size in Megatron-LM's arguments"
     return None
 
@@ -110,7 +102,7 @@ def micro_batch_samples(micro_batch: int, data_iterator: Any) -> Optional[Dict[s
     from megatron.core import parallel_state
 
     args = megatron_lm_args()
-    consumed = _count(getattr(args, "consumed_train_samples", None))
+    consumed = integer_or_none(getattr(args, "consumed_train_samples", None))
     if consumed is None:
         return None
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -123,6 +115,6 @@ def micro_batch_samples(micro_batch: int, data_iterator: Any) -> Optional[Dict[s
         found = [sample_source(dataset, index) for index in indices]
         sources = found if all(found) else None
     return {"consumed": consumed, "sampler": getattr(args, "dataloader_type", None),
-            "micro_batch_size": _count(getattr(args, "micro_batch_size", None)),
+            "micro_batch_size": integer_or_none(getattr(args, "micro_batch_size", None)),
             "data_parallel_rank": dp_rank, "data_parallel_size": dp_size, "indices": indices,
             "not_derived": why_not, "sources": sources}

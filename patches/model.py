@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import sys
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -154,21 +154,34 @@ def rank_coordinates() -> Dict[str, object]:
     return coords
 
 
+def _megatron_lm_global(name: str) -> Any:
+    """One of Megatron-LM's globals (``megatron.training.global_vars``) when its training loop runs in this
+    process, else None. Only looks at modules already imported: never imports Megatron-LM."""
+    return getattr(sys.modules.get("megatron.training.global_vars"), name, None)
+
+
+def megatron_lm_args() -> Any:
+    """Megatron-LM's parsed arguments when its training loop runs in this process, else None."""
+    return _megatron_lm_global("_GLOBAL_ARGS")
+
+
+def integer_or_none(value: Any) -> Optional[int]:
+    """``value`` where it is an integer (not a bool), else None: a count read from Megatron-LM's arguments."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def megatron_lm_iteration() -> Optional[int]:
     """The iteration Megatron-LM's training loop logs for the step in progress (``args.curr_iteration``
     counts completed iterations, the log line says one more), when that loop is running in this
-    process; None otherwise. Only looks at modules already imported: never imports Megatron-LM."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    iteration = getattr(args, "curr_iteration", None)
-    return iteration + 1 if isinstance(iteration, int) and not isinstance(iteration, bool) else None
+    process; None otherwise."""
+    iteration = integer_or_none(getattr(megatron_lm_args(), "curr_iteration", None))
+    return None if iteration is None else iteration + 1
 
 
 def megatron_lm_tensorboard() -> Optional[object]:
     """Megatron-LM's TensorBoard writer (``--tensorboard-dir``; it makes one on the last rank), when its
-    training loop runs in this process; None otherwise. Never imports Megatron-LM."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+    training loop runs in this process; None otherwise."""
+    return _megatron_lm_global("_GLOBAL_TENSORBOARD_WRITER")
 
 
 def versions() -> Dict[str, Optional[str]]:
