@@ -71,26 +71,24 @@ class RunFiles:
         return records.load_at(path, number, offset)
 
     def runup_groups(self, path: Path) -> List[Dict[str, Any]]:
-        """A run-up's groups (read back from its file where it was read without them); none where that file
-        can no longer be read."""
-        document = self.runups[path]
-        if "groups" in document:
-            return document["groups"]
-        try:
-            return runup.load(path)["groups"]
-        except InputError:
-            return []
+        """A run-up's groups (read back from its file where it was read without them)."""
+        return _whole(self.runups[path], "groups", runup.load, path)
 
     def params_of_map(self, path: Path) -> List[Dict[str, Any]]:
-        """A map's parameters (read back from its file where it was read without them); none where that
-        file can no longer be read."""
-        document = self.maps[path]
-        if "params" in document:
-            return document["params"]
-        try:
-            return maps.load(path)["params"]
-        except InputError:
-            return []
+        """A map's parameters (read back from its file where it was read without them)."""
+        return _whole(self.maps[path], "params", maps.load, path)
+
+
+def _whole(document: Dict[str, Any], key: str, load: Callable[[Path], Dict[str, Any]],
+           path: Path) -> List[Dict[str, Any]]:
+    """``document[key]``, the list a lean read (``params=False``) left out, read back from ``path`` with
+    ``load`` where it is missing; none where that file can no longer be read."""
+    if key in document:
+        return document[key]
+    try:
+        return load(path)[key]
+    except InputError:
+        return []
 
 
 class LeanRecord(dict):
