@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.bundle import load_tensors
-from ..formats.layout import BATCHES_DIR
+from ..formats.layout import BATCHES_DIR, RECORDS_DIR
 from ..formats.text import printable_lines
 from .read import read_run
 
@@ -61,10 +61,10 @@ def load_tokenizer(name: str) -> Callable[[List[int]], str]:
 
 def kept_by(path: Path) -> Optional[Dict[str, Any]]:
     """The ``rerun`` record that kept this file, from the run directory it sits in, if it names it."""
-    run_dir = path.resolve().parent.parent.parent
-    if path.resolve().parent.parent.name != BATCHES_DIR or not (run_dir / "records").is_dir():
-        return None
     wanted = path.resolve()
+    run_dir = wanted.parent.parent.parent
+    if wanted.parent.parent.name != BATCHES_DIR or not (run_dir / RECORDS_DIR).is_dir():
+        return None
     return next((record for record in read_run(run_dir, params=False).all_records()
                  if record.get("kind") == "rerun" and isinstance(record.get("batch"), dict)
                  and Path(record["batch"]["path"]).resolve() == wanted), None)

@@ -182,7 +182,7 @@ class Detections:
         if largest is not None:
             extra.update(norm_overflow=True, largest_grad=largest)
         record = self._writer.record("pre_reduction", step, found,
-                                     self._with_health(extra, level >= logging.ERROR))
+                                     self._with_health(extra, step, level >= logging.ERROR))
         with self._lock:
             if largest is None:
                 self._pre_reduction_found = True
@@ -223,9 +223,10 @@ class Detections:
 
     # -- the optimizer's findings ----------------------------------------------------------------------
 
-    def _with_health(self, extra: Dict[str, Any], incident: bool) -> Dict[str, Any]:
-        """``extra`` and, at an incident where NVML reports on this rank's device, its ``device_health``."""
-        health = self._health.at(self._clock.current()) if incident else None
+    def _with_health(self, extra: Dict[str, Any], step: int, incident: bool) -> Dict[str, Any]:
+        """``extra`` and, at an incident where NVML reports on this rank's device, its ``device_health``
+        (read once for the record's ``step``)."""
+        health = self._health.at(step) if incident else None
         return extra if health is None else {**extra, "device_health": health}
 
     def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
@@ -243,7 +244,7 @@ class Detections:
         step = self._clock.current(optimizer)
         return self._writer.record(kind, step, found, self._with_health({
             "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction,
-            "runup": self._runup_file(step) if incident else None, **extra}, incident))
+            "runup": self._runup_file(step) if incident else None, **extra}, step, incident))
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> Dict[str, Any]:
@@ -335,9 +336,10 @@ class Detections:
                        batch: Optional[Dict[str, Any]], rerun_skipped: Optional[str]) -> Dict[str, Any]:
         """Megatron's loss check rejected this rank's loss (``--rerun-mode disabled``): record and log it
         before Megatron's RuntimeError goes on to the user."""
-        record = self._writer.record("nonfinite_loss", self._clock.current(), [], self._with_health({
+        step = self._clock.current()
+        record = self._writer.record("nonfinite_loss", step, [], self._with_health({
             "micro_batch": micro_batch, "loss": json_float(loss), "message": message,
-            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped}, True))
+            "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped}, step, True))
         logger.error("%s: Megatron's loss check rejected a non-finite loss (%s) on %s, micro-batch %s"
                      " (%r); Megatron raises next; %s%s; record: %s", when(record), record["loss"],
                      where(record), micro_batch, message,
