@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -213,6 +213,14 @@ def destroy_model_parallel() -> None:
         parallel_state._POSITION_EMBEDDING_GLOBAL_RANKS = None
 
 
+def optimizer_tensors(optimizer: Any, chunks: Sequence[torch.nn.Module]):
+    """``optimizer_params.param_tensors`` (imported here: that module imports this one)."""
+    from .optimizer_params import param_tensors
+
+    return param_tensors(optimizer, chunks)
+
+
 MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
                             named_modules=global_named_modules, observed_grad=model_grad,
-                            param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard)
+                            param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard,
+                            optimizer_tensors=optimizer_tensors)

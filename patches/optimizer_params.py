@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..formats.maps import ParamSlot
+from ..training.events import ParamTensors, StepState
 from .model import global_named_parameters
 
 _Pairing = Dict[int, Tuple[torch.nn.Parameter, Optional[Tuple[int, int]]]]
@@ -127,3 +128,24 @@ def owned_start(optimizer: Any, param: torch.nn.Parameter) -> int:
                 raise ValueError("this rank's distributed-optimizer shard holds none of the parameter")
             return int(param_range.start)
     return 0
+
+
+def param_tensors(optimizer: Any, fallback_chunks: Sequence[torch.nn.Module] = ()) -> StepState:
+    """Every model parameter by global name; the optimizer's slots (as ``param_slots``) with each one's
+    model parameter, the copy the optimizer steps where that is a separate tensor, and the torch
+    optimizer's state of that copy (the tensors of its shape: ``exp_avg``, ``exp_avg_sq``; a scalar
+    ``step`` is left out). Nothing is read from the device."""
+    slots, _ = param_slots(optimizer, fallback_chunks)
+    leaves = leaf_optimizers(optimizer)
+    stepped = []
+    for leaf_index, _, _, opt_param, pairing in _stepped(optimizer):
+        model_param, _ = pairing.get(id(opt_param), (opt_param, None))
+        state = getattr(getattr(leaves[leaf_index], "optimizer", None), "state", None) or {}
+        own = state.get(opt_param, {}) if hasattr(state, "get") else {}
+        stepped.append(ParamTensors(
+            model=model_param, main=None if opt_param is model_param else opt_param,
+            state={name: value for name, value in own.items()
+                   if isinstance(value, torch.Tensor) and value.shape == opt_param.shape
+                   and value.is_floating_point()}))
+    weights = global_named_parameters(_model_chunks(optimizer, fallback_chunks))
+    return StepState(weights, slots, stepped)

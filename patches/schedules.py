@@ -190,19 +190,21 @@ class KeptStep:
         first = self._first_iterator()
         return micro_batch_samples(micro_batch, first.source if first is not None else None)
 
-    def forward(self) -> None:
+    def forward(self) -> Tuple[Optional[bool], Optional[int]]:
         """The step's forward pass again: same micro-batches, from the RNG state the step started with,
-        without gradients; the RNG state is put back as it was."""
+        without gradients; the RNG state is put back as it was. Its losses as ``loss_state`` reads them
+        (the schedule runs the loss function in a forward-only pass too)."""
         from megatron.core.utils import get_model_config
 
         before = rng_states()
         set_rng_states(self.rng)
         try:
             with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks):
-                self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
-                                  "forward_only": True})
+                losses = self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
+                                           "forward_only": True})
         finally:
             set_rng_states(before)
+        return loss_state(losses)
 
     def cannot_rerun(self, job_wide: bool) -> Optional[str]:
         """Why the forward pass cannot run again here, or None. ``job_wide``: every rank of the job is

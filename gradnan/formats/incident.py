@@ -30,6 +30,9 @@ class RecordKind(str, enum.Enum):
     """What the in-place rerun of the failing step found on this rank."""
     NONFINITE_LOSS = "nonfinite_loss"
     """Megatron's loss check (``validate_result``, ``--rerun-mode disabled``) rejected this rank's loss."""
+    STATE = "state"
+    """At the run's first incident, before any update: this rank's non-finite weights (model parameters and
+    the optimizer's main copies), its optimizer state's faults and a digest of its weights."""
 
 
 INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION,
@@ -66,6 +69,9 @@ class Conclusion(str, enum.Enum):
 
     REPRODUCIBLE = "reproducible"
     """The forward pass went non-finite again with the same micro-batches and RNG state."""
+    LOSS = "loss"
+    """Run again, every traced module's output was finite and the loss computed from it was not: the loss
+    function made it (a division by a zero token count, a log of zero)."""
     TRANSIENT = "transient"
     """The replica's own loss (or, where Megatron's rerun of forward and backward was finite, its own
     gradients) was non-finite in the failing pass, and finite when run again."""
@@ -123,6 +129,7 @@ NORM_OVERFLOW_WORDS = "the grad norm overflowed although every gradient is finit
 
 _HEADLINES = {
     Conclusion.REPRODUCIBLE: "REPRODUCIBLE (same micro-batches, same RNG state)",
+    Conclusion.LOSS: "REPRODUCIBLE in the loss function: every module's output finite, the loss not",
     Conclusion.TRANSIENT: "NOT reproduced: transient",
     Conclusion.NORM_OVERFLOW: f"forward pass clean and {NORM_OVERFLOW_WORDS}",
     Conclusion.BACKWARD: "forward pass clean: the backward pass",
@@ -134,6 +141,9 @@ _HEADLINES = {
 _EXPLANATIONS = {
     Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics,"
                              " not the device",
+    Conclusion.LOSS: "run again with the same micro-batches and RNG state, every module's output was finite"
+                     " and the loss computed from it was not: the loss function made it (a division by a"
+                     " zero token count, a log of zero), not the model or the device",
     Conclusion.NORM_OVERFLOW: f"the forward pass was finite in both passes and {NORM_OVERFLOW_WORDS}: a"
                               " gradient too large for the norm's float32 sum of squares (exploding"
                               " gradients), not a NaN/Inf produced by a rank",

@@ -1,7 +1,7 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
 Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
-``nonfinite_loss``
+``nonfinite_loss``, ``state``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -99,7 +99,32 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_rerun(record, where)
     elif record.get("kind") == "nonfinite_loss":
         _check_nonfinite_loss(record, where)
+    elif record.get("kind") == "state":
+        _check_state(record, where)
     return record
+
+
+WEIGHT_COPIES = ("model", "main")
+_STATE_COUNTS = ("nan", "inf", "negative")
+
+
+def _is_state_fault(entry: Any) -> bool:
+    return (isinstance(entry, dict) and is_text(entry.get("name")) and is_text(entry.get("state"))
+            and optional(entry.get("id"), is_int)
+            and all(is_int(entry.get(key)) and entry[key] >= 0 for key in _STATE_COUNTS))
+
+
+def _check_state(record: Dict[str, Any], where: str) -> None:
+    faults = record.get("optimizer_state")
+    if (not all(entry.get("copy") in WEIGHT_COPIES for entry in record["params"])
+            or not is_text(record.get("weights_digest"))
+            or not all(is_int(record.get(key)) for key in ("params_checked", "optimizer_state_total",
+                                                           "optimizer_state_checked"))
+            or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))):
+        raise InputError(f"{where}: a state record needs each param's 'copy' one of {', '.join(WEIGHT_COPIES)},"
+                         " a text 'weights_digest', integer 'params_checked'/'optimizer_state_total'/"
+                         "'optimizer_state_checked' and an 'optimizer_state' list of objects with text"
+                         " 'name'/'state' and counts 'nan'/'inf'/'negative'")
 
 
 def _check_largest(largest: Any, where: str) -> None:

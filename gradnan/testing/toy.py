@@ -45,6 +45,17 @@ class Injection:
     - ``"memory_buffer"``: fill Megatron's global memory buffer (the ``torch.empty`` scratch its attention
       hands ``baddbmm`` with ``beta=0``, never written) with ``value`` before the step's forward, as
       uninitialized memory may hold it (``target`` is not used).
+    - ``"weight"``: set element ``index`` of parameter ``target`` before the step's forward, in the model
+      parameter and in every copy the optimizer steps (its fp32 main copy, or this rank's
+      distributed-optimizer shard where it holds the element), as a corrupted checkpoint or a bad write
+      leaves a weight;
+    - ``"optimizer_state"``: set element ``index`` (default 0) of the optimizer's ``state`` tensor
+      (``exp_avg_sq``, ``exp_avg``) of parameter ``target`` right before ``optimizer.step()``, where this
+      rank's optimizer holds that element: the update then writes a bad weight from finite gradients (a
+      step after the first: Adam builds its state at its first step);
+    - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
+      count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
+      is not used; the rank is any of the replica's last pipeline stage).
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     ``transient``: a ``"forward"`` or ``"backward"`` fault that fires in the step's first pass only, as a
     glitch would: a rerun of the same step (``gradnan``'s, or Megatron's own) does not meet it again.
@@ -57,6 +68,7 @@ class Injection:
     where: str = "main_grad"
     index: Optional[int] = None
     transient: bool = False
+    state: str = "exp_avg_sq"
 
     def number(self) -> float:
         return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(self.value) or float(self.value)
@@ -336,14 +348,25 @@ def _poison_token_row(chunks, token: int) -> None:
             weight[token] = POISON_ROW
 
 
-def _forward_step(data_iterator, model, validate: bool = False):
+def _forward_step(data_iterator, model, validate: bool = False, empty_micro_batches: Tuple[int, ...] = (),
+                  calls: Optional[List[int]] = None, micro_batches: int = 1):
+    """``empty_micro_batches``: the micro-batches (numbered by ``calls``, a counter shared by a step's
+    passes, modulo ``micro_batches``) whose loss divides a zero sum by a zero token count."""
     batch = next(data_iterator)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
+    micro_batch = None
+    if calls is not None:
+        micro_batch = calls[0] % micro_batches
+        calls[0] += 1
 
     def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
+        if micro_batch in empty_micro_batches:
+            no_token = output_tensor.float() * 0
+            loss = no_token.sum() / no_token.count_nonzero()
+        else:
+            loss = output_tensor.float().mean()
         if validate:  # as Megatron-LM's pretrain_gpt.py checks its loss
             from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -476,6 +499,46 @@ def _apply_memory_buffer_injections(job, rank, step, result) -> None:
         result.injected.append(dataclasses.asdict(injection))
 
 
+def _stepped_copies(optimizer, param) -> List[Tuple[torch.Tensor, Dict[str, torch.Tensor], int, int]]:
+    """``(copy the optimizer steps, its state, first and end flat index of the model parameter it holds)``
+    for each copy of ``param`` this rank's optimizer steps (the parameter itself where it steps that)."""
+    from gradnan.patches.optimizer_params import param_tensors
+
+    held = param_tensors(optimizer)
+    return [(tensors.main if tensors.main is not None else tensors.model, tensors.state,
+             *(slot.shard or (0, param.numel()))) for slot, tensors in zip(held.slots, held.stepped)
+            if tensors.model is param]
+
+
+def _apply_weight_injections(job, rank, step, chunks, optimizer, result) -> None:
+    for injection in _due(job, rank, step, "weight"):
+        param = _param_by_global_name(chunks, injection.target)
+        if param is None:
+            raise ValueError(f"no parameter named {injection.target} on this rank")
+        index = injection.index or 0
+        with torch.no_grad():
+            param.view(-1)[index] = injection.number()
+            for copy, _, start, end in _stepped_copies(optimizer, param):
+                if start <= index < end and copy is not param:
+                    copy.view(-1)[index - start] = injection.number()
+        result.injected.append({**dataclasses.asdict(injection), "index": index})
+
+
+def _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, result) -> None:
+    """A rank whose optimizer does not hold the element (another rank's distributed-optimizer shard) plants
+    nothing and lists nothing in ``result.injected``: plant on every rank to corrupt the owner's."""
+    for injection in _due(job, rank, step, "optimizer_state"):
+        param = _param_by_global_name(chunks, injection.target)
+        if param is None:
+            raise ValueError(f"no parameter named {injection.target} on this rank")
+        index = injection.index or 0
+        for _, state, start, end in _stepped_copies(optimizer, param):
+            if start <= index < end and injection.state in state:
+                with torch.no_grad():
+                    state[injection.state].view(-1)[index - start] = injection.number()
+                result.injected.append({**dataclasses.asdict(injection), "index": index})
+
+
 def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
     for injection in _due(job, rank, step, "main_grad"):
         param, index = _resolve(injection, chunks, optimizer)
@@ -597,12 +660,15 @@ class TinyGPT:
         outcome.host_syncs = counter.total
         return outcome
 
-    def _forward_backward(self):
+    def _forward_backward(self, step: int):
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        empty = tuple(injection.index or 0 for injection in _due(self.job, self.rank, step, "loss"))
         return self.forward_backward(
-            forward_step_func=functools.partial(_forward_step, validate=self.validation is not None),
+            forward_step_func=functools.partial(_forward_step, validate=self.validation is not None,
+                                                empty_micro_batches=empty, calls=[0],
+                                                micro_batches=self.job.micro_batches),
             data_iterator=self.batches if len(self.chunks) > 1 else self.batches[0],
             model=self.chunks,
             num_microbatches=self.job.micro_batches,
@@ -615,17 +681,20 @@ class TinyGPT:
         job, rank, chunks, optimizer = self.job, self.rank, self.chunks, self.optimizer
         step = len(self.result.steps) + 1
         _apply_scale_injections(job, rank, step, chunks, self.result)
+        _apply_weight_injections(job, rank, step, chunks, optimizer, self.result)
         _apply_memory_buffer_injections(job, rank, step, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
+        self.result.injected += [dataclasses.asdict(injection) for injection in _due(job, rank, step, "loss")]
         try:  # the faults stay until the step is over: a rerun of its forward pass meets them again
             if self.validation is None:
-                losses = self._forward_backward()
+                losses = self._forward_backward(step)
             else:
-                losses = self.validation.run(self._forward_backward)
+                losses = self.validation.run(functools.partial(self._forward_backward, step))
                 if self.validation.exit_code is not None:  # Megatron-LM checkpoints and exits here
                     self.result.exit_code = self.validation.exit_code
                     return StepResult(step, None, None, False)
             _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
+            _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, self.result)
             update_successful, grad_norm, _ = optimizer.step()
         finally:
             for hook in hooks:

@@ -45,6 +45,33 @@ def _no_tensorboard() -> Optional[Any]:
 
 
 @dataclass(frozen=True)
+class ParamTensors:
+    """One optimizer slot's tensors as the step began, read at an incident only: the model parameter, the
+    copy the optimizer steps where it is a separate tensor (an fp32 main copy, or a distributed-optimizer
+    shard of one; None where it steps the model parameter itself) and the optimizer's state of it
+    (``exp_avg``, ``exp_avg_sq``, ... by name; the tensors shaped like the stepped copy)."""
+
+    model: torch.Tensor
+    main: Optional[torch.Tensor]
+    state: Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the weights and the optimizer hold on this rank as a step begins: every model parameter by
+    global name (``weights``: a distributed optimizer steps only its shard of them, and the others are
+    gathered into this rank's copies), and the optimizer's slots with their stepped copies and state."""
+
+    weights: List[Tuple[str, torch.Tensor]]
+    slots: List[ParamSlot]
+    stepped: List[ParamTensors]
+
+
+def _no_optimizer_tensors(optimizer: Any, chunks: Sequence[torch.nn.Module]) -> StepState:
+    return StepState([], [], [])
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """coords: this rank's global rank, world size, parallel coordinates, host and device.
     versions: the library versions to write into maps and bundles.
@@ -52,7 +79,9 @@ class ModelFacts:
     named_modules: every module of the model chunks with its global name.
     observed_grad: a parameter's gradient as the optimizer sees it (Megatron's ``main_grad``).
     param_facts: what a parameter is beyond its shape (its tensor-parallel partition).
-    tensorboard: the training loop's own TensorBoard writer on this rank (Megatron-LM's), or None."""
+    tensorboard: the training loop's own TensorBoard writer on this rank (Megatron-LM's), or None.
+    optimizer_tensors: the weights and an optimizer's state (``StepState``), read at an incident to tell a
+    weight or an update gone bad from a bad step."""
 
     coords: Callable[[], Dict[str, Any]]
     versions: Callable[[], Dict[str, Any]]
@@ -61,6 +90,7 @@ class ModelFacts:
     observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = _plain_grad
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
     tensorboard: Callable[[], Optional[Any]] = _no_tensorboard
+    optimizer_tensors: Callable[[Any, Sequence[torch.nn.Module]], StepState] = _no_optimizer_tensors
 
 
 @dataclass(frozen=True)
@@ -80,9 +110,10 @@ class RerunnableStep(Protocol):
 
     chunks: List[torch.nn.Module]
 
-    def forward(self) -> None:
+    def forward(self) -> Tuple[Optional[bool], Optional[int]]:
         """The step's forward pass again: same micro-batches, same starting RNG state, no gradients; leaves
-        the RNG state as it found it."""
+        the RNG state as it found it. Returns what ``original_losses`` says of the training pass, for this
+        pass's losses (the loss function runs again on the model's output)."""
 
     def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
         """Whether the training pass's losses were all finite (None: none here), and the first micro-batch

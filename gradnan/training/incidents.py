@@ -16,15 +16,16 @@ from ..config import GradnanConfig
 from ..formats.incident import RecordKind, describe_largest
 from ..formats.maps import ParamSlot
 from ..formats.records import FLOAT32_SQUARE_LIMIT, FORWARD_SHARE
-from ..formats.schema import json_float
+from ..formats.schema import json_float, nonfinite_counts
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
-from .events import DescribeBuckets, DescribeContents, Grads
+from .events import DescribeBuckets, DescribeContents, Grads, StepState
 from .health import DeviceHealth
 from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params
 from .runup import RunUp
+from .weights import state_fields
 from .writer import Writer
 
 MAX_RUNUP_FILES = 16  # run-up files a rank writes at most (one per incident step; a run of bad steps: one)
@@ -345,6 +346,23 @@ class Detections:
                      where(record), micro_batch, message,
                      f"the micro-batch: {batch['path']}" if batch else "no micro-batch kept",
                      f"; not run again: {rerun_skipped}" if rerun_skipped else "", record.path)
+        return record
+
+    def state(self, held: StepState, ids_by_name: Dict[str, int]) -> Dict[str, Any]:
+        """The weights and optimizer state as the failing step found them (``weights.state_fields``): the
+        ``state`` record, and a log line where a weight or a moment was already bad."""
+        found, extra = state_fields(held, ids_by_name)
+        record = self._writer.record(RecordKind.STATE.value, self._clock.current(), found, extra)
+        if found:
+            first = found[0]
+            logger.error("%s: the weights on %s were already non-finite when the step began: %s (%s copy, %s,"
+                         " first at %s)%s; record: %s", when(record), where(record), first["name"],
+                         first["copy"], nonfinite_counts(first), first["first_bad_index"],
+                         f" and {len(found) - 1} more" if len(found) > 1 else "", record.path)
+        for fault in extra["optimizer_state"][:1]:
+            logger.error("%s: the optimizer state on %s is bad: %s of %s holds %d NaN, %d Inf and %d negative"
+                         " value(s); record: %s", when(record), where(record), fault["state"], fault["name"],
+                         fault["nan"], fault["inf"], fault["negative"], record.path)
         return record
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:

@@ -138,8 +138,10 @@ class PassResult:
     candidate origin (a call whose inputs were finite and outputs not) and the call where a value first
     grew out of line (at or before the first non-finite one)."""
 
-    def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]]) -> None:
+    def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]],
+                 losses: Tuple[Optional[bool], Optional[int]] = (None, None)) -> None:
         self.frames = frames
+        self.loss_finite, self.loss_micro_batch = losses
         index = first_nonfinite(frames)
         self.first = frames[index] if index is not None else None
         self.candidate = forward_origin(frames)
@@ -189,13 +191,15 @@ class ReplicaFacts:
     0 clean, -1 unchecked. ``megatron``: Megatron's own rerun of the step (forward and backward), whose
     job-wide conclusion only speaks for a replica that failed.
     ``norm_overflow``: every gradient of the group was finite and a rank's own float32 sum of squares was not
-    (``norm_overflowed``): the grad norm overflowed, no rank produced a NaN/Inf."""
+    (``norm_overflowed``): the grad norm overflowed, no rank produced a NaN/Inf. ``loss_again``: the loss
+    of the pass run again, 1 non-finite, 0 finite, -1 seen nowhere."""
 
     reproduced: bool
     loss: float
     gradients: float
     megatron: Optional[MegatronRerun]
     norm_overflow: bool = False
+    loss_again: float = -1.0
 
     @property
     def own_failure(self) -> Optional[OwnFailure]:
@@ -205,13 +209,16 @@ class ReplicaFacts:
         return OwnFailure.GRADIENTS if self.gradients > 0 else None
 
     def conclusion(self) -> Conclusion:
-        """Failing again is reproducible; finite again although its own loss was not (or its own gradients,
+        """Failing again is reproducible; every module's output finite again and the loss not is the loss
+        function's; finite again although its own loss was not (or its own gradients,
         where Megatron's rerun of backward was finite too) is transient; a replica whose own loss and
         gradients were clean received the values; a clean forward pass with only its gradients bad points
         at backward."""
         own = self.own_failure
         if self.reproduced:
             return Conclusion.REPRODUCIBLE
+        if self.loss_again > 0:
+            return Conclusion.LOSS
         megatron_transient = self.megatron is not None and self.megatron.job == Conclusion.TRANSIENT
         if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and megatron_transient):
             return Conclusion.TRANSIENT
@@ -340,11 +347,11 @@ class StepRerun:
         tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._hooking.new()).attach()
         try:
             with self._pass(kept, tracer.frame_count) as counter:
-                kept.forward()
+                losses = kept.forward()
                 frames = tracer.read()
         finally:
             tracer.detach()
-        return PassResult(frames, counter.of_frame)
+        return PassResult(frames, counter.of_frame, losses)
 
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -361,14 +368,17 @@ class StepRerun:
         loss_state = -1.0 if loss_finite is None else (0.0 if loss_finite else 1.0)
         found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
-        reproduced, original_loss, own_gradients, overflow, nonfinite = kept.all_reduce(
+        loss_again = -1.0 if seen.loss_finite is None else (0.0 if seen.loss_finite else 1.0)
+        reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
              float("overflow" in (at_norm, local_gradients)),
-             float("nonfinite" in (at_norm, local_gradients))], "max", "model")
+             float("nonfinite" in (at_norm, local_gradients)), loss_again], "max", "model")
         facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron,
-                             norm_overflowed(overflow, nonfinite))
+                             norm_overflowed(overflow, nonfinite), loss_again)
         origin_rank = float(self._writer.coords()["global_rank"]) if role is RerunRole.ORIGIN else NONE
+        again_mb = seen.loss_micro_batch if role is RerunRole.CLEAN else None
         *micro_batch, first_origin = kept.all_reduce([NONE if found_mb is None else found_mb,
+                                                      NONE if again_mb is None else again_mb,
                                                       NONE if loss_micro_batch is None else loss_micro_batch,
                                                       origin_rank], "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)

@@ -67,6 +67,8 @@ class Runtime:
         self._ids_by_name: Dict[str, int] = {}
         # (the micro-batch, Megatron's message, the loss)
         self._rejected_loss: Optional[Tuple[Optional[int], str, float]] = None
+        self._optimizer: Optional["weakref.ref[Any]"] = None  # the latest built: its state at an incident
+        self._state_read = False  # the weights and optimizer state are read at the run's first incident
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -104,6 +106,7 @@ class Runtime:
         state, new = self.detections.optimizer(optimizer)
         if not new:
             return
+        self._optimizer = weakref.ref(optimizer)
         self.clock.add(optimizer)
         self.writer.remember_coords()
         if self.config.detect:
@@ -206,6 +209,9 @@ class Runtime:
         its record of it); then the run stops if asked to. A norm read after its step (one Megatron
         returned as a device tensor) comes after the update: that step can no longer be run again as it
         was."""
+        if not self._state_read and self.window.recording():
+            self._state_read = True
+            self.guarded("state", self._read_state)
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
                          self.detections.last_at_norm)
@@ -216,6 +222,15 @@ class Runtime:
                          self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
+
+    def _read_state(self) -> None:
+        """The weights and optimizer state of the stepping optimizer (else the latest built) as the failing
+        step found them: no collective, no update applied yet."""
+        optimizer = self.clock.stepping() or (self._optimizer() if self._optimizer is not None else None)
+        if optimizer is not None and self.config.detect:
+            held = self._facts.optimizer_tensors(optimizer, self.known_chunks())
+            if held.weights or held.slots:
+                self.detections.state(held, self.ids_by_name())
 
     # -- the step's schedule (its forward pass may be run again) ------------------------------------
 

@@ -52,6 +52,12 @@ _BITS = {
 }
 
 
+def integer_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor's bit patterns as integers of its width, flattened (no copy where it is
+    contiguous)."""
+    return _flat(tensor).view(_BITS[tensor.dtype][0])
+
+
 def chunk_elements_for(total_elements: int) -> int:
     return min(CHUNK_MAX, max(CHUNK_MIN, total_elements // CHUNKS_PER_SCAN))
 
