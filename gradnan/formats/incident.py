@@ -103,27 +103,6 @@ class Conclusion(str, enum.Enum):
             return _TRANSIENT_EXPLANATIONS[own or OwnFailure.LOSS]
         return _EXPLANATIONS[self]
 
-    def verdict(self, module: Optional[str], rank: Any, micro_batch: Any,
-                own: Optional[OwnFailure],
-                grew_in: Optional[Mapping[str, Any]] = None) -> Optional[Tuple["Cause", str]]:
-        """The cause and summary this conclusion decides by itself (it saw the same step again), or None
-        where the gradients' evidence keeps the verdict. A reproducible failure decides only where the
-        rerun named its module; where a value first grew out of line before it (``grew_in``), that module
-        is named as the culprit next to it."""
-        if self is Conclusion.TRANSIENT:
-            return Cause.HARDWARE, _TRANSIENT_VERDICT.format(failed=_FAILED[own or OwnFailure.LOSS])
-        if self is Conclusion.REPRODUCIBLE and module:
-            where = f"in {module}" if not grew_in else f"in {module}, after {grew_text(grew_in)}"
-            return Cause.DATA_OR_NUMERICS, _REPRODUCIBLE_VERDICT.format(where=where, rank=rank,
-                                                                         micro_batch=micro_batch)
-        return None
-
-    @property
-    def evidence(self) -> Optional[str]:
-        """What this conclusion adds to a verdict the gradients' evidence decides, or None."""
-        return {Conclusion.BACKWARD: _BACKWARD_EVIDENCE,
-                Conclusion.NORM_OVERFLOW: _NORM_OVERFLOW_EVIDENCE}.get(self)
-
 
 NORM_OVERFLOW_WORDS = "the grad norm overflowed although every gradient is finite"
 
@@ -139,8 +118,8 @@ _HEADLINES = {
 }
 
 _EXPLANATIONS = {
-    Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: data or numerics,"
-                             " not the device",
+    Conclusion.REPRODUCIBLE: "it fails again with the same micro-batches and RNG state: not a passing fault"
+                             " (gradnan report weighs it with the weights and every rank's records)",
     Conclusion.LOSS: "run again with the same micro-batches and RNG state, every module's output was finite"
                      " and the loss computed from it was not: the loss function made it (a division by a"
                      " zero token count, a log of zero), not the model or the device",
@@ -166,27 +145,6 @@ _TRANSIENT_EXPLANATIONS = {
                           " the failing pass: a transient fault; suspect this replica's devices (gradnan"
                           " selftest)",
 }
-
-_FAILED = {OwnFailure.LOSS: "its loss was not",
-           OwnFailure.GRADIENTS: "its own gradients were not (before the data-parallel collective)"}
-
-_REPRODUCIBLE_VERDICT = (
-    "the failing step, run again in place with the same micro-batches and RNG state, went non-finite again"
-    " in the forward pass, {where} on rank {rank}, micro-batch {micro_batch}: the data or the numerics"
-    " (an overflow), not a passing fault; `gradnan replay` of its bundle on another device tells a"
-    " persistently faulty device apart")
-_TRANSIENT_VERDICT = (
-    "the failing step, run again in place with the same micro-batches and RNG state, was finite on every"
-    " rank of the replica that failed, although {failed} in the failing pass: a transient fault; suspect"
-    " the device of the ranks named below and run gradnan selftest there")
-_BACKWARD_EVIDENCE = (
-    "the step's forward pass, run again in place, was finite on every rank of the replica(s) that failed,"
-    " and so was the loss: the non-finite values arose in the backward pass")
-
-_NORM_OVERFLOW_EVIDENCE = (
-    "the step's forward pass, run again in place, was finite, and every gradient was finite: the grad norm"
-    " overflowed in its float32 sum of squares")
-
 
 def describe_largest(largest: Optional[Dict[str, Any]]) -> str:
     """A record's ``largest_grad`` as a log line and a report name it: "decoder.x.weight[3, 5] = 1e+30"."""
@@ -240,21 +198,45 @@ def growth_log(grew_in: Mapping[str, Any], module: Optional[str], module_class: 
 
 
 class Cause(str, enum.Enum):
-    """The report's verdict: what most likely made the step non-finite."""
+    """Where the non-finite value was born: the report's verdict (decided by ``offline.causes.RULES``)."""
 
-    HARDWARE = "hardware"
-    """One device: a replica alone produced it on different data, or the rerun was clean (transient)."""
-    DATA_OR_NUMERICS = "data_or_numerics"
-    """The data or the numerics (an overflow, a forward-pass failure, one that reproduces)."""
+    WEIGHTS = "weights"
+    """A weight was non-finite when the step began (a checkpoint, a bad write), or replicas' copies differ."""
+    OPTIMIZER_UPDATE = "optimizer_update"
+    """The previous step's update wrote a non-finite weight from finite gradients and a finite norm."""
+    FORWARD_OP = "forward_op"
+    """A module's output went non-finite from finite inputs and weights, again when run again."""
+    LOSS = "loss"
+    """The loss function's value was non-finite from a finite model output."""
+    BACKWARD_OP = "backward_op"
+    """A gradient went non-finite in backward from a finite forward pass."""
+    COLLECTIVE = "collective"
+    """Every input of a collective finite on every rank, its output non-finite on some."""
+    DEVICE = "device"
+    """Not reproduced when the step was run again in place: a transient fault of the device."""
+    NORM_OVERFLOW = "norm_overflow"
+    """Every gradient finite; the grad norm's float32 sum of squares overflowed (exploding gradients)."""
     UNDETERMINED = "undetermined"
-    """The evidence names the ranks but cannot tell a device from the data (the summary says what would)."""
-    UNKNOWN = "unknown"
-    """No rank held a non-finite gradient: only the norm was non-finite."""
+    """The evidence cannot decide: the summary says what would."""
 
 
 class Action(str, enum.Enum):
     """What to do next about a verdict (the report's ``next`` steps), most urgent first."""
 
+    RESUME = "resume"
+    """Restart from a checkpoint written before the weights or the optimizer state went bad."""
+    FIX_LOSS = "fix_loss"
+    """Guard the loss function against the micro-batch that made it non-finite."""
+    INSPECT_BATCH = "inspect_batch"
+    """Look at the failing micro-batch's tokens: ``gradnan batch``."""
+    REPLAY = "replay"
+    """Replay the captured call offline, in other dtypes or on another device: ``gradnan replay``."""
+    CHECK_INTERCONNECT = "check_interconnect"
+    """The interconnect and the communication library on the hosts that received corrupted values."""
+    TUNE_NUMERICS = "tune_numerics"
+    """Change the numerics (learning rate, clipping, loss scale, dtype) where no batch is to blame."""
+    CAPTURE = "capture"
+    """Run again from the last checkpoint with capture set on the origin, to get the failing call."""
     DRAIN = "drain"
     """Take a suspect device's node out of the job before it runs again."""
     SELFTEST = "selftest"
@@ -262,6 +244,8 @@ class Action(str, enum.Enum):
     SKIP_ITERATION = "skip_iteration"
     """Train past data that reproducibly fails: Megatron-LM's ``--iterations-to-skip``, which names the
     iterations completed before the skipped one (its loop compares the completed count)."""
+    DECIDE = "decide"
+    """An undetermined verdict: what would decide it."""
 
     def wording(self, subject: str) -> str:
         """The sentence for one step about ``subject`` (a device, a node, an iteration)."""
@@ -269,6 +253,18 @@ class Action(str, enum.Enum):
 
 
 _ACTION_WORDING = {
+    Action.RESUME: "restart from a checkpoint written before {subject}, not from the latest (it holds the bad"
+                   " values)",
+    Action.FIX_LOSS: "guard the loss function: {subject} made it non-finite from a finite model output (e.g."
+                     " divide by max(number of valid tokens, 1))",
+    Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",
+    Action.REPLAY: "replay the captured call in its dtype, fp32 and fp64, or on another device ({subject}):",
+    Action.CHECK_INTERCONNECT: "check the interconnect and the communication library of {subject}"
+                               " (NCCL_DEBUG=INFO, the fabric's error counters), then self-test there",
+    Action.TUNE_NUMERICS: "change the numerics, not the data: {subject}",
+    Action.CAPTURE: "to see the failing call, restart from the last checkpoint with these settings"
+                    " ({subject}):",
+    Action.DECIDE: "to decide it: {subject}",
     Action.DRAIN: "drain {subject}: take its node out of the job before restarting",
     Action.SELFTEST: "confirm or clear {subject}: gradnan selftest, launched there as training is"
                      " (docs/selftest.md)",
@@ -332,6 +328,10 @@ class OriginBasis(str, enum.Enum):
     LOSS_CHECK = "loss_check"
     """Megatron's loss check rejected their non-finite loss (``--rerun-mode disabled``), and no rerun
     named a forward origin."""
+    STATE = "state"
+    """Their weights, or their optimizer state, were non-finite when the failing step began (``state``)."""
+    REPLICAS = "replicas"
+    """Their weights differed from their data-parallel peers' when the failing step began (``state``)."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -349,9 +349,11 @@ _BASIS_TEXT = {
     OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
                                " overflowed",
     OriginBasis.NONE: "",
+    OriginBasis.STATE: "weights or optimizer state non-finite when the failing step began",
+    OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
-    OriginBasis.RERUN: "where a forward value first went non-finite when the failing step was run again in"
-                       " place",
+    OriginBasis.RERUN: "named by the failing step run again in place: where its forward value or its loss"
+                       " first went non-finite",
 }
 
 

@@ -119,3 +119,26 @@ def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dic
     address, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
     return {"id": run_id or launcher_id or None, "attempt": attempt, "started": started,
             "rendezvous": f"{address}:{port}" if address and port else None}
+
+
+def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
+    """ "0-482, 484-4095" or "3-251 every 8, 300": runs of three or more at a constant step written as one
+    range (a job's data-parallel peers are one range), cut to ``max_chars`` with the count of all."""
+    ranks = sorted(set(ranks))
+    parts, start = [], 0
+    while start < len(ranks):
+        end, step = start, ranks[start + 1] - ranks[start] if start + 1 < len(ranks) else 1
+        while end + 1 < len(ranks) and ranks[end + 1] - ranks[end] == step:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ranks[start]}-{ranks[end]}" + (f" every {step}" if step > 1 else ""))
+        else:
+            end = start
+            parts.append(str(ranks[start]))
+        start = end + 1
+    text = ""
+    for position, part in enumerate(parts):
+        if len(text) + len(part) > max_chars:
+            return f"{text}... ({len(ranks)} in all)"
+        text += part + (", " if position + 1 < len(parts) else "")
+    return text

@@ -35,19 +35,19 @@ from ..formats.incident import (
     RerunRole,
     health_evidence,
     health_signs,
-    norm_overflow_summary,
-    rejected_loss_summary,
     values,
 )
-from ..formats.layout import rank_label, shown_axes
+from ..formats.layout import AXES, rank_label, rank_ranges, shown_axes
 from ..formats.records import FORWARD_SHARE
 from ..formats.schema import Schema
+from .causes import BadWeight, Decision, Evidence, StateFault, decide
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
-from .runup import RunUp, decide
+from .runup import RunUp
+from .runup import decide as runup_finding
 
-SCHEMA = Schema("gradnan.report", 1)
+SCHEMA = Schema("gradnan.report", 2)
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
 
 
@@ -58,9 +58,11 @@ class Verdict:
     cause: Cause
     summary: str
     evidence: Tuple[str, ...]
+    rule: str  # the rule of ``causes.RULES`` that decided it
 
     def to_json(self) -> Dict[str, Any]:
-        return {"cause": self.cause.value, "summary": self.summary, "evidence": list(self.evidence)}
+        return {"cause": self.cause.value, "rule": self.rule, "summary": self.summary,
+                "evidence": list(self.evidence)}
 
 
 @dataclass(frozen=True)
@@ -278,7 +280,8 @@ def _backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
 
 def _param_view(param: Dict[str, Any], dtype: Optional[str]) -> Dict[str, Any]:
     return {**{key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
-                                               "abs_max_finite", "near_limit", "order")}, "dtype": dtype}
+                                               "abs_max_finite", "near_limit", "order", "copy")},
+            "dtype": dtype}
 
 
 def _param_dtypes(files: RunFiles, ranks: Sequence[Any]) -> Dict[Tuple[Any, str], str]:
@@ -301,6 +304,8 @@ def _rank_entry(record: Dict[str, Any], dtypes: Dict[Tuple[Any, str], str]) -> V
              "params": [_param_view(p, dtypes.get((rank, p["name"]))) for p in params]}
     if record.get("largest_grad"):
         entry["largest_grad"] = record["largest_grad"]
+    if record.get("optimizer_state"):
+        entry["optimizer_state"] = record["optimizer_state"]
     return entry
 
 
@@ -311,7 +316,9 @@ def _receiver(view: View, params: Sequence[Dict[str, Any]]) -> View:
 
 
 def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
-    """Offending parameters across the given ranks, grouped by module, modules in backward order."""
+    """Offending parameters across the given ranks, grouped by module, modules in backward order; each
+    parameter's ``nan`` and ``inf`` are the counts on ``ranks[0]``, the lowest rank holding it (a count
+    summed over ranks would exceed the tensor)."""
     modules: Dict[str, Dict[str, Any]] = {}
     keyed = sorted(((_backward_key(e, p), e["global_rank"], p) for e in entries for p in e["params"]),
                    key=lambda item: item[0])
@@ -321,8 +328,8 @@ def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
         entry = module["params"].setdefault(param["name"], {"name": param["name"], "ranks": [], "nan": 0,
                                                             "inf": 0, "near_limit": False})
         entry["ranks"].append(rank)
-        entry["nan"] += param["nan"]
-        entry["inf"] += param["inf"]
+        if len(entry["ranks"]) == 1:
+            entry["nan"], entry["inf"] = param["nan"], param["inf"]
         entry["near_limit"] = entry["near_limit"] or bool(param.get("near_limit"))
     return [{"module": m["module"], "params": list(m["params"].values())} for m in modules.values()]
 
@@ -382,7 +389,8 @@ def norm_overflow_origin(at_step: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def _pattern(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern:
     """Forward: (nearly) every gradient on the origin rank is bad, so the loss or an activation already
     was. Backward: only some are; the first in backward order is where it started."""
-    shares = [entry["params_total"] / params_per_rank[entry["global_rank"]]
+    # a distributed optimizer's map lists the parameters of its shard, a record every one it checked
+    shares = [min(1.0, entry["params_total"] / params_per_rank[entry["global_rank"]])
               for entry in origin if params_per_rank.get(entry["global_rank"])]
     if shares and min(shares) >= FORWARD_SHARE:
         return Pattern(GradientPass.FORWARD, min(shares), None, None)
@@ -391,73 +399,6 @@ def _pattern(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern
     _, first, first_rank = min(firsts) if firsts else (None, None, None)
     return Pattern(GradientPass.BACKWARD if shares else GradientPass.UNKNOWN,
                    min(shares) if shares else None, first, first_rank)
-
-
-def _gradient_reading(origin: Sequence[View], basis: OriginBasis, pattern: Pattern,
-                      parameters: Sequence[Dict[str, Any]], recorded_norm: bool) -> Verdict:
-    """The verdict the gradients alone give (the pattern-based reading). ``recorded_norm``: some rank
-    recorded the step's grad norm or its gradients."""
-    evidence = []
-    # a file may lack the dp coordinate
-    replicas = sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})
-    dp_size = max((entry.get("dp_size") or 1 for entry in origin), default=1)
-    forward = pattern.gradient_pass is GradientPass.FORWARD
-    overflow = any(p["near_limit"] for module in parameters for p in module["params"])
-    if overflow:
-        evidence.append("the largest finite gradient values are near the dtype's limit (overflow)")
-    if basis is OriginBasis.UNCONFIRMED:
-        evidence.append("no pre-reduction check ran (pre_reduction=off or no Megatron DDP): the ranks "
-                        "named hold the bad values but may have received them")
-    if forward:
-        evidence.append(f"{pattern.share_nonfinite:.0%} of the origin's gradients are non-finite: "
-                        "the loss or an activation was already bad in the forward pass")
-    elif pattern.first_in_backward:
-        evidence.append(f"first non-finite gradient in backward order: {pattern.first_in_backward}"
-                        f" on rank {pattern.first_rank}")
-    if basis is OriginBasis.AFTER_COLLECTIVE:
-        evidence.append("every rank's local gradients were finite before the data-parallel collective: "
-                        "the value arose after it (optimizer main grads, a TP/PP gradient all-reduce)")
-    if basis is OriginBasis.NORM_OVERFLOW:
-        first = min(origin, key=lambda entry: entry["global_rank"])
-        cause = Cause.DATA_OR_NUMERICS
-        summary = norm_overflow_summary(rank_label(first), first["largest_grad"],
-                                        first["kind"] == RecordKind.PRE_REDUCTION)
-        if len(origin) > 1:
-            summary += f" (and on rank(s) {', '.join(str(e['global_rank']) for e in origin[1:])})"
-    elif not origin and basis is OriginBasis.NONE and not recorded_norm:
-        cause, summary = Cause.UNKNOWN, ("no gradient was recorded at this step: Megatron's result validation"
-                                         " ran it again and the job stopped before the grad norm")
-    elif not origin:
-        cause, summary = Cause.UNKNOWN, "no rank held a non-finite gradient (only the norm was non-finite)"
-    elif dp_size == 1 and not forward and not overflow:  # before_collective from here
-        where = ", ".join(f"rank {e['global_rank']} ({e['host']} {e['device']})" for e in origin)
-        cause = Cause.UNDETERMINED
-        summary = (f"{where} produced it; with one data-parallel replica there is no peer on other data"
-                   " to compare with: replay the step or run a self-test to tell hardware from data")
-    elif basis is not OriginBasis.BEFORE_COLLECTIVE and not forward and not overflow:
-        cause = Cause.UNDETERMINED
-        summary = ("the ranks named hold the bad values, but no check saw each rank's own gradients before"
-                   " the data-parallel collective: run with pre_reduction (the default) to tell who produced"
-                   " it")
-    elif dp_size > 1 and len(replicas) == 1 and not forward and not overflow:
-        first = sorted(origin, key=lambda e: e["global_rank"] != pattern.first_rank)
-        where = f"{first[0]['host']} {first[0]['device']} (rank {first[0]['global_rank']})"
-        if len(origin) > 1:
-            where += "; its model-parallel peers in the replica received it in backward"
-        cause = Cause.HARDWARE
-        summary = (f"one data-parallel replica of {dp_size} (dp{replicas[0]}) produced it while its peers, "
-                   f"on different data, did not: suspect {where}; or a batch only it saw")
-        evidence.append(f"origin: dp replica {replicas[0]} only; the other {dp_size - 1} replica(s) were "
-                        "clean before the collective")
-    else:
-        cause = Cause.DATA_OR_NUMERICS
-        scope = ("the only data-parallel replica" if dp_size == 1 else "every data-parallel replica"
-                 if len(replicas) == dp_size else f"replica(s) {replicas}")
-        summary = (f"{scope} went non-finite"
-                   + (" in the forward pass" if forward else "")
-                   + (": overflow" if overflow else "")
-                   + "; points at the data or the numerics, not one device")
-    return Verdict(cause, summary, tuple(evidence))
 
 
 def _grouped(records: Sequence[Dict[str, Any]], key: str, order: Sequence[str]) -> List[Concluded]:
@@ -532,22 +473,10 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
 
 
-def _rejected_losses(losses: List[Dict[str, Any]],
-                     rerun: Optional[RerunFinding]) -> Tuple[OriginBasis, List[View], Verdict]:
-    """Losses Megatron's check rejected before any gradient existed (it raised in the loss function): the
-    origin is where the rerun named a forward origin among those ranks, else the ranks whose loss was
-    rejected; the reading says what Megatron did and what gradnan could and could not do."""
-    rejected = [{**rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
-                 "micro_batch": r.get("micro_batch"), "loss": r.get("loss")} for r in losses]
-    first = losses[0]
-    batch = next((r["batch"]["path"] for r in losses if r.get("batch")), rerun.batch if rerun else None)
-    reading = Verdict(Cause.UNDETERMINED, rejected_loss_summary(
-        first["rank"].get("global_rank"), first.get("micro_batch"), first.get("loss"), batch,
-        first.get("rerun_skipped")), ())
-    named = {view["global_rank"] for view in rerun.origins} if rerun is not None else set()
-    if any(entry["global_rank"] in named for entry in rejected):
-        return OriginBasis.RERUN, [entry for entry in rejected if entry["global_rank"] in named], reading
-    return OriginBasis.LOSS_CHECK, rejected, reading
+def _rejected_entries(losses: List[Dict[str, Any]]) -> List[View]:
+    """Losses Megatron's check rejected before any gradient existed (it raised in the loss function)."""
+    return [{**rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
+             "micro_batch": r.get("micro_batch"), "loss": r.get("loss")} for r in losses]
 
 
 def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any]]) -> List[str]:
@@ -586,29 +515,6 @@ def _health_evidence(readings: Sequence[HealthReading]) -> List[str]:
             for reading in readings]
 
 
-def _decide_verdict(reading: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
-                    selftests: Sequence[Dict[str, Any]], health: Sequence[HealthReading] = ()) -> Verdict:
-    """The verdict, from all the evidence at once. The rerun's conclusion outranks the pattern-based
-    reading where it decides (it saw the same step again); the reading then stays as one line of
-    evidence. The self-tests of the (final) origin's devices, and NVML's readings of them at the
-    incident, are added as evidence."""
-    decided = None if rerun is None else rerun.conclusion.verdict(rerun.module, rerun.global_rank,
-                                                                  rerun.micro_batch, rerun.own_failure,
-                                                                  rerun.grew_in)
-    if decided is not None:
-        cause, summary = decided
-        outranked = (" (outranked: the rerun ran the same step again with the same data)"
-                     if reading.cause is not cause else "")
-        evidence = ([reading.summary] if reading.cause is Cause.UNKNOWN
-                    else [f"pattern-based reading{outranked}: {reading.cause.value}: {reading.summary}"])
-    else:
-        cause, summary, evidence = reading.cause, reading.summary, list(reading.evidence)
-        if rerun is not None and rerun.conclusion.evidence:
-            evidence.insert(0, rerun.conclusion.evidence)
-    return Verdict(cause, summary, tuple(evidence + _selftest_evidence(origin, selftests)
-                                         + _health_evidence(health)))
-
-
 def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
                       iteration: Optional[int]) -> Optional[Dict[str, str]]:
     """The GRADNAN_CAPTURE_* settings that capture the failing step's implicated module on the origin
@@ -624,34 +530,234 @@ def _capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
 MAX_DRAINED = 8  # devices named to drain, at most (a hardware verdict names one replica's few devices)
 
 
-def _next_steps(verdict: Verdict, rerun: Optional[RerunFinding], origin: Sequence[View],
-                iteration: Optional[int], ranks: Dict[int, Dict[str, Any]], run_dir: str,
-                health: Sequence[HealthReading] = ()) -> List[NextStep]:
-    """What the verdict calls for: for a device, drain each origin device (with NVML's readings of it at
-    the incident) and self-test each of their nodes (one process per rank the job ran there); for data
-    that fails again in place where Megatron-LM's loop runs, the option that skips its iteration on
-    restart."""
-    steps: List[NextStep] = []
-    if verdict.cause is Cause.HARDWARE:
-        devices = list(dict.fromkeys((entry.get("host"), entry.get("device")) for entry in origin))
-        for host, device in devices[:MAX_DRAINED]:
+def _state_records(files: RunFiles, launch: List[Dict[str, Any]], step: int) -> List[Dict[str, Any]]:
+    """The weights and optimizer state the ranks read at the run's first incident: the ``state`` records
+    of the first step at or after the failing one that has any (a run of fp16 skips, which apply no update,
+    becomes an incident a few steps after the step the report starts from). A rank whose first incident
+    came later read weights another update had changed: not comparable, left out."""
+    steps = [record["step"] for record in launch if record.get("kind") == RecordKind.STATE
+             and record["step"] >= step]
+    if not steps:
+        return []
+    chosen = {record["rank"].get("global_rank"): record for record in launch
+              if record.get("kind") == RecordKind.STATE and record["step"] == min(steps)}
+    return [files.full(chosen[rank]) for rank in sorted(chosen, key=lambda rank: (rank is None, rank or 0))]
+
+
+def _lone_weights(states: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
+    """The ranks holding a non-finite weight that a data-parallel peer (equal coordinates but ``dp``) holds
+    finite: that replica's copy went bad alone."""
+    bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
+    lone = set()
+    for record in states:
+        rank, key = record["rank"].get("global_rank"), _peer_key(record["rank"])
+        peers = [other["rank"].get("global_rank") for other in states
+                 if _peer_key(other["rank"]) == key and other["rank"].get("global_rank") != rank]
+        if any(name not in bad[peer] for name in bad[rank] for peer in peers):
+            lone.add(rank)
+    return tuple(sorted(lone))
+
+
+def _peer_key(coords: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What data-parallel peers share: every coordinate but ``dp``."""
+    return tuple(coords.get(axis) for axis in AXES if axis != "dp")
+
+
+def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Data-parallel peers (equal coordinates but ``dp``) compared by their weights' digests: the ranks
+    whose digest differs from a strict majority's (``odd``), and the ranks of groups that differ with no
+    majority (``split``, e.g. two replicas)."""
+    groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
+    for record in states:
+        coords = record["rank"]
+        groups.setdefault(_peer_key(coords), {}).setdefault(record["weights_digest"], []).append(coords.get("global_rank"))
+    odd: List[int] = []
+    split: List[int] = []
+    for digests in groups.values():
+        if len(digests) < 2:
+            continue
+        total = sum(len(ranks) for ranks in digests.values())
+        majority = next((d for d, ranks in digests.items() if 2 * len(ranks) > total), None)
+        for digest, ranks in digests.items():
+            if majority is None:
+                split += ranks
+            elif digest != majority:
+                odd += ranks
+    return tuple(sorted(odd)), tuple(sorted(split))
+
+
+def _recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str, Any]], step: int) -> bool:
+    """An fp16 overflow that fails again at the next step, where no update was applied in between: the same
+    numerics, other data."""
+    return (any(r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW for r in at_step)
+            and any(r.get("kind") == RecordKind.LOSS_SCALE_OVERFLOW and r["step"] == step + 1 for r in launch))
+
+
+def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[int, ...]:
+    """The ranks of the last pipeline stage (which computes the loss) of the replicas whose loss was
+    non-finite again from finite outputs."""
+    stages = {rank: ranks.get(rank, {}).get("pp") or 0 for rank in rerun.concluded_by}
+    last = max(stages.values(), default=0)
+    return tuple(sorted(rank for rank, stage in stages.items() if stage == last))
+
+
+def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
+                states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
+                pattern: Pattern, parameters: Sequence[Dict[str, Any]], rerun: Optional[RerunFinding],
+                at_step: Sequence[Dict[str, Any]], recurs: bool) -> Evidence:
+    """The typed facts the rules decide on, from the failing step's records."""
+    basis, origin = gradient
+    odd, split = replica_digests(states)
+    weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
+                              tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"])
+                    for record in states for p in record["params"])
+    faults = tuple(StateFault(record["rank"].get("global_rank"), f["name"], f["state"], f["nan"], f["inf"],
+                              f["negative"]) for record in states for f in record["optimizer_state"])
+    losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
+    conclusion = rerun.conclusion if rerun is not None else None
+    rerun_origins = (_loss_ranks(rerun, ranks) if conclusion is Conclusion.LOSS else
+                     tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
+    largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
+    return Evidence(
+        step=step, iteration=iteration,
+        labels={rank: rank_label(coords, "inside") for rank, coords in ranks.items() if rank is not None},
+        dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
+        states_read=tuple(record["rank"].get("global_rank") for record in states),
+        launch_first_step=step == 1, bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states),
+        odd_replicas=odd,
+        split_replicas=split, rerun=conclusion,
+        rerun_module=rerun.module if rerun is not None else None,
+        rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
+        rerun_concluded_by=rerun.concluded_by if rerun is not None else (),
+        own_failure=rerun.own_failure if rerun is not None else None,
+        micro_batch=rerun.micro_batch if rerun is not None else None,
+        grew_in=rerun.grew_in if rerun is not None else None,
+        gradient_basis=basis, gradient_origin=tuple(entry["global_rank"] for entry in origin),
+        origin_replicas=tuple(sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})),
+        forward_pattern=pattern.gradient_pass is GradientPass.FORWARD, share_nonfinite=pattern.share_nonfinite,
+        first_in_backward=pattern.first_in_backward, first_rank=pattern.first_rank,
+        near_limit=any(p["near_limit"] for module in parameters for p in module["params"]),
+        recorded_norm=bool(at_step), largest_grad=largest,
+        largest_before_collective=any(entry["kind"] == RecordKind.PRE_REDUCTION for entry in origin
+                                      if entry.get("largest_grad")),
+        rejected_losses=tuple(r["rank"].get("global_rank") for r in losses),
+        rejected=({"global_rank": losses[0]["rank"].get("global_rank"), "micro_batch": losses[0].get("micro_batch"),
+                   "loss": losses[0].get("loss"), "rerun_skipped": losses[0].get("rerun_skipped"),
+                   "batch": next((r["batch"]["path"] for r in losses if r.get("batch")),
+                                 rerun.batch if rerun is not None else None)} if losses else None),
+        recurs=recurs)
+
+
+def _evidence_lines(e: Evidence) -> List[str]:
+    """What the decision rests on, fact by fact (none of them a competing verdict)."""
+    lines = []
+    if e.states_read:
+        weights = (f"non-finite on rank(s) {rank_ranges(sorted({w.rank for w in e.bad_weights}))}"
+                   if e.bad_weights else "every one finite")
+        state = (f"bad on rank(s) {rank_ranges(sorted({f.rank for f in e.state_faults}))}" if e.state_faults
+                 else "finite")
+        replicas = ("equal across data-parallel replicas" if not (e.odd_replicas or e.split_replicas) else
+                    f"unlike their peers' on rank(s) {rank_ranges(list(e.odd_replicas or e.split_replicas))}")
+        lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights}; optimizer"
+                     f" state {state}; weights {replicas}")
+    if e.rerun is not None:
+        lines.append(f"run again in place: {e.rerun.headline}")
+    if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
+        lines.append("own gradients non-finite before the data-parallel collective on rank(s)"
+                     f" {rank_ranges(list(e.gradient_origin))}")
+    elif e.gradient_basis is OriginBasis.AFTER_COLLECTIVE:
+        lines.append("every rank's own gradients were finite before the data-parallel collective")
+    if e.forward_pattern and e.share_nonfinite is not None:
+        lines.append(f"{e.share_nonfinite:.0%} of the origin's gradients are non-finite (what a non-finite"
+                     " activation or loss does in backward)")
+    elif e.first_in_backward:
+        lines.append(f"first non-finite gradient in backward order: {e.first_in_backward} on rank {e.first_rank}")
+    if e.near_limit:
+        lines.append("the largest finite gradient values are near the dtype's limit (overflow)")
+    if e.recurs:
+        lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
+                     " batch")
+    return lines
+
+
+def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
+                    rejected: Sequence[View], ranks: Dict[int, Dict[str, Any]],
+                    dtypes: Dict[Tuple[Any, str], str]) -> List[View]:
+    """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
+    (a ``state`` record's params), its rejected loss, or its coordinates alone."""
+    by_rank: Dict[Any, View] = {entry["global_rank"]: entry for entry in rejected}
+    if decision.basis is OriginBasis.STATE:
+        by_rank.update((record["rank"].get("global_rank"), _rank_entry(record, dtypes)) for record in states)
+    else:
+        by_rank.update((entry["global_rank"], entry) for entry in gradient_origin)
+    return [by_rank.get(rank) or {**rank_view(ranks.get(rank, {"global_rank": rank})), "kind": "rerun",
+                                  "params_total": 0, "params": []} for rank in decision.origin]
+
+
+def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], origin: Sequence[View],
+                ranks: Dict[int, Dict[str, Any]], run_dir: str, health: Sequence[HealthReading],
+                capture: Optional[Dict[str, str]]) -> List[NextStep]:
+    """What the cause calls for, every cause at least one step."""
+    cause, steps = decision.cause, []
+    devices = list(dict.fromkeys((entry.get("host"), entry.get("device")) for entry in origin))[:MAX_DRAINED]
+    if cause is Cause.DEVICE:
+        for host, device in devices:
             named = [entry["global_rank"] for entry in origin if (entry.get("host"), entry.get("device"))
                      == (host, device)]
             steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
                 f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
                 health=tuple(reading for reading in health if reading.rank["global_rank"] in named)))
-        for host in dict.fromkeys(host for host, _ in devices[:MAX_DRAINED]):
-            processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
-            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
-                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
-    reproducible = rerun is not None and rerun.conclusion is Conclusion.REPRODUCIBLE
-    if verdict.cause is Cause.DATA_OR_NUMERICS and reproducible and isinstance(iteration, int):
+    if cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
+        born = (f"this launch's start (step {e.step}): the checkpoint it resumed from holds them"
+                if e.launch_first_step and cause is Cause.WEIGHTS else
+                f"step {e.step - 1}{'' if e.iteration is None else f' (iteration {e.iteration - 1})'}, whose"
+                " update wrote them" if cause is Cause.OPTIMIZER_UPDATE else f"step {e.step}")
+        steps.append(NextStep(Action.RESUME, Action.RESUME.wording(born)))
+    if cause is Cause.COLLECTIVE:
+        hosts = ", ".join(dict.fromkeys(str(host) for host, _ in devices)) or "the ranks named"
+        steps.append(NextStep(Action.CHECK_INTERCONNECT, Action.CHECK_INTERCONNECT.wording(hosts)))
+    if cause is Cause.LOSS:
+        steps.append(NextStep(Action.FIX_LOSS, Action.FIX_LOSS.wording(f"micro-batch {e.micro_batch}")))
+    if cause in (Cause.NORM_OVERFLOW,) or (cause is Cause.FORWARD_OP and e.recurs):
+        steps.append(NextStep(Action.TUNE_NUMERICS, Action.TUNE_NUMERICS.wording(
+            "a lower learning rate, a tighter --clip-grad, bf16 instead of fp16, or a lower"
+            " --initial-loss-scale; skipping the iteration cannot help where every step fails")))
+    batch = rerun.batch if rerun is not None else (e.rejected or {}).get("batch")
+    if cause in (Cause.FORWARD_OP, Cause.LOSS) and batch:
+        steps.append(NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
+                              ("gradnan", "batch", batch)))
+    if cause in (Cause.FORWARD_OP, Cause.LOSS) and isinstance(e.iteration, int) and not e.recurs \
+            and rerun is not None:
         # a checkpoint written by Megatron's own validate_results exit runs the iteration again on restart,
         # then exits (17) rather than skipping it: that restart goes without the rerun state machine
         restarted_rerun = ("--rerun-mode", "disabled") if rerun.megatron else ()
-        steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(iteration)),
-                              ("--iterations-to-skip", str(iteration - 1), *restarted_rerun)))
+        steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
+                              ("--iterations-to-skip", str(e.iteration - 1), *restarted_rerun)))
+    if rerun is not None and rerun.bundle and cause is Cause.FORWARD_OP:
+        steps.append(NextStep(Action.REPLAY, Action.REPLAY.wording(f"{rerun.module} on rank {rerun.global_rank}"),
+                              ("gradnan", "replay", rerun.bundle)))
+    if cause is Cause.BACKWARD_OP and capture:
+        steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"]),
+                              tuple(f"{key}={value}" for key, value in capture.items())))
+    if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
+            cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) and not e.launch_first_step):
+        for host in dict.fromkeys(host for host, _ in devices):
+            processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
+            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
+                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
+    if cause is Cause.UNDETERMINED:
+        steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
     return steps
+
+
+_DECIDER = ("run a self-test on the origin's node and replay the captured step on another device, or rerun"
+            " from the last checkpoint with gradnan's defaults")
+_DECIDERS = {
+    "forward_not_rerun": "rerun from the last checkpoint with rerun='auto' (the default) so the failing step is"
+                         " run again in place and its forward operator named",
+    "rejected_loss": "replay the kept micro-batch, or rerun with --rerun-mode validate_results",
+    "unconfirmed_holders": "rerun from the last checkpoint with pre_reduction='deferred' (the default)",
+}
 
 
 def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
@@ -659,62 +765,67 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
     exited before any norm (only ``rerun`` records then)."""
     gradient_basis, origin_records = _gradient_origin(at_step)
-    dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records})
+    states = _state_records(files, launch, step)
+    dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [_rank_entry(r, dtypes) for r in origin_records]
     parameters = _parameters_by_module(gradient_origin)
     pattern = _pattern(gradient_origin, _params_per_rank(files))
     rerun = _rerun_finding(launch)
-    basis, origin, moved = gradient_basis, gradient_origin, []
-    rerun_ranks = {view["global_rank"] for view in rerun.origins} if rerun is not None else set()
-    if any(entry["global_rank"] in rerun_ranks for entry in gradient_origin):
-        # the rerun named the forward origin: the replica's other ranks whose gradients went bad received it
-        basis = OriginBasis.RERUN
-        origin = [entry for entry in gradient_origin if entry["global_rank"] in rerun_ranks]
-        moved = [_receiver({key: value for key, value in entry.items()
-                            if key not in ("params", "params_total", "kind")}, entry["params"])
-                 for entry in gradient_origin if entry["global_rank"] not in rerun_ranks]
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
-    if not at_step and rerun is not None:
-        # Megatron's validation ran the step again and stopped before any norm: the replicas whose own facts
-        # failed are the origin
-        failed = {rank for group in rerun.conclusions if group.own_failure for rank in group.ranks}
-        basis = OriginBasis.OWN_FAILURE if failed else OriginBasis.NONE
-        origin = [{**rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
-                   "own_failure": r.get("own_failure")}
-                  for r in reruns_here if r["rank"].get("global_rank") in failed]
-    gradient_ranks = {entry["global_rank"] for entry in gradient_origin}
-    receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
-                 if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in gradient_ranks]
-    recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here}
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
                      rerun.iteration if rerun is not None and rerun.step == step else None)
-    reading = _gradient_reading(gradient_origin, gradient_basis, pattern, parameters, bool(at_step))
-    losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
-    if losses and not gradient_origin:
-        basis, origin, reading = _rejected_losses(losses, rerun)
+    evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern, parameters,
+                           rerun, at_step, _recurs(at_step, launch, step))
+    decision = decide(evidence)
+    rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
+    origin = _origin_entries(decision, gradient_origin, states, rejected, ranks, dtypes)
+    named = {entry["global_rank"] for entry in origin}
+    receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
+                 if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in named]
+    receivers += [_receiver({key: value for key, value in entry.items()
+                             if key not in ("params", "params_total", "kind", "largest_grad")}, entry["params"])
+                  for entry in gradient_origin if entry["global_rank"] not in named
+                  and all(entry["global_rank"] != view["global_rank"] for view in receivers)]
+    recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states}
     health = health_readings(at_step, origin)
-    verdict = _decide_verdict(reading, rerun, origin, selftests, health)
+    verdict = Verdict(decision.cause, decision.summary, tuple(
+        _evidence_lines(evidence) + _selftest_evidence(origin, selftests) + _health_evidence(health)),
+        decision.rule)
+    capture = _capture_settings(pattern, origin, step, iteration)
     return Incident(
         step=step, iteration=iteration,
-        kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,), origin_basis=basis,
-        origin=tuple(origin),
-        receivers=tuple(sorted(receivers + moved, key=lambda view: view["global_rank"])),
+        kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,),
+        origin_basis=decision.basis, origin=tuple(origin),
+        receivers=tuple(sorted(receivers, key=lambda view: view["global_rank"])),
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
-        verdict=verdict, rerun=rerun, capture_settings=_capture_settings(pattern, origin, step, iteration),
-        next_steps=tuple(_next_steps(verdict, rerun, origin, iteration, ranks, str(files.run_dir), health)),
+        verdict=verdict, rerun=rerun, capture_settings=capture,
+        next_steps=tuple(_next_steps(decision, evidence, rerun, origin, ranks, str(files.run_dir), health,
+                                     capture)),
         health=tuple(health),
-        runup=_runup(files, launch, step, _culprit_parameter(pattern, gradient_origin)))
+        runup=_runup(files, launch, step, _culprit_parameter(pattern, gradient_origin, origin, rerun,
+                                                             decision.cause)))
 
 
-def _culprit_parameter(pattern: Pattern, origin: Sequence[View]) -> Optional[str]:
-    """The parameter whose run-up is read: the first non-finite gradient in backward order, else the
-    origin's first offending parameter, else its largest gradient (a norm overflow from finite ones)."""
-    if pattern.first_in_backward:
+def _culprit_parameter(pattern: Pattern, gradients: Sequence[View], origin: Sequence[View],
+                       rerun: Optional[RerunFinding], cause: Cause) -> Optional[str]:
+    """The parameter whose run-up is read, on the decided origin: a bad weight it is named for; for a
+    forward operator, the origin's first offending parameter inside the module that grew or went
+    non-finite; the first non-finite gradient in backward order where that is on the origin; its largest
+    gradient (a norm overflow from finite ones); else the origin's first offending parameter."""
+    named = {entry["global_rank"] for entry in origin}
+    if origin and origin[0].get("kind") == RecordKind.STATE and origin[0]["params"]:
+        return origin[0]["params"][0]["name"]
+    params = [param["name"] for entry in gradients if entry["global_rank"] in named for param in entry["params"]]
+    if cause is Cause.FORWARD_OP and rerun is not None:
+        modules = [module for module in ((rerun.grew_in or {}).get("module"), rerun.module) if module]
+        inside = [name for module in modules for name in params if name.startswith(module + ".")]
+        if inside:
+            return inside[0]
+    if pattern.first_in_backward and pattern.first_rank in named:
         return pattern.first_in_backward
-    named = [entry["params"][0]["name"] for entry in origin if entry["params"]]
-    named += [entry["largest_grad"]["name"] for entry in origin if entry.get("largest_grad")]
-    return named[0] if named else None
+    largest = [entry["largest_grad"]["name"] for entry in origin if entry.get("largest_grad")]
+    return (largest or params or [pattern.first_in_backward])[0]
 
 
 def _run_key(document: Dict[str, Any]) -> Tuple[Any, ...]:
@@ -737,7 +848,7 @@ def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
     if not first:
         return None
     chosen = [path for _, _, path in sorted(first.values(), key=lambda item: item[1])]
-    return decide(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
+    return runup_finding(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ from ..formats.incident import (
     health_line,
     samples_wording,
 )
-from ..formats.layout import AXES, rank_label, step_label
+from ..formats.layout import AXES, rank_label, rank_ranges, step_label
 from ..formats.schema import nonfinite_counts
 from ..formats.text import printable_lines, shell_word
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
@@ -83,29 +83,6 @@ def focus_ranks(incident: Incident, limit: int) -> List[int]:
     return sorted(chosen)
 
 
-def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
-    """ "0-482, 484-4095" or "3-251 every 8, 300": runs of three or more at a constant step written as one
-    range (a job's data-parallel peers are one range), cut to ``max_chars`` with the count of all."""
-    ranks = sorted(set(ranks))
-    parts, start = [], 0
-    while start < len(ranks):
-        end, step = start, ranks[start + 1] - ranks[start] if start + 1 < len(ranks) else 1
-        while end + 1 < len(ranks) and ranks[end + 1] - ranks[end] == step:
-            end += 1
-        if end - start >= 2:
-            parts.append(f"{ranks[start]}-{ranks[end]}" + (f" every {step}" if step > 1 else ""))
-        else:
-            end = start
-            parts.append(str(ranks[start]))
-        start = end + 1
-    text = ""
-    for position, part in enumerate(parts):
-        if len(text) + len(part) > max_chars:
-            return f"{text}... ({len(ranks)} in all)"
-        text += part + (", " if position + 1 < len(parts) else "")
-    return text
-
-
 ROLE_TEXT = {"dp_peer": "data-parallel peer(s) of the origin (same tp/pp)",
               "mp_peer": "model-parallel peer(s) of the origin (same dp replica)",
               "other": "other rank(s)"}
@@ -150,9 +127,11 @@ def _module_table(incident: Incident, max_modules: int) -> List[str]:
     modules = incident.parameters
     width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
     cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
+    first = {p["ranks"][0] for module in modules[:max_modules] for p in module["params"]}
+    counted = f"on rank {first.pop()}" if len(first) == 1 else "on the first rank holding it"
     lines = ["Offending modules in backward order (O origin, r received, . clean):",
              f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks)
-             + "  on the origin"]
+             + f"  {counted}"]
     for module in modules[:max_modules]:
         cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
         counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {nonfinite_counts(p)}"
@@ -246,8 +225,15 @@ def samples_lines(rerun: Optional[RerunFinding]) -> List[str]:
 
 
 def _origin_holds(entry: Dict[str, Any]) -> str:
-    """What an origin rank is named for: its non-finite parameters, its own non-finite loss/gradients, the
-    loss Megatron's check rejected, or (a norm overflow) its largest gradient."""
+    """What an origin rank is named for: its bad weights or optimizer state, its non-finite parameters, its
+    own non-finite loss/gradients, the loss Megatron's check rejected, or (a norm overflow) its largest
+    gradient."""
+    if entry.get("kind") == RecordKind.STATE:
+        parts = [f"{p['name']}{p['first_bad_index']} ({p.get('copy')} copy) {nonfinite_counts(p)}"
+                 for p in entry["params"][:2]]
+        parts += [f"{f['state']} of {f['name']}: {f['nan']} NaN, {f['inf']} Inf, {f['negative']} negative"
+                  for f in entry.get("optimizer_state", [])[:2]]
+        return "; ".join(parts) or "its weights differ from its data-parallel peers'"
     if entry.get("own_failure"):
         return f"its own {entry['own_failure']} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:
@@ -276,26 +262,24 @@ def runup_lines(runup: Optional[RunUp]) -> List[str]:
                          subsequent_indent="    ")
 
 
+def _next_lines(incident: Incident) -> List[str]:
+    lines = ["Next:"]
+    for number, step in enumerate(incident.next_steps, 1):
+        lines += textwrap.wrap(step.text, WIDTH, initial_indent=f"  {number}. ", subsequent_indent="     ")
+        if step.command:
+            lines.append(f"     {' '.join(map(shell_word, step.command))}")  # whole, on its own line
+        for reading in step.health:
+            lines += textwrap.wrap(f"NVML at the incident (rank {reading.rank['global_rank']}): "
+                                   + health_line(reading.values, reading.unread), WIDTH,
+                                   initial_indent="     ", subsequent_indent="       ")
+    return lines if incident.next_steps else []
+
+
 def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], max_modules: int) -> List[str]:
+    """What the user acts on first (the cause, the origin, what to do), then the evidence."""
     verdict = incident.verdict
     lines = [step_headline(incident)]
-    lines += rerun_lines(incident.rerun)
-    lines += samples_lines(incident.rerun)
     lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
-    for item in verdict.evidence:
-        lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
-    lines += runup_lines(incident.runup)
-    if incident.next_steps:
-        lines.append("Next:")
-        for number, step in enumerate(incident.next_steps, 1):
-            lines += textwrap.wrap(step.text, WIDTH, initial_indent=f"  {number}. ",
-                                   subsequent_indent="     ")
-            if step.command:
-                lines.append(f"     {' '.join(map(shell_word, step.command))}")  # whole, on its own line
-            for reading in step.health:
-                lines += textwrap.wrap(f"NVML at the incident (rank {reading.rank['global_rank']}): "
-                                       + health_line(reading.values, reading.unread), WIDTH,
-                                       initial_indent="     ", subsequent_indent="       ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
     lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]
@@ -304,6 +288,13 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
                      f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")
     if not origin:
         lines.append("  none found")
+    lines += _next_lines(incident)
+    lines.append("Evidence:")
+    for item in verdict.evidence:
+        lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    lines += rerun_lines(incident.rerun)
+    lines += samples_lines(incident.rerun)
+    lines += runup_lines(incident.runup)
     lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers,
                             origin)
     lines += _ranks_section("No record at this step (finite norm, or died first)", incident.silent, origin)
