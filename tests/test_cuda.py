@@ -177,14 +177,14 @@ def test_a_nan_gradient_names_its_rank_parameter_and_element(planted):
     norm = at_step["nonfinite_grad_norm"]
     assert norm["rank"]["device"] == "cuda:0" and map_names(norm["map"])[norm["params"][0]["id"]] == WEIGHT
     essentials = _essentials(run_dir)
-    # one rank, no replica to compare with, and a forward pass that runs clean again: undetermined, backward
-    assert essentials["cause"] == "undetermined" and essentials["rerun"] == (None, "backward")
+    # one rank and a forward pass that runs clean again: born in backward
+    assert essentials["cause"] == "backward_op" and essentials["rerun"] == (None, "backward")
 
 
 def test_a_bf16_forward_overflow_is_traced_to_its_module(planted):
     essentials = _essentials(planted["cuda"]["forward_inf_bf16"][0])
     assert essentials["rerun"] == ("decoder.layers.1.mlp", "reproducible")
-    assert essentials["cause"] == "data_or_numerics"
+    assert essentials["cause"] == "forward_op"
 
 
 def _replay(bundle: Path, device: str):

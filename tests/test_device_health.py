@@ -110,7 +110,7 @@ def test_without_nvml_no_record_carries_a_health_field(runs):
     assert by_rank and all("device_health" not in record
                            for records in by_rank.values() for record in records)
     analysis = analyze(read_run(runs / "absent"))
-    assert analysis.incident.verdict.cause.value == "hardware"
+    assert analysis.incident.verdict.cause.value == "device"
     assert analysis.incident.health == ()
     assert analysis.to_json()["incident"]["next"][0]["health"] == []
     assert "NVML" not in format_text(analysis)
@@ -136,7 +136,7 @@ def test_the_stand_in_reading_is_in_each_incident_record_of_the_origin(runs):
 def test_the_report_prints_the_reading_beside_the_device_to_drain_and_weighs_its_signs(runs):
     analysis = analyze(read_run(runs / "stand_in"))
     incident = analysis.incident
-    assert incident.verdict.cause.value == "hardware"
+    assert incident.verdict.cause.value == "device"
     drain = incident.next_steps[0]
     assert drain.action.value == "drain" and [reading.rank["global_rank"] for reading in drain.health] == [1]
     reading = drain.health[0]
@@ -153,7 +153,7 @@ def test_the_report_prints_the_reading_beside_the_device_to_drain_and_weighs_its
     assert document["next"][0]["health"][0]["values"] == EXPECTED
     assert document["health"] == document["next"][0]["health"]
     text = format_text(analysis)
-    section = " ".join(text.split("Next:\n")[1].split("Origin (")[0].split())
+    section = " ".join(text.split("Next:\n")[1].split("Evidence:")[0].split())
     line = " ".join(f"NVML at the incident (rank 1): {health_line(EXPECTED, reading.unread)}".split())
     assert section.index(line) < section.index("gradnan selftest"), text
     assert "83 C" in line and "XID: 79" in line and "power_w (NVMLError: Not Supported)" in line

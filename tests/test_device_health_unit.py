@@ -50,7 +50,7 @@ def test_a_malformed_reading_makes_the_record_a_problem_line(broken):
 def test_a_reading_without_signs_is_evidence_of_none_and_is_printed_beside_the_drain():
     analysis = analyze(_files(*_incident_records(HEALTHY)))
     incident = analysis.incident
-    assert incident.verdict.cause.value == "hardware"
+    assert incident.verdict.cause.value == "device"
     assert [reading.signs for reading in incident.health] == [()]
     assert incident.verdict.evidence[-1] == (
         "NVML at the incident on node00272 cuda:1 (rank 9): no XID error, uncorrected ECC error, retired or"

@@ -57,7 +57,7 @@ def test_dp2_names_the_replica_that_produced_it_before_the_collective(runs, caps
     assert (largest["name"], largest["flat"]) == (WEIGHT, ELEMENT)
     assert largest["value"] == pytest.approx(HUGE, rel=1e-6)  # before the collective, not the average
     assert [view["global_rank"] for view in incident.receivers] == [0]
-    assert incident.verdict.cause.value == "data_or_numerics"
+    assert incident.verdict.cause.value == "norm_overflow"
     summary = incident.verdict.summary
     assert summary.startswith("exploding gradients: the grad norm overflowed although every gradient is"
                               " finite")
@@ -65,7 +65,7 @@ def test_dp2_names_the_replica_that_produced_it_before_the_collective(runs, caps
     assert f"{WEIGHT}[0, {ELEMENT}] = 1e+30" in summary and "before the data-parallel collective" in summary
     assert incident.rerun.conclusion.value == "norm_overflow"
     text = format_text(report)
-    assert "Verdict: data_or_numerics: exploding gradients" in text and "none found" not in text
+    assert "Verdict: norm_overflow: exploding gradients" in text and "none found" not in text
     assert "from another replica" not in text
     document = _json_report(runs["dp2"], capsys)
     assert document["incident"]["verdict"]["summary"] == summary
@@ -93,7 +93,7 @@ def test_tp2_names_the_tensor_parallel_rank_holding_it(runs):
     assert (origin["largest_grad"]["name"], origin["largest_grad"]["flat"]) == (WEIGHT, ELEMENT)
     assert origin["largest_grad"]["value"] == pytest.approx(HUGE, rel=1e-2)  # bf16
     assert "rank 1 (tp1" in incident.verdict.summary
-    assert incident.verdict.cause.value == "data_or_numerics"
+    assert incident.verdict.cause.value == "norm_overflow"
     assert incident.rerun.conclusion.value == "norm_overflow"
 
 

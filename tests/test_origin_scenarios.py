@@ -63,8 +63,9 @@ def test_one_rank_produced_it_and_the_others_received_it(reports, name):
     assert (origin["tp"], origin["pp"], origin["dp"]) == (1, 0, 1)
     assert [p["name"] for p in origin["params"]] == [WEIGHT]
     assert origin["params"][0]["first_bad_index"] == [0, 5]
-    assert incident["verdict"]["cause"] == "hardware"
-    assert "dp1" in incident["verdict"]["summary"]
+    assert incident["verdict"]["cause"] == "backward_op"
+    assert WEIGHT in incident["verdict"]["summary"] and "rank 3 (tp1 pp0 dp1" in incident["verdict"]["summary"]
+    assert "Only one data-parallel replica of 2 produced it" in incident["verdict"]["summary"]
 
 
 def test_the_dp_peer_holds_the_nan_after_the_collective_but_is_a_receiver(reports):
@@ -81,13 +82,11 @@ def test_forward_inf_on_every_replica_points_at_data_and_the_forward_pass(report
     incident = report["incident"]
     assert sorted(_origin_ranks(report)) == [0, 1, 2, 3]
     assert incident["pattern"]["pass"] == "forward"
-    assert incident["verdict"]["cause"] == "data_or_numerics"
-    assert "forward pass" in incident["verdict"]["summary"]
+    assert incident["verdict"]["cause"] == "forward_op" and incident["verdict"]["rule"] == "forward_operator"
+    assert "decoder.layers.1.mlp" in incident["verdict"]["summary"]
     assert (incident["rerun"]["module"] == "decoder.layers.1.mlp"
             and incident["rerun"]["conclusion"] == "reproducible")
-    pattern_based = incident["verdict"]["evidence"][0]
-    assert (pattern_based.startswith("pattern-based reading")
-            and "every data-parallel replica" in pattern_based)
+    assert "100% of the origin's gradients are non-finite" in " ".join(incident["verdict"]["evidence"])
 
 
 def test_a_nan_made_inside_backward_names_that_layer_first(reports):

@@ -153,7 +153,7 @@ def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
     assert (found[1]["conclusion"], found[0]["conclusion"]) == ("transient", "after_collective")
     report = build_report(read_run(runs["bf16_transient_dp2"]))
     assert report["incident"]["rerun"]["conclusion"] == "transient"
-    assert report["incident"]["verdict"]["cause"] == "hardware"
+    assert report["incident"]["verdict"]["cause"] == "device"
 
 
 def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):

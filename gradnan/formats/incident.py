@@ -352,8 +352,7 @@ _BASIS_TEXT = {
     OriginBasis.STATE: "weights or optimizer state non-finite when the failing step began",
     OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
-    OriginBasis.RERUN: "named by the failing step run again in place: where its forward value or its loss"
-                       " first went non-finite",
+    OriginBasis.RERUN: "named by the failing step, run again in place",
 }
 
 

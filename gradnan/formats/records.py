@@ -118,11 +118,12 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
     faults = record.get("optimizer_state")
     if (not all(entry.get("copy") in WEIGHT_COPIES for entry in record["params"])
             or not is_text(record.get("weights_digest"))
+            or not optional(record.get("launch_weights_finite"), lambda v: isinstance(v, bool))
             or not all(is_int(record.get(key)) for key in ("params_checked", "optimizer_state_total",
                                                            "optimizer_state_checked"))
             or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))):
         raise InputError(f"{where}: a state record needs each param's 'copy' one of {', '.join(WEIGHT_COPIES)},"
-                         " a text 'weights_digest', integer 'params_checked'/'optimizer_state_total'/"
+                         " a text 'weights_digest', 'launch_weights_finite' null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
                          "'optimizer_state_checked' and an 'optimizer_state' list of objects with text"
                          " 'name'/'state' and counts 'nan'/'inf'/'negative'")
 

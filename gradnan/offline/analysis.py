@@ -168,8 +168,8 @@ class NextStep:
     health: Tuple[HealthReading, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
-        drained = {"health": [reading.to_json() for reading in self.health]} if self.action is Action.DRAIN \
-            else {}
+        drained = ({"health": [reading.to_json() for reading in self.health]}
+                   if self.action in (Action.DRAIN, Action.SELFTEST) else {})
         return {"action": self.action.value, "text": self.text,
                 "command": None if self.command is None else list(self.command), **drained}
 
@@ -450,7 +450,8 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
     origins = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
     first = origins[0] if origins else None
-    batch = next((r["batch"] for r in at_step if r.get("batch")), None)
+    # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
+    batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
     conclusions = _grouped(at_step, "conclusion", values(Conclusion))
     megatron = _grouped(at_step, "megatron", values(Conclusion))
     strongest = conclusions[0]
@@ -544,16 +545,21 @@ def _state_records(files: RunFiles, launch: List[Dict[str, Any]], step: int) -> 
     return [files.full(chosen[rank]) for rank in sorted(chosen, key=lambda rank: (rank is None, rank or 0))]
 
 
-def _lone_weights(states: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
+def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
     """The ranks holding a non-finite weight that a data-parallel peer (equal coordinates but ``dp``) holds
-    finite: that replica's copy went bad alone."""
+    finite (its own ``state`` record says so), or whose peer's forward pass was finite at that step (an
+    fp16 skip recorded with a finite loss: a replica that did not fail reads no state): that replica's
+    copy went bad alone."""
     bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
+    finite_forward = [r["rank"] for r in at_step
+                      if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True]
     lone = set()
     for record in states:
         rank, key = record["rank"].get("global_rank"), _peer_key(record["rank"])
         peers = [other["rank"].get("global_rank") for other in states
                  if _peer_key(other["rank"]) == key and other["rank"].get("global_rank") != rank]
-        if any(name not in bad[peer] for name in bad[rank] for peer in peers):
+        if (any(name not in bad[peer] for name in bad[rank] for peer in peers)
+                or (bad[rank] and any(_peer_key(coords) == key for coords in finite_forward))):
             lone.add(rank)
     return tuple(sorted(lone))
 
@@ -623,7 +629,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         labels={rank: rank_label(coords, "inside") for rank, coords in ranks.items() if rank is not None},
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
-        launch_first_step=step == 1, bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states),
+        launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states), bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
         split_replicas=split, rerun=conclusion,
         rerun_module=rerun.module if rerun is not None else None,
@@ -741,10 +747,12 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                               tuple(f"{key}={value}" for key, value in capture.items())))
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
             cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) and not e.launch_first_step):
+        drained = cause is Cause.DEVICE  # NVML's readings are printed beside the drain, else the self-test
         for host in dict.fromkeys(host for host, _ in devices):
             processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
             steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
-                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir)))
+                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir),
+                health=() if drained else tuple(reading for reading in health if reading.rank.get("host") == host)))
     if cause is Cause.UNDETERMINED:
         steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
     return steps
@@ -780,6 +788,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, ranks, dtypes)
     named = {entry["global_rank"] for entry in origin}
+    # the table's counts are those of the first rank holding each parameter: the decided origin's first
+    parameters = _parameters_by_module(sorted(gradient_origin, key=lambda entry: entry["global_rank"] not in named))
     receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
                  if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in named]
     receivers += [_receiver({key: value for key, value in entry.items()

@@ -70,7 +70,9 @@ class Evidence:
     dp_size: int = 1
     # the weights and optimizer state as the failing step found them (``state`` records)
     states_read: Tuple[int, ...] = ()
-    launch_first_step: bool = False  # the failing step is the launch's first: its weights came with it
+    # the failing step is the launch's first, or a rank's weights were non-finite already at the launch's
+    # first step: the bad weights came with the launch (its checkpoint)
+    launch_first_step: bool = False
     bad_weights: Tuple[BadWeight, ...] = ()
     state_faults: Tuple[StateFault, ...] = ()
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
@@ -159,7 +161,7 @@ def _first_weight(e: Evidence, ranks: Tuple[int, ...]) -> str:
 
 def _checkpoint_weights(e: Evidence) -> str:
     ranks = _weight_holders(e)
-    return (f"the weights were already non-finite when the launch's first step began: {_first_weight(e, ranks)}"
+    return (f"the weights were already non-finite when the launch began: {_first_weight(e, ranks)}"
             f" on {e.labelled(ranks)}: they came with the checkpoint this launch resumed from (or its"
             " initialization), not from this step's data or arithmetic")
 
@@ -290,7 +292,7 @@ def _always(e: Evidence) -> bool:
 
 RULES: Tuple[Rule, ...] = (
     Rule("weights_at_launch", Cause.WEIGHTS,
-         "a weight is non-finite when the launch's first step begins",
+         "a weight is non-finite, and it was already at the launch's first step",
          lambda e: bool(e.bad_weights) and e.launch_first_step, _weight_holders, _checkpoint_weights,
          OriginBasis.STATE),
     Rule("optimizer_state", Cause.OPTIMIZER_UPDATE,

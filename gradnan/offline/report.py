@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..formats.incident import (
     Conclusion,
+    OriginBasis,
     RecordKind,
     describe_largest,
     failing_step_headline,
@@ -224,6 +225,20 @@ def samples_lines(rerun: Optional[RerunFinding]) -> List[str]:
     return lines
 
 
+def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
+    """An origin rank, and what it is named for: where the rerun named it, its module (or its loss) and
+    micro-batch; else what its records hold."""
+    rerun = incident.rerun
+    if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
+        module = next((view["module"] for view in rerun.origins if view["global_rank"] == entry["global_rank"]),
+                      None)
+        if module:
+            return f"  {_rank_label(entry)}: {module}, micro-batch {rerun.micro_batch}"
+        if rerun.conclusion is Conclusion.LOSS:
+            return f"  {_rank_label(entry)}: the loss of micro-batch {rerun.micro_batch}"
+    return f"  {_rank_label(entry)}: {_origin_holds(entry)}"
+
+
 def _origin_holds(entry: Dict[str, Any]) -> str:
     """What an origin rank is named for: its bad weights or optimizer state, its non-finite parameters, its
     own non-finite loss/gradients, the loss Megatron's check rejected, or (a norm overflow) its largest
@@ -238,6 +253,10 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         return f"its own {entry['own_failure']} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:
         return f"non-finite loss ({entry['loss']}) at micro-batch {entry['micro_batch']}"
+    if entry["params"] and not entry.get("largest_grad"):
+        first = entry["params"][0]
+        more = f" and {entry['params_total'] - 1} more parameter(s)" if entry["params_total"] > 1 else ""
+        return f"{first['name']}{first.get('first_bad_index')} {nonfinite_counts(first)}{more}"
     if entry["params_total"] or not entry.get("largest_grad"):
         return f"{entry['params_total']} parameter(s)"
     when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
@@ -282,7 +301,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
-    lines += [f"  {_rank_label(entry)}: {_origin_holds(entry)}" for entry in origin[:MAX_ORIGIN_LINES]]
+    lines += [_origin_line(entry, incident) for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
                      f"{rank_ranges([entry['global_rank'] for entry in origin[MAX_ORIGIN_LINES:]])}")

@@ -540,8 +540,14 @@ def _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, result
 
 
 def _apply_main_grad_injections(job, rank, step, chunks, optimizer, result) -> None:
+    """An explicit ``index`` outside what this rank's optimizer steps (another rank's distributed-optimizer
+    shard, which it never reads) plants nothing and lists nothing: plant on every replica to hit the
+    owner."""
     for injection in _due(job, rank, step, "main_grad"):
         param, index = _resolve(injection, chunks, optimizer)
+        if injection.index is not None and not any(start <= index < end for _, _, start, end
+                                                   in _stepped_copies(optimizer, param)):
+            continue
         param.main_grad.view(-1)[index] = injection.number()
         result.injected.append({**dataclasses.asdict(injection), "index": index})
 

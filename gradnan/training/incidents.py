@@ -348,10 +348,11 @@ class Detections:
                      f"; not run again: {rerun_skipped}" if rerun_skipped else "", record.path)
         return record
 
-    def state(self, held: StepState, ids_by_name: Dict[str, int]) -> Dict[str, Any]:
+    def state(self, held: StepState, ids_by_name: Dict[str, int],
+              at_launch: Optional[torch.Tensor]) -> Dict[str, Any]:
         """The weights and optimizer state as the failing step found them (``weights.state_fields``): the
         ``state`` record, and a log line where a weight or a moment was already bad."""
-        found, extra = state_fields(held, ids_by_name)
+        found, extra = state_fields(held, ids_by_name, at_launch)
         record = self._writer.record(RecordKind.STATE.value, self._clock.current(), found, extra)
         if found:
             first = found[0]

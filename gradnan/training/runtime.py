@@ -39,6 +39,7 @@ from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
 from .stops import abort_if_asked, stop_if_asked
+from .weights import finite_flag
 from .window import RecordingWindow
 from .writer import Writer
 
@@ -69,6 +70,7 @@ class Runtime:
         self._rejected_loss: Optional[Tuple[Optional[int], str, float]] = None
         self._optimizer: Optional["weakref.ref[Any]"] = None  # the latest built: its state at an incident
         self._state_read = False  # the weights and optimizer state are read at the run's first incident
+        self._launch_weights: Optional[torch.Tensor] = None  # were they finite at the launch's first step
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -125,6 +127,8 @@ class Runtime:
         self.norms.settle(wait=True)  # the last step's norm, if nothing zeroed the gradients in between
         self.optimizer_built(optimizer, slots)
         self.clock.begin(optimizer)
+        if self.clock.current(optimizer) == 1 and self.config.detect and self._launch_weights is None:
+            self._launch_weights = self.guarded("state", self._weights_flag, optimizer)
         self.guarded("frames", self.forward.flush)  # every forward of this step is done
 
     def end_step(self, optimizer: Any, skipped: Optional[bool]) -> None:
@@ -223,6 +227,11 @@ class Runtime:
         if stop is not None:
             stop_if_asked(self.config, stop)
 
+    def _weights_flag(self, optimizer: Any) -> Optional[torch.Tensor]:
+        """Once, at the launch's first step: a device flag, read only at an incident, that says whether the
+        weights the launch began with were finite (one fused pass over them, no host sync)."""
+        return finite_flag(self._facts.optimizer_tensors(optimizer, self.known_chunks()).weights)
+
     def _read_state(self) -> None:
         """The weights and optimizer state of the stepping optimizer (else the latest built) as the failing
         step found them: no collective, no update applied yet."""
@@ -230,7 +239,7 @@ class Runtime:
         if optimizer is not None and self.config.detect:
             held = self._facts.optimizer_tensors(optimizer, self.known_chunks())
             if held.weights or held.slots:
-                self.detections.state(held, self.ids_by_name())
+                self.detections.state(held, self.ids_by_name(), self._launch_weights)
 
     # -- the step's schedule (its forward pass may be run again) ------------------------------------
 

@@ -8,7 +8,8 @@ read on a healthy step.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,11 +79,23 @@ def weights_digest(weights: Sequence[Tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def state_fields(state: StepState, ids_by_name: Mapping[str, int]) -> Tuple[List[Dict[str, Any]],
-                                                                            Dict[str, Any]]:
-    """A ``state`` record's offending params (the non-finite weights) and its other fields."""
+@torch.no_grad()
+def finite_flag(weights: Sequence[Tuple[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+    """Whether every weight is finite, as one device flag, never read here (no host sync): each tensor's
+    largest magnitude (a fused infinity norm: NaN and Inf carry through, a finite tensor's stays finite)."""
+    present = [tensor.detach() for _, tensor in weights if tensor.numel()]
+    if not present:
+        return None
+    return torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(present, math.inf)])).all()
+
+
+def state_fields(state: StepState, ids_by_name: Mapping[str, int],
+                 at_launch: Optional[torch.Tensor]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """A ``state`` record's offending params (the non-finite weights) and its other fields;
+    ``at_launch``: ``finite_flag`` of the weights at the launch's first step (None: not taken)."""
     faults = optimizer_state_faults(state.slots, state.stepped)
     return nonfinite_weights(state, ids_by_name), {
+        "launch_weights_finite": None if at_launch is None else bool(at_launch),
         "weights_digest": weights_digest(state.weights), "params_checked": len(state.weights),
         "optimizer_state": faults[:MAX_STATE_ENTRIES], "optimizer_state_total": len(faults),
         "optimizer_state_checked": sum(len(held.state) for held in state.stepped)}

@@ -1,0 +1,139 @@
+"""Faults planted by cause, as megatron-core's ``RerunErrorInjector`` plants them by diagnosis: a ``Plant``
+names the cause it stands for and where (a job layout, a coordinate, a parameter or module, a step, a
+micro-batch); it makes the ``Injection``s that produce that cause on real megatron-core, and says what a
+right report answers (``expected``), computed from the plant, never written per case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import FrozenSet, List, Optional, Tuple
+
+from ..formats.incident import Cause
+from .toy import Injection, TinyGPTJob
+
+Coordinate = Tuple[int, int, int]  # (tp, pp, dp)
+
+
+def global_rank(job: TinyGPTJob, tp: int, pp: int, dp: int) -> int:
+    """Megatron's default rank order (tp fastest, then dp, then pp; no cp or ep here)."""
+    dp_size = job.world_size // (job.tp * job.pp)
+    return tp + job.tp * (dp + dp_size * pp)
+
+
+def coordinates(job: TinyGPTJob) -> List[Coordinate]:
+    dp_size = job.world_size // (job.tp * job.pp)
+    return [(tp, pp, dp) for pp in range(job.pp) for dp in range(dp_size) for tp in range(job.tp)]
+
+
+def stage_of(job: TinyGPTJob, name: str) -> int:
+    """The pipeline stage that holds a parameter or module, by its global name (none: the loss's, the last)."""
+    if name.startswith("embedding"):
+        return 0
+    if not name or name.startswith(("output_layer", "decoder.final_layernorm")):
+        return job.pp - 1
+    layer = int(name.split(".")[2])
+    return layer // (job.num_layers // job.pp)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a right report says: the cause; origin coordinates that must all be named (``must``) and that
+    may be (``may``: a transient fault names its whole replica, whose ranks all failed with it); and the
+    parameter or module named (the parameter for weights, optimizer state, gradients and collectives; the
+    module for a forward operator; None where nothing is named)."""
+
+    cause: Cause
+    must: FrozenSet[Coordinate]
+    may: FrozenSet[Coordinate]
+    named: Optional[str]
+
+
+@dataclass(frozen=True)
+class Plant:
+    """``cause`` at ``where`` (tp, dp; the pipeline stage follows from ``target``), at ``step``:
+    - WEIGHTS: ``target`` (a parameter) non-finite before ``step``, on every data-parallel replica where
+      ``step`` is 1 (a checkpoint), else on the one replica ``where`` names;
+    - OPTIMIZER_UPDATE: ``target``'s ``exp_avg_sq`` made negative before the update of ``step``, on the
+      rank(s) whose optimizer holds the element (the whole replica ``where`` names without the
+      distributed optimizer; its shard owner with it): the failure comes at ``step + 1``;
+    - FORWARD_OP: ``target`` (a module)'s output made Inf on the rank ``where`` names, again when run again;
+    - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names;
+    - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
+    - COLLECTIVE: ``target``'s reduced gradient made NaN after the data-parallel collective (with the
+      distributed optimizer, in the shard of the replica that owns the element);
+    - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
+    - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward."""
+
+    cause: Cause
+    job: TinyGPTJob
+    target: str
+    where: Tuple[int, int] = (0, 0)
+    step: int = 2
+    micro_batch: int = 0
+
+    @property
+    def coordinate(self) -> Coordinate:
+        return (self.where[0], stage_of(self.job, self.target), self.where[1])
+
+    @property
+    def rank(self) -> int:
+        return global_rank(self.job, *self.coordinate)
+
+    def _replica(self, dp: int, pp: Optional[int] = None) -> List[Coordinate]:
+        return [c for c in coordinates(self.job) if c[2] == dp and (pp is None or c[1] == pp)]
+
+    def injections(self) -> Tuple[Injection, ...]:
+        tp, pp, dp = self.coordinate
+        cause, target, step = self.cause, self.target, self.step
+        if cause is Cause.WEIGHTS:
+            holders = [c for c in coordinates(self.job) if c[:2] == (tp, pp) and (step == 1 or c[2] == dp)]
+            return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="weight", index=3)
+                         for c in holders)
+        if cause is Cause.OPTIMIZER_UPDATE:
+            return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
+                                   index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
+                         and (self.job.distributed_optimizer or c[2] == dp))
+        if cause is Cause.COLLECTIVE and self.job.distributed_optimizer:
+            return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="main_grad", index=3)
+                         for c in coordinates(self.job) if c[:2] == (tp, pp))
+        if cause is Cause.LOSS:
+            return tuple(Injection(global_rank(self.job, *c), step, "", where="loss", index=self.micro_batch)
+                         for c in self._replica(dp, self.job.pp - 1))
+        plain = {Cause.FORWARD_OP: ("inf", "forward", False), Cause.DEVICE: ("inf", "forward", True),
+                 Cause.BACKWARD_OP: ("nan", "backward", False), Cause.COLLECTIVE: ("nan", "main_grad", False),
+                 Cause.NORM_OVERFLOW: ("1e30", "backward", False)}
+        value, where, transient = plain[cause]
+        index = 3 if where == "forward" else None
+        return (Injection(self.rank, step, target, value, where=where, index=index, transient=transient),)
+
+    def planted_job(self, out_dir: str) -> TinyGPTJob:
+        steps = max(self.job.steps, self.step + 1 + (self.cause is Cause.OPTIMIZER_UPDATE))
+        return dataclasses.replace(self.job, steps=steps, injections=self.injections(),
+                                   gradnan={**(self.job.gradnan or {}), "out_dir": out_dir})
+
+    def expected(self, applied: FrozenSet[int]) -> Expected:
+        """``applied``: the global ranks where an injection took effect (``WorkerResult.injected``)."""
+        tp, pp, dp = self.coordinate
+        by_rank = {global_rank(self.job, *c): c for c in coordinates(self.job)}
+        if self.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE, Cause.COLLECTIVE):
+            planted = frozenset(by_rank[rank] for rank in applied)
+            return Expected(self.cause, planted, planted, self.target)
+        if self.cause is Cause.LOSS:
+            last = frozenset(self._replica(dp, self.job.pp - 1))
+            return Expected(self.cause, last, last, None)
+        if self.cause is Cause.DEVICE:
+            return Expected(self.cause, frozenset({self.coordinate}), frozenset(self._replica(dp)), None)
+        return Expected(self.cause, frozenset({self.coordinate}), frozenset({self.coordinate}), self.target)
+
+    @property
+    def failing_step(self) -> int:
+        return self.step + (self.cause is Cause.OPTIMIZER_UPDATE)
+
+    def label(self) -> str:
+        layout = (f"tp{self.job.tp}pp{self.job.pp}dp{self.job.world_size // (self.job.tp * self.job.pp)}"
+                  f"-{self.job.dtype}{'-distopt' if self.job.distributed_optimizer else ''}"
+                  f"-mb{self.job.micro_batches}")
+        where = f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
+        return f"{self.cause.value}@{self.target or 'loss'}@{where}-{layout}"

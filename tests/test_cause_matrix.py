@@ -1,0 +1,142 @@
+"""Issue 36: every cause, planted by cause on real megatron-core through its schedules (4 gloo processes),
+across positions: tensor-parallel rank, pipeline stage, data-parallel replica, layer kind, micro-batch, the
+first step, bf16/fp16/fp32, the distributed optimizer on and off. The expected answer is computed from the
+plant (``gradnan.testing.plants``). CI runs a seeded sample that holds every cause and every layer kind
+(``CAUSE_MATRIX=all`` runs the whole product, ``CAUSE_MATRIX_SEED`` another sample)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+
+import pytest
+
+from gradnan.formats.incident import Cause
+from gradnan.offline.analysis import analyze
+from gradnan.offline.read import read_run
+from gradnan.testing.plants import Plant, coordinates
+from gradnan.testing.toy import TinyGPTJob, launch_many
+
+pytestmark = pytest.mark.slow
+
+TP_DP = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True, steps=3)
+LAYOUTS = (TP_DP, TP_DP.with_(distributed_optimizer=True),
+           TinyGPTJob(world_size=4, pp=2, dtype="fp32", quiet=True, steps=3, micro_batches=2),
+           TP_DP.with_(dtype="fp16"))
+# (parameter, the module it belongs to): column- and row-parallel linears, layer norm, embedding, output layer
+PARAMETERS = ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_proj.weight",
+              "decoder.layers.0.input_layernorm.weight", "embedding.word_embeddings.weight",
+              "output_layer.weight", "decoder.layers.1.self_attention.linear_qkv.weight")
+MODULES = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention.linear_proj",
+           "decoder.layers.1.self_attention.core_attention", "decoder.layers.0.input_layernorm", "embedding",
+           "output_layer")
+ON_PARAMETERS = (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE, Cause.BACKWARD_OP, Cause.COLLECTIVE,
+                 Cause.NORM_OVERFLOW)
+ON_MODULES = (Cause.FORWARD_OP, Cause.DEVICE)
+GRADIENT_CAUSES = (Cause.BACKWARD_OP, Cause.COLLECTIVE, Cause.NORM_OVERFLOW)
+# fp16's loss scaler skips a step whose gradients alone overflow, by design: only what breaks the forward
+# pass or the weights is an incident there
+FP16_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
+
+
+def _all_plants():
+    plants = []
+    for job in LAYOUTS:
+        dp_size = job.world_size // (job.tp * job.pp)
+        wheres = [(tp, dp) for tp in range(job.tp) for dp in range(dp_size)]
+        for cause in Cause:
+            if cause is Cause.UNDETERMINED or (job.dtype == "fp16" and cause not in FP16_CAUSES):
+                continue
+            targets = (PARAMETERS if cause in ON_PARAMETERS else MODULES if cause in ON_MODULES else ("",))
+            for target, where in itertools.product(targets, wheres):
+                if cause in GRADIENT_CAUSES and "layernorm" in target and where[0] != 0:
+                    continue  # Megatron's norm counts a tensor-parallel duplicate on tensor rank 0 only
+                for step in ((1, 2) if cause is Cause.WEIGHTS else (2,)):
+                    micro_batch = job.micro_batches - 1 if cause is Cause.LOSS else 0
+                    plants.append(Plant(cause, job, target, where, step, micro_batch))
+    return plants
+
+
+def _sample(plants, seed: int):
+    """Every cause and every layer kind at least once, then a seeded draw up to 20 plants."""
+    rng = random.Random(seed)
+    pool = list(plants)
+    rng.shuffle(pool)
+    chosen = []
+    for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES,
+                   *(job for job in LAYOUTS)]:
+        if any(plant.cause == wanted or plant.target == wanted or plant.job == wanted for plant in chosen):
+            continue
+        chosen.append(next(p for p in pool if wanted in (p.cause, p.target, p.job)))
+    chosen += [p for p in pool if p not in chosen][:max(0, 20 - len(chosen))]
+    return chosen
+
+
+PLANTS = (_all_plants() if os.environ.get("CAUSE_MATRIX") == "all"
+          else _sample(_all_plants(), int(os.environ.get("CAUSE_MATRIX_SEED", "36"))))
+
+
+def _named(plant, incident) -> bool:
+    """Whether the report names the planted parameter or module where this cause names one."""
+    origin_params = {p["name"] for entry in incident.origin for p in entry["params"]}
+    if plant.cause is Cause.WEIGHTS:
+        return plant.target in origin_params
+    if plant.cause is Cause.OPTIMIZER_UPDATE:
+        return plant.target in {f["name"] for entry in incident.origin for f in entry.get("optimizer_state", [])}
+    if plant.cause is Cause.FORWARD_OP:
+        return incident.rerun is not None and incident.rerun.module == plant.target
+    if plant.cause is Cause.NORM_OVERFLOW:
+        return any((entry.get("largest_grad") or {}).get("name") == plant.target for entry in incident.origin)
+    if plant.cause in (Cause.BACKWARD_OP, Cause.COLLECTIVE):
+        return incident.pattern.first_in_backward == plant.target or plant.target in origin_params
+    return plant.cause is not Cause.LOSS or incident.rerun.micro_batch == plant.micro_batch
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix")
+    jobs = [plant.planted_job(str(root / str(number))) for number, plant in enumerate(PLANTS)]
+    results = launch_many(jobs)
+    return [(plant, analyze(read_run(root / str(number))), frozenset(
+        rank for rank, result in per_rank.items() if result.injected), _read_state(root / str(number)))
+        for number, (plant, per_rank) in enumerate(zip(PLANTS, results))]
+
+
+def _read_state(run_dir):
+    """The coordinates of the ranks that read their weights at the incident (a replica that did not fail
+    reads none: an fp16 skip with a finite loss, a bad embedding row its data did not read)."""
+    files = read_run(run_dir)
+    return frozenset((r["rank"]["tp"], r["rank"]["pp"], r["rank"]["dp"]) for r in files.all_records()
+                     if r["kind"] == "state")
+
+
+def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
+    wrong = []
+    for plant, report, applied, read in outcomes:
+        incident = report.incident
+        expected = plant.expected(applied)
+        if plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
+            expected = dataclasses.replace(expected, must=expected.must & read)
+        if incident is None:
+            wrong.append(f"{plant.label()}: no incident")
+            continue
+        origin = {(entry.get("tp"), entry.get("pp"), entry.get("dp")) for entry in incident.origin}
+        # a bad weight (an embedding row) fails the first step whose data reads it
+        late = plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE)
+        checks = {"step": incident.step == plant.failing_step or (late and incident.step > plant.failing_step),
+                  "cause": incident.verdict.cause is expected.cause,
+                  "origin": expected.must <= origin <= expected.may, "named": _named(plant, incident)}
+        if not all(checks.values()):
+            wrong.append(f"{plant.label()}: {[key for key, ok in checks.items() if not ok]} wrong:"
+                         f" {incident.verdict.cause.value} ({incident.verdict.rule}) at step {incident.step},"
+                         f" origin {sorted(origin)}, expected {sorted(expected.must)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_sample_holds_every_cause_layout_and_layer_kind():
+    assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
+    assert {plant.job for plant in PLANTS} == set(LAYOUTS)
+    assert set(PARAMETERS) | set(MODULES) <= {plant.target for plant in PLANTS}
+    assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)

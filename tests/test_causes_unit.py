@@ -1,0 +1,131 @@
+"""Issue 36: the rule table, on ``Evidence`` built in memory. Each rule fires on the facts it names and not
+on the facts of the rules before it; the first match decides; every cause has a rule and a next action;
+docs/how-it-works.md's table is the table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gradnan.formats.incident import Cause, Conclusion, OriginBasis, OwnFailure
+from gradnan.offline.analysis import replica_digests
+from gradnan.offline.causes import RULES, BadWeight, Evidence, StateFault, decide, rules_table
+
+LABELS = {rank: f"rank {rank}" for rank in range(8)}
+NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)
+BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq", 0, 0, 1)
+LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
+
+
+def evidence(**facts) -> Evidence:
+    return Evidence(**{"step": 5, "iteration": 105, "labels": LABELS, "dp_size": 2, **facts})
+
+
+# one case per rule: the facts that make it fire, and the origin it names
+CASES = {
+    "weights_at_launch": (dict(step=1, launch_first_step=True, bad_weights=(NAN_WEIGHT,),
+                               rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.0.mlp.linear_fc2",
+                               rerun_origins=(0,)), (1,)),
+    "optimizer_state": (dict(bad_weights=(NAN_WEIGHT,), state_faults=(BAD_MOMENT,)), (2,)),
+    "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
+    "updated_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
+    "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
+                               rerun_origins=(3,)), (3,)),
+    "loss_function": (dict(rerun=Conclusion.LOSS, rerun_origins=(0, 1), micro_batch=1,
+                           gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
+                           forward_pattern=True, share_nonfinite=1.0), (0, 1)),
+    "forward_operator": (dict(rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.1.mlp",
+                              rerun_origins=(3,), micro_batch=0, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                              gradient_origin=(2, 3), forward_pattern=True, share_nonfinite=1.0), (3,)),
+    "transient": (dict(rerun=Conclusion.TRANSIENT, own_failure=OwnFailure.LOSS, rerun_concluded_by=(2, 3),
+                       gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(2, 3),
+                       forward_pattern=True, share_nonfinite=1.0), (2, 3)),
+    "norm_overflow": (dict(gradient_basis=OriginBasis.NORM_OVERFLOW, gradient_origin=(1,), largest_grad=LARGEST,
+                           largest_before_collective=True), (1,)),
+    "gradient_collective": (dict(gradient_basis=OriginBasis.AFTER_COLLECTIVE, gradient_origin=(2,),
+                                 first_in_backward="decoder.layers.0.mlp.linear_fc1.weight", first_rank=2,
+                                 rerun=Conclusion.AFTER_COLLECTIVE), (2,)),
+    "backward_operator": (dict(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(3,),
+                               origin_replicas=(1,), first_in_backward="decoder.layers.0.mlp.linear_fc1.weight",
+                               first_rank=3, rerun=Conclusion.BACKWARD), (3,)),
+    "forward_not_rerun": (dict(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
+                               forward_pattern=True, share_nonfinite=0.97), (0, 1)),
+    "rejected_loss": (dict(rejected_losses=(1,), rejected={"global_rank": 1, "micro_batch": 0, "loss": "nan",
+                                                           "batch": None, "rerun_skipped": "pipeline"}), (1,)),
+    "unconfirmed_holders": (dict(gradient_basis=OriginBasis.UNCONFIRMED, gradient_origin=(0, 1),
+                                 first_in_backward="x.weight", first_rank=0), (0, 1)),
+    "not_reproduced": (dict(rerun=Conclusion.NOT_REPRODUCED, rerun_concluded_by=(0, 1)), (0, 1)),
+    "no_gradient": (dict(recorded_norm=True), ()),
+}
+
+
+def test_every_rule_has_a_case_and_every_cause_a_rule():
+    assert list(CASES) == [rule.id for rule in RULES]
+    assert {rule.cause for rule in RULES} == set(Cause)
+    assert len({rule.id for rule in RULES}) == len(RULES)
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_each_rule_decides_its_own_case(rule):
+    facts, origin = CASES[rule]
+    decided = decide(evidence(**facts))
+    assert decided.rule == rule
+    assert decided.cause is next(r.cause for r in RULES if r.id == rule)
+    assert decided.origin == origin
+    assert decided.summary and "None" not in decided.summary
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_no_earlier_rule_takes_a_later_rules_case(rule):
+    """The order matters only where facts overlap: each case is decided by its rule, not by one above."""
+    facts, _ = CASES[rule]
+    earlier = RULES[:[r.id for r in RULES].index(rule)]
+    assert not any(r.applies(evidence(**facts)) for r in earlier)
+
+
+def test_weights_outrank_the_forward_origin_that_only_received_them():
+    """A NaN weight on TP rank 1 reaches TP rank 0's row-parallel output through the all-reduce: the rerun
+    names rank 0's layer, the weights name rank 1."""
+    facts, _ = CASES["weights_at_launch"]
+    decided = decide(evidence(**facts))
+    assert decided.cause is Cause.WEIGHTS and decided.origin == (1,)
+    assert "came with the checkpoint" in decided.summary and "linear_fc1.weight[0, 7]" in decided.summary
+
+
+def test_a_loss_from_finite_outputs_is_the_loss_not_the_device():
+    facts, _ = CASES["loss_function"]
+    decided = decide(evidence(**facts))
+    assert decided.cause is Cause.LOSS and "micro-batch 1" in decided.summary
+
+
+def test_a_collective_with_clean_inputs_does_not_claim_the_check_was_off():
+    facts, _ = CASES["gradient_collective"]
+    decided = decide(evidence(**facts))
+    assert decided.cause is Cause.COLLECTIVE and "pre_reduction" not in decided.summary
+
+
+def test_a_lone_replica_backward_fault_says_how_to_tell_the_operator_from_the_device():
+    facts, _ = CASES["backward_operator"]
+    assert "if not the device" in decide(evidence(**facts)).summary
+    assert "if not the device" not in decide(evidence(**{**facts, "origin_replicas": (0, 1)})).summary
+
+
+def test_the_replicas_weights_are_compared_by_digest_among_data_parallel_peers():
+    def state(rank, tp, dp, digest):
+        return {"rank": {"global_rank": rank, "tp": tp, "pp": 0, "dp": dp}, "weights_digest": digest}
+
+    same = [state(0, 0, 0, "a"), state(1, 1, 0, "b"), state(2, 0, 1, "a"), state(3, 1, 1, "b")]
+    assert replica_digests(same) == ((), ())
+    odd = same + [state(4, 0, 2, "a"), state(5, 0, 3, "z")]
+    assert replica_digests(odd) == ((5,), ())
+    assert replica_digests([state(0, 0, 0, "a"), state(2, 0, 1, "z")]) == ((), (0, 2))
+
+
+def test_docs_table_is_the_rule_table():
+    """docs/how-it-works.md lists the rules in order, each with its cause and its predicate in words."""
+    text = (Path(__file__).parents[1] / "docs" / "how-it-works.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([a-z_]+)` \| (.+?) \|$", text, flags=re.MULTILINE)
+    assert {rule: (cause, when) for rule, cause, when in rows} == rules_table()
+    assert [rule for rule, _, _ in rows] == list(rules_table())
