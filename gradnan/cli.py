@@ -26,11 +26,22 @@ from .offline.replay_limits import (
 from .offline.report import format_text
 from .offline.runs import SERIOUS_SKIPS
 
+DESCRIPTION = ("Forensics for a Megatron-LM run whose grad norm went NaN or Inf: where the value was born"
+               " (the rank, the parameter or module, the cause) and what to do next. Start with"
+               " 'gradnan report RUN_DIR'. Bad input: one line on stderr, exit code 2.")
+SELFTEST = ("Confirm or clear a suspect GPU: every rank checks its arithmetic against the others' and the"
+            " collectives between them. Launch it like training, one process per GPU: torchrun"
+            " --nproc_per_node=N -m gradnan selftest --out RUN_DIR (docs/selftest.md).")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="gradnan", description=__doc__)
+    parser = OneLineParser(prog="gradnan", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    demo = commands.add_parser("demo", help="run the embedded tiny Megatron GPT with an injected NaN")
+    demo = commands.add_parser("demo", help="train a tiny Megatron GPT on CPU (2 processes) until a scaled-up"
+                               " weight overflows bf16, then report it",
+                               description="Train a tiny Megatron-Core GPT on CPU in 2 processes (TP=2, bf16)"
+                               " and, at step 2, scale one attention weight up until layer 1's attention"
+                               " overflows bf16; then print gradnan's report of it.")
     demo.add_argument("--out", default="gradnan_demo", help="run directory to create (default: %(default)s)")
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
@@ -74,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
                         help="operators one forward or backward pass may run (default: %(default)s)")
     selftest.add_arguments(commands.add_parser(
-        "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)"))
+        "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)",
+        description=SELFTEST))
     return parser
 
 

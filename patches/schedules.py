@@ -118,6 +118,35 @@ def diagnostic_pass(config: Any, chunks: Sequence[torch.nn.Module]) -> Iterator[
             yield
 
 
+TENSOR_PARALLEL_REDUCTIONS = ("reduce_from_tensor_model_parallel_region",
+                              "reduce_scatter_to_sequence_parallel_region")
+
+
+@contextlib.contextmanager
+def _reductions_watched(
+        on_reduction: Optional[Callable[[torch.Tensor, torch.Tensor], None]]) -> Iterator[None]:
+    """For one diagnostic pass: the reductions of partial sums that ``megatron.core.tensor_parallel.layers``
+    makes (row-parallel linear, vocabulary-parallel embedding) report their input and output."""
+    if on_reduction is None:
+        yield
+        return
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+
+    def watching(original):
+        def reduction(partial, *args, **kwargs):
+            reduced = original(partial, *args, **kwargs)
+            on_reduction(partial, reduced)
+            return reduced
+
+        return reduction
+
+    with patch_scope() as patcher:
+        for name in TENSOR_PARALLEL_REDUCTIONS:
+            if hasattr(layers, name):
+                patcher.wrap(layers, name, watching)
+        yield
+
+
 def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
     """Whether every loss a schedule returned is finite, and the first micro-batch whose loss is not (one
     host read); (None, None) where it returned none (not the last pipeline stage)."""
@@ -190,16 +219,19 @@ class KeptStep:
         first = self._first_iterator()
         return micro_batch_samples(micro_batch, first.source if first is not None else None)
 
-    def forward(self) -> Tuple[Optional[bool], Optional[int]]:
+    def forward(self, on_reduction: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> Tuple[
+            Optional[bool], Optional[int]]:
         """The step's forward pass again: same micro-batches, from the RNG state the step started with,
         without gradients; the RNG state is put back as it was. Its losses as ``loss_state`` reads them
-        (the schedule runs the loss function in a forward-only pass too)."""
+        (the schedule runs the loss function in a forward-only pass too). ``on_reduction``: see
+        ``events.RerunnableStep.forward``."""
         from megatron.core.utils import get_model_config
 
         before = rng_states()
         set_rng_states(self.rng)
         try:
-            with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks):
+            with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks), \
+                    _reductions_watched(on_reduction):
                 losses = self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
                                            "forward_only": True})
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -79,3 +80,30 @@ def step_trace(outcome) -> Dict[int, List[tuple]]:
 def weight_digests(outcome) -> Dict[int, str]:
     """Each rank's SHA-256 of its weights after the last step: equal digests, bitwise equal weights."""
     return {rank: result.param_digest for rank, result in outcome.items()}
+
+
+def rerun_block(text: str) -> List[str]:
+    """The report's lines about the rerun of the failing step (``Forward origin (...`` or ``Rerun of ...``
+    and the indented lines under it): evidence, after the verdict, the origin and the next steps."""
+    lines = text.splitlines()
+    start = next(number for number, line in enumerate(lines)
+                 if line.startswith(("Forward origin (", "Rerun of ")))
+    end = next((number for number in range(start + 1, len(lines)) if not lines[number].startswith(" ")),
+               len(lines))
+    return lines[start:end]
+
+
+def printed_commands(text: str, command: str) -> List[List[str]]:
+    """The copyable ``gradnan COMMAND ...`` lines of a report, as a shell splits them: under ``Next:``, or
+    in the rerun's lines where no next step prints them (``replay it: ...``, ``the micro-batch: PATH``,
+    which ``gradnan batch PATH`` reads)."""
+    found = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("replay it: "):
+            stripped = stripped.split(": ", 1)[1]
+        elif stripped.startswith("the micro-batch: "):
+            stripped = "gradnan batch " + stripped.split(": ", 1)[1]
+        if stripped.startswith(f"gradnan {command} "):
+            found.append(shlex.split(stripped))
+    return found

@@ -21,6 +21,8 @@ import torch
 
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
+from .helpers import printed_commands
+
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
 OVERFLOW_WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
@@ -139,7 +141,7 @@ def test_from_report_to_replay_in_two_commands(runs):
     lines = report.stdout.splitlines()
     origin = next(number for number, line in enumerate(lines) if line.startswith("Origin ("))
     assert origin < 8 and lines[origin + 1].startswith("  rank 1 (tp1 pp0 dp0)")  # near the top
-    [command] = [line.split()[2:] for line in lines if line.startswith("  replay it: gradnan replay ")]
+    [command] = printed_commands(report.stdout, "replay")
     replayed = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr
     assert "Verdict: precision" in replayed.stdout and "decoder.layers.1.mlp" in replayed.stdout

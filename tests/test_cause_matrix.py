@@ -29,6 +29,7 @@ LAYOUTS = (TP_DP, TP_DP.with_(distributed_optimizer=True),
 PARAMETERS = ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_proj.weight",
               "decoder.layers.0.input_layernorm.weight", "embedding.word_embeddings.weight",
               "output_layer.weight", "decoder.layers.1.self_attention.linear_qkv.weight")
+ROW_PARALLEL = ("decoder.layers.0.mlp.linear_fc2", "decoder.layers.1.self_attention.linear_proj")
 MODULES = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention.linear_proj",
            "decoder.layers.1.self_attention.core_attention", "decoder.layers.0.input_layernorm", "embedding",
            "output_layer")
@@ -50,6 +51,8 @@ def _all_plants():
             if cause is Cause.UNDETERMINED or (job.dtype == "fp16" and cause not in FP16_CAUSES):
                 continue
             targets = (PARAMETERS if cause in ON_PARAMETERS else MODULES if cause in ON_MODULES else ("",))
+            if cause is Cause.COLLECTIVE and job.tp > 1:  # and the tensor-parallel reduction of a layer
+                targets += ROW_PARALLEL
             for target, where in itertools.product(targets, wheres):
                 if cause in GRADIENT_CAUSES and "layernorm" in target and where[0] != 0:
                     continue  # Megatron's norm counts a tensor-parallel duplicate on tensor rank 0 only
@@ -65,7 +68,7 @@ def _sample(plants, seed: int):
     pool = list(plants)
     rng.shuffle(pool)
     chosen = []
-    for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES,
+    for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES, *ROW_PARALLEL,
                    *(job for job in LAYOUTS)]:
         if any(plant.cause == wanted or plant.target == wanted or plant.job == wanted for plant in chosen):
             continue
@@ -84,11 +87,14 @@ def _named(plant, incident) -> bool:
     if plant.cause is Cause.WEIGHTS:
         return plant.target in origin_params
     if plant.cause is Cause.OPTIMIZER_UPDATE:
-        return plant.target in {f["name"] for entry in incident.origin for f in entry.get("optimizer_state", [])}
+        return plant.target in {fault["name"] for entry in incident.origin
+                                for fault in entry.get("optimizer_state", [])}
     if plant.cause is Cause.FORWARD_OP:
         return incident.rerun is not None and incident.rerun.module == plant.target
     if plant.cause is Cause.NORM_OVERFLOW:
         return any((entry.get("largest_grad") or {}).get("name") == plant.target for entry in incident.origin)
+    if plant.cause is Cause.COLLECTIVE and plant.target in ROW_PARALLEL:
+        return incident.rerun is not None and incident.rerun.module == plant.target
     if plant.cause in (Cause.BACKWARD_OP, Cause.COLLECTIVE):
         return incident.pattern.first_in_backward == plant.target or plant.target in origin_params
     return plant.cause is not Cause.LOSS or incident.rerun.micro_batch == plant.micro_batch
@@ -125,7 +131,8 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
         origin = {(entry.get("tp"), entry.get("pp"), entry.get("dp")) for entry in incident.origin}
         # a bad weight (an embedding row) fails the first step whose data reads it
         late = plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE)
-        checks = {"step": incident.step == plant.failing_step or (late and incident.step > plant.failing_step),
+        step_right = incident.step == plant.failing_step or (late and incident.step > plant.failing_step)
+        checks = {"step": step_right,
                   "cause": incident.verdict.cause is expected.cause,
                   "origin": expected.must <= origin <= expected.may, "named": _named(plant, incident)}
         if not all(checks.values()):
@@ -138,5 +145,5 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
     assert {plant.job for plant in PLANTS} == set(LAYOUTS)
-    assert set(PARAMETERS) | set(MODULES) <= {plant.target for plant in PLANTS}
+    assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)

@@ -12,7 +12,7 @@ import pytest
 from gradnan.testing.demo import DEMO_MODULE, DEMO_PARAM, DEMO_RANK, DEMO_STEP
 from gradnan.testing.gloo import free_port
 
-from .helpers import environ_without_gradnan
+from .helpers import environ_without_gradnan, printed_commands, rerun_block
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
@@ -34,12 +34,14 @@ def test_demo_names_the_module_rank_and_micro_batch_of_the_failing_step(demo):
     out, result = demo
     lines = result.stdout.split("gradnan report for ")[1].splitlines()
     assert lines[1].startswith(f"First failing step: {DEMO_STEP}")
-    assert lines[2] == (f"Forward origin (step {DEMO_STEP} run again in place): {DEMO_MODULE}"
+    assert lines[2].startswith("Verdict: forward_op: ") and DEMO_MODULE in result.stdout.split("Origin (")[0]
+    lines = rerun_block(result.stdout)
+    assert lines[0] == (f"Forward origin (step {DEMO_STEP} run again in place): {DEMO_MODULE}"
                         " (DotProductAttention)")
-    assert lines[3].startswith(f"  on rank {DEMO_RANK} (tp1 pp0 dp0)")
-    assert lines[3].endswith("micro-batch 0: REPRODUCIBLE (same micro-batches, same RNG state)")
-    assert lines[4] == "  received it from there (not origins): rank(s) 0"
-    holders = result.stdout.split("Origin (")[1].split("Received it")[0]
+    assert lines[1].startswith(f"  on rank {DEMO_RANK} (tp1 pp0 dp0)")
+    assert lines[1].endswith("micro-batch 0: REPRODUCIBLE (same micro-batches, same RNG state)")
+    assert lines[2] == "  received it from there (not origins): rank(s) 0"
+    holders = result.stdout.split("Origin (")[1].split("Next:")[0]
     assert f"rank {DEMO_RANK} (tp1 pp0 dp0)" in holders and "rank 0 " not in holders
     assert str(out / "maps") in result.stdout and str(out / "records") in result.stdout
 
@@ -49,12 +51,12 @@ def test_the_demos_bundle_is_the_failing_step_and_replays_the_overflow(demo, mal
     """The same verdict whatever glibc's allocator hands out (``MALLOC_PERTURB_`` fills new and freed
     memory with a byte pattern): the replay's answer depends on no uninitialized memory."""
     out, result = demo
-    [command] = [line.split() for line in result.stdout.splitlines() if line.startswith("  replay it: ")]
-    assert command[2:4] == ["gradnan", "replay"] and f"step{DEMO_STEP:07d}_{DEMO_MODULE}" in command[4]
+    [command] = printed_commands(result.stdout, "replay")
+    assert command[:2] == ["gradnan", "replay"] and f"step{DEMO_STEP:07d}_{DEMO_MODULE}" in command[2]
     environment = environ_without_gradnan()
     if malloc_perturb:
         environment["MALLOC_PERTURB_"] = malloc_perturb
-    replayed = subprocess.run([sys.executable, "-m", "gradnan", "replay", command[4]], capture_output=True,
+    replayed = subprocess.run([sys.executable, "-m", "gradnan", "replay", command[2]], capture_output=True,
                               text=True, timeout=300, env=environment)
     assert replayed.returncode == 0, replayed.stderr
     assert "Verdict: precision" in replayed.stdout and "aten.baddbmm" in replayed.stdout

@@ -23,7 +23,7 @@ from gradnan.offline.replay import replay_bundle
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
 
-from .helpers import records_by_rank
+from .helpers import records_by_rank, rerun_block
 
 pytestmark = pytest.mark.slow  # real gloo jobs: `pytest -m "not slow"` skips them
 
@@ -63,7 +63,9 @@ def runs(tmp_path_factory):
 
 
 def _headline(analysis) -> str:
-    return "\n".join(format_text(analysis).splitlines()[:6])
+    """The first two lines, then the rerun's."""
+    text = format_text(analysis)
+    return "\n".join(text.splitlines()[:2] + rerun_block(text))
 
 
 def test_an_fp16_skip_with_a_nonfinite_loss_is_an_incident_during_the_warm_up(runs):

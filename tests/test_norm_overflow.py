@@ -61,7 +61,7 @@ def test_dp2_names_the_replica_that_produced_it_before_the_collective(runs, caps
     summary = incident.verdict.summary
     assert summary.startswith("exploding gradients: the grad norm overflowed although every gradient is"
                               " finite")
-    assert "rank 1 (tp0 pp0 dp1)" in summary and "rank 0" not in summary
+    assert "rank 1 (tp0 pp0 dp1, " in summary and "rank 0" not in summary
     assert f"{WEIGHT}[0, {ELEMENT}] = 1e+30" in summary and "before the data-parallel collective" in summary
     assert incident.rerun.conclusion.value == "norm_overflow"
     text = format_text(report)

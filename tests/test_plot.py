@@ -22,8 +22,8 @@ from gradnan.offline.plot import (  # noqa: E402  (matplotlib is an optional ext
     draw_incident,
     parallel_layout,
     plot_incident,
+    plot_title,
 )
-from gradnan.offline.report import verdict_headline  # noqa: E402
 
 SIZES = (8, 4096, 16384)
 
@@ -87,7 +87,8 @@ def test_the_ranks_sit_by_their_parallel_layout(reports, size):
     assert sum(state == FINITE for state in states.values()) == size - 1 - len(received)
     assert drawn["outlined_rows"] == [coords["pp"]]
     assert drawn["pooled"] == (size == 16384)
-    assert " ".join(drawn["title"]) == verdict_headline(report.incident)
+    assert " ".join(drawn["title"]) == plot_title(report.incident)
+    assert "`" not in plot_title(report.incident) and len(drawn["title"]) <= 2
     assert drawn["bars"] and all(value == 0.5 for _, value in drawn["bars"])
 
 

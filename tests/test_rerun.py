@@ -19,7 +19,7 @@ from gradnan.offline.replay import replay_bundle
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import records_by_rank, step_trace
+from .helpers import records_by_rank, rerun_block, step_trace
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
@@ -161,7 +161,9 @@ def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):
     assert (found[1]["conclusion"], found[0]["conclusion"]) == ("backward", "after_collective")
     report = build_report(read_run(runs["bf16_gradient_nan_dp2"]))
     assert report["incident"]["rerun"]["conclusion"] == "backward"
-    assert "arose in the backward pass" in report["incident"]["verdict"]["evidence"][0]
+    assert report["incident"]["verdict"]["cause"] == "backward_op"
+    assert "the step's forward pass and its loss were finite when run again" in report["incident"]["verdict"][
+        "summary"]
 
 
 def test_riding_on_megatrons_own_rerun_in_validate_results_mode(runs):
@@ -188,7 +190,7 @@ def test_a_rerun_that_fails_is_logged_and_training_goes_on_unchanged(runs):
     assert step_trace(with_kit) == step_trace(without)
     assert 1 not in reruns(run_dir)  # nothing concluded from a pass that did not finish
     assert [r["kind"] for r in records_by_rank(run_dir)[1] if r["step"] == 2] == [
-        "pre_reduction", "nonfinite_grad_norm"]
+        "pre_reduction", "nonfinite_grad_norm", "state"]
 
 
 def test_a_norm_read_after_the_update_is_not_rerun(runs):
@@ -212,7 +214,7 @@ def test_the_report_headline_names_the_module_rank_micro_batch_and_conclusion(ru
     assert (rerun["module"], rerun["global_rank"], rerun["micro_batch"]) == (CORE, 1, 0)
     assert [r["global_rank"] for r in rerun["receivers"]] == [0]
     text = format_text(analysis)
-    headline = "\n".join(text.splitlines()[:6])
+    headline = "\n".join(rerun_block(text))
     assert f"Forward origin (step 2 run again in place): {CORE}" in headline, text
     assert "on rank 1 (tp1 pp0 dp0)" in headline and "micro-batch 0: REPRODUCIBLE" in headline, text
     assert "received it from there (not origins): rank(s) 0" in headline, text

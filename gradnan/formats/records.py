@@ -122,8 +122,9 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
             or not all(is_int(record.get(key)) for key in ("params_checked", "optimizer_state_total",
                                                            "optimizer_state_checked"))
             or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))):
-        raise InputError(f"{where}: a state record needs each param's 'copy' one of {', '.join(WEIGHT_COPIES)},"
-                         " a text 'weights_digest', 'launch_weights_finite' null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
+        raise InputError(f"{where}: a state record needs each param's 'copy' one of"
+                         f" {', '.join(WEIGHT_COPIES)}, a text 'weights_digest', 'launch_weights_finite'"
+                         " null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
                          "'optimizer_state_checked' and an 'optimizer_state' list of objects with text"
                          " 'name'/'state' and counts 'nan'/'inf'/'negative'")
 
@@ -173,6 +174,8 @@ def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:
 RERUN_ROLES = values(RerunRole)
 RERUN_CONCLUSIONS = values(Conclusion)  # strongest first
 OWN_FAILURES = values(OwnFailure)
+# a rerun origin's tensor-parallel reduction (``training.rerun.reduction_finding``)
+REDUCTION_FINDINGS = ("partial", "received", "collective")
 
 
 def _check_rerun(record: Dict[str, Any], where: str) -> None:
@@ -186,7 +189,8 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
             or not optional(record.get("grew_in"), is_growth)
             or not optional(record.get("samples"), is_samples)
-            or not optional(record.get("nonfinite_at"), is_element)):
+            or not optional(record.get("nonfinite_at"), is_element)
+            or record.get("reduction") not in (None, *REDUCTION_FINDINGS)):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
                          f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
                          " integer or null 'micro_batch'/'call', 'own_failure' null or one of"
@@ -195,8 +199,9 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
                          " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
                          " 'near_limit', 'samples' absent, null or an object with integer 'consumed',"
                          " 'data_parallel_rank'/'data_parallel_size' and 'indices'/'sources' null or lists,"
-                         " and 'nonfinite_at' absent, null or an object with integer 'output' and"
-                         " 'shape'/'index' lists of integers")
+                         " 'nonfinite_at' absent, null or an object with integer 'output' and"
+                         " 'shape'/'index' lists of integers, and 'reduction' absent, null or one of"
+                         f" {', '.join(REDUCTION_FINDINGS)}")
 
 
 def is_growth(grew_in: Any) -> bool:

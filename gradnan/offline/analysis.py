@@ -468,7 +468,8 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         output_abs_max=first.get("output_abs_max") if first else None,
         bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
         batch=batch["path"] if batch else None,
-        origins=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in origins),
+        origins=tuple({**rank_view(r["rank"]), "module": r["module"], "reduction": r.get("reduction")}
+                      for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
                         if r["role"] == RerunRole.RECEIVER),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
@@ -576,7 +577,8 @@ def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], 
     groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
     for record in states:
         coords = record["rank"]
-        groups.setdefault(_peer_key(coords), {}).setdefault(record["weights_digest"], []).append(coords.get("global_rank"))
+        digests = groups.setdefault(_peer_key(coords), {})
+        digests.setdefault(record["weights_digest"], []).append(coords.get("global_rank"))
     odd: List[int] = []
     split: List[int] = []
     for digests in groups.values():
@@ -596,7 +598,8 @@ def _recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str, Any]],
     """An fp16 overflow that fails again at the next step, where no update was applied in between: the same
     numerics, other data."""
     return (any(r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW for r in at_step)
-            and any(r.get("kind") == RecordKind.LOSS_SCALE_OVERFLOW and r["step"] == step + 1 for r in launch))
+            and any(r.get("kind") == RecordKind.LOSS_SCALE_OVERFLOW and r["step"] == step + 1
+                    for r in launch))
 
 
 def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[int, ...]:
@@ -621,6 +624,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                               f["negative"]) for record in states for f in record["optimizer_state"])
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     conclusion = rerun.conclusion if rerun is not None else None
+    reduction_fault = rerun is not None and any(view.get("reduction") == "collective"
+                                                for view in rerun.origins)
     rerun_origins = (_loss_ranks(rerun, ranks) if conclusion is Conclusion.LOSS else
                      tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
@@ -629,25 +634,28 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         labels={rank: rank_label(coords, "inside") for rank, coords in ranks.items() if rank is not None},
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
-        launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states), bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
+        launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
+        bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
         split_replicas=split, rerun=conclusion,
         rerun_module=rerun.module if rerun is not None else None,
         rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
         rerun_concluded_by=rerun.concluded_by if rerun is not None else (),
         own_failure=rerun.own_failure if rerun is not None else None,
-        micro_batch=rerun.micro_batch if rerun is not None else None,
+        micro_batch=rerun.micro_batch if rerun is not None else None, reduction_fault=reduction_fault,
         grew_in=rerun.grew_in if rerun is not None else None,
         gradient_basis=basis, gradient_origin=tuple(entry["global_rank"] for entry in origin),
         origin_replicas=tuple(sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})),
-        forward_pattern=pattern.gradient_pass is GradientPass.FORWARD, share_nonfinite=pattern.share_nonfinite,
+        forward_pattern=pattern.gradient_pass is GradientPass.FORWARD,
+        share_nonfinite=pattern.share_nonfinite,
         first_in_backward=pattern.first_in_backward, first_rank=pattern.first_rank,
         near_limit=any(p["near_limit"] for module in parameters for p in module["params"]),
         recorded_norm=bool(at_step), largest_grad=largest,
         largest_before_collective=any(entry["kind"] == RecordKind.PRE_REDUCTION for entry in origin
                                       if entry.get("largest_grad")),
         rejected_losses=tuple(r["rank"].get("global_rank") for r in losses),
-        rejected=({"global_rank": losses[0]["rank"].get("global_rank"), "micro_batch": losses[0].get("micro_batch"),
+        rejected=({"global_rank": losses[0]["rank"].get("global_rank"),
+                   "micro_batch": losses[0].get("micro_batch"),
                    "loss": losses[0].get("loss"), "rerun_skipped": losses[0].get("rerun_skipped"),
                    "batch": next((r["batch"]["path"] for r in losses if r.get("batch")),
                                  rerun.batch if rerun is not None else None)} if losses else None),
@@ -664,10 +672,8 @@ def _evidence_lines(e: Evidence) -> List[str]:
                  else "finite")
         replicas = ("equal across data-parallel replicas" if not (e.odd_replicas or e.split_replicas) else
                     f"unlike their peers' on rank(s) {rank_ranges(list(e.odd_replicas or e.split_replicas))}")
-        lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights}; optimizer"
-                     f" state {state}; weights {replicas}")
-    if e.rerun is not None:
-        lines.append(f"run again in place: {e.rerun.headline}")
+        lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
+                     f" optimizer state {state}; weights {replicas}")
     if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
         lines.append("own gradients non-finite before the data-parallel collective on rank(s)"
                      f" {rank_ranges(list(e.gradient_origin))}")
@@ -677,9 +683,14 @@ def _evidence_lines(e: Evidence) -> List[str]:
         lines.append(f"{e.share_nonfinite:.0%} of the origin's gradients are non-finite (what a non-finite"
                      " activation or loss does in backward)")
     elif e.first_in_backward:
-        lines.append(f"first non-finite gradient in backward order: {e.first_in_backward} on rank {e.first_rank}")
+        lines.append(f"first non-finite gradient in backward order: {e.first_in_backward} on rank"
+                     f" {e.first_rank}")
     if e.near_limit:
         lines.append("the largest finite gradient values are near the dtype's limit (overflow)")
+    if e.rejected:
+        lines.append(f"Megatron's loss check rejected a non-finite loss ({e.rejected['loss']}) on rank"
+                     f" {e.rejected['global_rank']}, micro-batch {e.rejected['micro_batch']}, and raised"
+                     " (--rerun-mode disabled)")
     if e.recurs:
         lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
                      " batch")
@@ -687,17 +698,21 @@ def _evidence_lines(e: Evidence) -> List[str]:
 
 
 def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
-                    rejected: Sequence[View], ranks: Dict[int, Dict[str, Any]],
+                    rejected: Sequence[View], reruns: Sequence[Dict[str, Any]],
                     dtypes: Dict[Tuple[Any, str], str]) -> List[View]:
     """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
-    (a ``state`` record's params), its rejected loss, or its coordinates alone."""
-    by_rank: Dict[Any, View] = {entry["global_rank"]: entry for entry in rejected}
+    (a ``state`` record's params), its rejected loss, what of its replica's own failed (its ``rerun``
+    record), or its coordinates alone."""
+    by_rank: Dict[Any, View] = {r["rank"].get("global_rank"): {
+        **rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
+        "own_failure": r.get("own_failure")} for r in reruns}
+    by_rank.update((entry["global_rank"], entry) for entry in rejected)
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), _rank_entry(record, dtypes)) for record in states)
     else:
         by_rank.update((entry["global_rank"], entry) for entry in gradient_origin)
-    return [by_rank.get(rank) or {**rank_view(ranks.get(rank, {"global_rank": rank})), "kind": "rerun",
-                                  "params_total": 0, "params": []} for rank in decision.origin]
+    return [by_rank.get(rank) or {"global_rank": rank, "kind": None, "params_total": 0, "params": []}
+            for rank in decision.origin]
 
 
 def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], origin: Sequence[View],
@@ -714,7 +729,7 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                 f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
                 health=tuple(reading for reading in health if reading.rank["global_rank"] in named)))
     if cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
-        born = (f"this launch's start (step {e.step}): the checkpoint it resumed from holds them"
+        born = ("this launch's start: the checkpoint it resumed from holds them"
                 if e.launch_first_step and cause is Cause.WEIGHTS else
                 f"step {e.step - 1}{'' if e.iteration is None else f' (iteration {e.iteration - 1})'}, whose"
                 " update wrote them" if cause is Cause.OPTIMIZER_UPDATE else f"step {e.step}")
@@ -730,7 +745,8 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
             " --initial-loss-scale; skipping the iteration cannot help where every step fails")))
     batch = rerun.batch if rerun is not None else (e.rejected or {}).get("batch")
     if cause in (Cause.FORWARD_OP, Cause.LOSS) and batch:
-        steps.append(NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
+        steps.append(NextStep(Action.INSPECT_BATCH,
+                              Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
                               ("gradnan", "batch", batch)))
     if cause in (Cause.FORWARD_OP, Cause.LOSS) and isinstance(e.iteration, int) and not e.recurs \
             and rerun is not None:
@@ -740,7 +756,8 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
         steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
                               ("--iterations-to-skip", str(e.iteration - 1), *restarted_rerun)))
     if rerun is not None and rerun.bundle and cause is Cause.FORWARD_OP:
-        steps.append(NextStep(Action.REPLAY, Action.REPLAY.wording(f"{rerun.module} on rank {rerun.global_rank}"),
+        steps.append(NextStep(Action.REPLAY,
+                              Action.REPLAY.wording(f"{rerun.module} on rank {rerun.global_rank}"),
                               ("gradnan", "replay", rerun.bundle)))
     if cause is Cause.BACKWARD_OP and capture:
         steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"]),
@@ -752,7 +769,8 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
             processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
             steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
                 "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir),
-                health=() if drained else tuple(reading for reading in health if reading.rank.get("host") == host)))
+                health=() if drained else tuple(reading for reading in health
+                                                if reading.rank.get("host") == host)))
     if cause is Cause.UNDETERMINED:
         steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
     return steps
@@ -761,8 +779,8 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
 _DECIDER = ("run a self-test on the origin's node and replay the captured step on another device, or rerun"
             " from the last checkpoint with gradnan's defaults")
 _DECIDERS = {
-    "forward_not_rerun": "rerun from the last checkpoint with rerun='auto' (the default) so the failing step is"
-                         " run again in place and its forward operator named",
+    "forward_not_rerun": "rerun from the last checkpoint with rerun='auto' (the default) so the failing step"
+                         " is run again in place and its forward operator named",
     "rejected_loss": "replay the kept micro-batch, or rerun with --rerun-mode validate_results",
     "unconfirmed_holders": "rerun from the last checkpoint with pre_reduction='deferred' (the default)",
 }
@@ -782,18 +800,20 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
                      rerun.iteration if rerun is not None and rerun.step == step else None)
-    evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern, parameters,
-                           rerun, at_step, _recurs(at_step, launch, step))
+    evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
+                           parameters, rerun, at_step, _recurs(at_step, launch, step))
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
-    origin = _origin_entries(decision, gradient_origin, states, rejected, ranks, dtypes)
+    origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here, dtypes)
     named = {entry["global_rank"] for entry in origin}
     # the table's counts are those of the first rank holding each parameter: the decided origin's first
-    parameters = _parameters_by_module(sorted(gradient_origin, key=lambda entry: entry["global_rank"] not in named))
+    parameters = _parameters_by_module(sorted(gradient_origin,
+                                              key=lambda entry: entry["global_rank"] not in named))
     receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
                  if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in named]
     receivers += [_receiver({key: value for key, value in entry.items()
-                             if key not in ("params", "params_total", "kind", "largest_grad")}, entry["params"])
+                             if key not in ("params", "params_total", "kind", "largest_grad")},
+                            entry["params"])
                   for entry in gradient_origin if entry["global_rank"] not in named
                   and all(entry["global_rank"] != view["global_rank"] for view in receivers)]
     recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states}
@@ -826,7 +846,8 @@ def _culprit_parameter(pattern: Pattern, gradients: Sequence[View], origin: Sequ
     named = {entry["global_rank"] for entry in origin}
     if origin and origin[0].get("kind") == RecordKind.STATE and origin[0]["params"]:
         return origin[0]["params"][0]["name"]
-    params = [param["name"] for entry in gradients if entry["global_rank"] in named for param in entry["params"]]
+    params = [param["name"] for entry in gradients if entry["global_rank"] in named
+              for param in entry["params"]]
     if cause is Cause.FORWARD_OP and rerun is not None:
         modules = [module for module in ((rerun.grew_in or {}).get("module"), rerun.module) if module]
         inside = [name for module in modules for name in params if name.startswith(module + ".")]

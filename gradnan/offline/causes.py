@@ -84,6 +84,7 @@ class Evidence:
     rerun_class: Optional[str] = None
     rerun_origins: Tuple[int, ...] = ()  # where a forward value first went non-finite
     rerun_concluded_by: Tuple[int, ...] = ()  # the replicas that reached the strongest conclusion
+    reduction_fault: bool = False  # the origin call's tensor-parallel reduction: finite partials, a bad sum
     own_failure: Optional[OwnFailure] = None
     micro_batch: Optional[int] = None
     grew_in: Optional[Mapping[str, Any]] = None
@@ -155,8 +156,8 @@ def _weight_holders(e: Evidence) -> Tuple[int, ...]:
 
 def _first_weight(e: Evidence, ranks: Tuple[int, ...]) -> str:
     weight = next(w for w in _model_weights(e) if w.rank in ranks)
-    more = len({(w.name, w.copy) for w in e.bad_weights}) - 1
-    return weight.text() + (f" (and {more} more)" if more > 0 else "")
+    more = len({w.name for w in e.bad_weights}) - 1
+    return weight.text() + (f" (and {more} more parameter(s))" if more > 0 else "")
 
 
 def _checkpoint_weights(e: Evidence) -> str:
@@ -186,8 +187,8 @@ def _one_replica_weights(e: Evidence) -> str:
 def _updated_weights(e: Evidence) -> str:
     ranks = _weight_holders(e)
     return (f"the weights were non-finite when step {e.step} began, on every replica holding them, and the"
-            f" optimizer state is finite: {_first_weight(e, ranks)} on {e.labelled(ranks)}: the update of step"
-            f" {e.step - 1} wrote them (finite gradients, a finite norm, so the update arithmetic or the"
+            f" optimizer state is finite: {_first_weight(e, ranks)} on {e.labelled(ranks)}: the update of"
+            f" step {e.step - 1} wrote them (finite gradients, a finite norm, so the update arithmetic or the"
             " learning rate)")
 
 
@@ -199,6 +200,12 @@ def _replicas_disagree(e: Evidence) -> str:
     return (f"{e.labelled(ranks)} {which} (a digest of every weight, read when step {e.step} began): the"
             " replicas diverged, finite but different; a bad write, a faulty device, or a"
             " non-deterministic update")
+
+
+def _tensor_parallel_collective(e: Evidence) -> str:
+    return (f"the tensor-parallel reduction in {e.rerun_module}: run again in place, every rank's partial sum"
+            f" was finite and the reduced value was not, on {e.labelled(e.rerun_origins)}, micro-batch"
+            f" {e.micro_batch}: a transfer or reduction fault")
 
 
 def _loss(e: Evidence) -> str:
@@ -221,9 +228,10 @@ _FAILED = {OwnFailure.LOSS: "its loss was not",
 
 
 def _device(e: Evidence) -> str:
-    return (f"the device: the failing step, run again in place with the same micro-batches and RNG state,"
-            f" was finite on every rank of the replica that failed, although {_FAILED[e.own_failure or OwnFailure.LOSS]}"
-            f" in the failing pass: a transient fault on {e.labelled(_device_origin(e))}")
+    failed = _FAILED[e.own_failure or OwnFailure.LOSS]
+    return (f"a transient fault: the failing step, run again in place with the same micro-batches and RNG"
+            f" state, was finite on every rank of the replica that failed, although {failed}"
+            f" in the failing pass: suspect the device of {e.labelled(_device_origin(e))}")
 
 
 def _device_origin(e: Evidence) -> Tuple[int, ...]:
@@ -312,6 +320,10 @@ RULES: Tuple[Rule, ...] = (
          "every weight finite, but data-parallel replicas' weights differ (digest)",
          lambda e: bool(e.odd_replicas or e.split_replicas),
          lambda e: e.odd_replicas or e.split_replicas, _replicas_disagree, OriginBasis.REPLICAS),
+    Rule("tensor_parallel_collective", Cause.COLLECTIVE,
+         "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
+         lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, lambda e: e.rerun_origins,
+         _tensor_parallel_collective, OriginBasis.RERUN),
     Rule("loss_function", Cause.LOSS,
          "run again, every module's output is finite and the loss computed from it is not",
          lambda e: e.rerun is Conclusion.LOSS, lambda e: e.rerun_origins, _loss, OriginBasis.RERUN),
@@ -329,7 +341,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("gradient_collective", Cause.COLLECTIVE,
          "every rank's own gradients finite before the data-parallel collective (checked), some non-finite"
          " after it",
-         lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, lambda e: e.gradient_origin, _collective),
+         lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, lambda e: e.gradient_origin,
+         _collective),
     Rule("backward_operator", Cause.BACKWARD_OP,
          "a rank's own gradients non-finite before the collective, only some of them (or the forward pass"
          " finite when run again)",
@@ -342,7 +355,8 @@ RULES: Tuple[Rule, ...] = (
          _forward_unconfirmed),
     Rule("rejected_loss", Cause.UNDETERMINED,
          "Megatron's loss check rejected a loss and raised, the step not run again",
-         lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, _rejected_loss, OriginBasis.LOSS_CHECK),
+         lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, _rejected_loss,
+         OriginBasis.LOSS_CHECK),
     Rule("unconfirmed_holders", Cause.UNDETERMINED,
          "ranks hold non-finite gradients, no pre-reduction check ran",
          lambda e: e.gradient_basis is OriginBasis.UNCONFIRMED, lambda e: e.gradient_origin, _unconfirmed),

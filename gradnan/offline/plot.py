@@ -1,7 +1,8 @@
 """``gradnan report RUN_DIR --plot incident.png``: the first failing step as a picture (needs matplotlib).
 
 It renders the ``Report`` that ``analysis.analyze`` decided and nothing else: the title is the text report's
-headline (``report.verdict_headline``), the roles are the analysis' (origin, received, silent).
+headline (``plot_title``: the cause, its first clause and the origin), the roles are the analysis'
+(origin, received, silent).
 
 Left: every rank, laid out by the job's parallel layout rather than by rank number: a row per pipeline
 stage, a column per data-parallel replica, and inside each cell that replica's tensor-parallel peers
@@ -38,12 +39,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError, UsageError
-from ..formats.incident import OriginBasis
+from ..formats.incident import OriginBasis, RecordKind
 from ..formats.layout import AXES, rank_label
 from ..formats.magnitude import DTYPE_MAX, magnitude_text
 from ..formats.text import printable
 from .analysis import Incident, Report, View
-from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline, verdict_headline
+from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline
 from .runup import RankRunUp, RunUp
 
 NO_RANK, NO_RECORD, FINITE, RECEIVED, ORIGIN = range(5)  # a cell's state; a pooled cell shows the largest
@@ -264,7 +265,8 @@ def gradient_bars(incident: Incident) -> Tuple[str, List[Tuple[str, float]], Lis
     (where the map gives it), or, for a norm overflow, the largest gradient and the magnitude whose square
     passes float32. The first origin entry of the rank the pattern names. (heading, bars, limits)"""
     first_rank = incident.pattern.first_rank
-    shown = [e for e in incident.origin if e["global_rank"] == first_rank] or list(incident.origin[:1])
+    gradients = [e for e in incident.origin if e.get("kind") != RecordKind.STATE]  # not bad weights
+    shown = [e for e in gradients if e["global_rank"] == first_rank] or gradients[:1]
     if not shown:
         return "", [], []
     entry = shown[0]
@@ -335,12 +337,9 @@ def evidence_blocks(incident: Incident) -> List[Block]:
             blocks.append(text_block(wrapped(path, width, 8.5), 8.5, width))
             blocks.append(bar_block(bars, limits, width))
     title, bars, limits = gradient_bars(incident)
-    if title:
+    if title and bars:  # a panel with no finite value in it draws nothing
         heading(title)
-        if bars:
-            blocks.append(bar_block(bars, limits, width))
-        else:
-            body(["no finite value left in the offending gradients"])
+        blocks.append(bar_block(bars, limits, width))
     if incident.runup is not None:
         heading(f"Run-up: {incident.runup.finding.headline}")
         body([incident.runup.summary], limit=5)
@@ -350,6 +349,15 @@ def evidence_blocks(incident: Incident) -> List[Block]:
         heading("Why")
         body([f"- {item}" for item in incident.verdict.evidence], limit=MAX_EVIDENCE_LINES)
     return blocks
+
+
+def plot_title(incident: Incident) -> str:
+    """The verdict in one line: the cause, what made it (the summary's first clause) and the origin ranks;
+    the whole summary is the text report's."""
+    origin = sorted({entry["global_rank"] for entry in incident.origin})
+    where = f" (origin: rank {rank_ranges(origin, 40)})" if origin else ""
+    clause = incident.verdict.summary.split(": ")[0].replace("`", "")
+    return f"Verdict: {incident.verdict.cause.value}: {clause}{where}"
 
 
 def highlighted_ranks(incident: Incident) -> Tuple[int, ...]:
@@ -386,6 +394,8 @@ def _band(ranks: Sequence[RankRunUp], step: int) -> Tuple[List[int], List[float]
 
 def runup_block(runup: RunUp, highlighted: Sequence[int], width_in: float) -> Block:
     """The culprit bucket's largest |gradient| per step on every rank, log scale (module docstring)."""
+    from matplotlib.ticker import MaxNLocator, NullFormatter
+
     def draw(figure, left: float, top: float) -> None:
         axes = figure.add_axes(_inches_to_figure(figure, left + 0.55, top, width_in - 0.6, RUNUP_HEIGHT_IN))
         axes.set_yscale("log")
@@ -409,9 +419,15 @@ def runup_block(runup: RunUp, highlighted: Sequence[int], width_in: float) -> Bl
                           markersize=8, clip_on=False)
         axes.set_xlabel("steps before the failing step (0: the failing step; red mark at the top: NaN/Inf)",
                         fontsize=8)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         axes.set_ylabel("largest |grad|", fontsize=8)
         axes.yaxis.set_major_formatter(_magnitude_formatter())
-        axes.tick_params(labelsize=8)
+        low, high = axes.get_ylim()
+        # within one decade no major tick is drawn: the minor ones carry the labels (matplotlib's own
+        # would be raw mathtext here)
+        within_a_decade = 0 < low and high < 10 * low
+        axes.yaxis.set_minor_formatter(_magnitude_formatter() if within_a_decade else NullFormatter())
+        axes.tick_params(which="both", labelsize=8)
         axes.legend(fontsize=7, loc="upper left", frameon=False)
     return Block(RUNUP_HEIGHT_IN + TICK_SPACE_IN + 0.05, draw)
 
@@ -648,7 +664,7 @@ def draw_incident(report: Report):
         raise InputError(f"{report.run_dir}: no failing step to plot")
     layout, states = parallel_layout(_views(incident)), rank_states(incident)
     full = WIDTH_IN - 2 * MARGIN_IN
-    title = wrapped(verdict_headline(incident), full, 12)
+    title = wrapped(plot_title(incident), full, 12)
     subtitle = wrapped(f"{step_headline(incident)}  ·  {report.run_dir}", full, 10)
     grid, drawn = grid_block(incident, layout, states)
     caption = text_block(wrapped(f"Every rank by its place in the job: {layout_caption(layout)}",

@@ -9,6 +9,7 @@ import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..formats.incident import (
+    Action,
     Conclusion,
     OriginBasis,
     RecordKind,
@@ -172,9 +173,10 @@ def _megatron_line(rerun: RerunFinding) -> List[str]:
     return [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
 
 
-def rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
+def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = ()) -> List[str]:
     """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion (the
-    strongest; every other replica's below it)."""
+    strongest; every other replica's below it). ``shown``: next steps already printing the bundle's replay
+    or the micro-batch, not repeated here."""
     if rerun is None:
         return []
     when = step_label(rerun.step, rerun.iteration)
@@ -205,9 +207,9 @@ def rerun_lines(rerun: Optional[RerunFinding]) -> List[str]:
     if rerun.receivers:
         lines.append(f"  received it from there (not origins): rank(s) "
                      f"{rank_ranges([r['global_rank'] for r in rerun.receivers])}")
-    if rerun.bundle:
+    if rerun.bundle and Action.REPLAY not in shown:
         lines.append(f"  replay it: gradnan replay {shell_word(rerun.bundle)}")
-    if rerun.batch:
+    if rerun.batch and Action.INSPECT_BATCH not in shown:
         lines.append(f"  the micro-batch: {shell_word(rerun.batch)}")
     return lines
 
@@ -230,8 +232,8 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
     micro-batch; else what its records hold."""
     rerun = incident.rerun
     if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
-        module = next((view["module"] for view in rerun.origins if view["global_rank"] == entry["global_rank"]),
-                      None)
+        module = next((view["module"] for view in rerun.origins
+                       if view["global_rank"] == entry["global_rank"]), None)
         if module:
             return f"  {_rank_label(entry)}: {module}, micro-batch {rerun.micro_batch}"
         if rerun.conclusion is Conclusion.LOSS:
@@ -244,8 +246,10 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
     own non-finite loss/gradients, the loss Megatron's check rejected, or (a norm overflow) its largest
     gradient."""
     if entry.get("kind") == RecordKind.STATE:
-        parts = [f"{p['name']}{p['first_bad_index']} ({p.get('copy')} copy) {nonfinite_counts(p)}"
-                 for p in entry["params"][:2]]
+        weights = sorted(entry["params"], key=lambda p: p.get("copy") != "model")  # the model's own first
+        names = {p["name"] for p in weights}
+        more = f" and {len(names) - 1} more parameter(s)" if len(names) > 1 else ""
+        parts = [f"{p['name']}{p['first_bad_index']} {nonfinite_counts(p)}{more}" for p in weights[:1]]
         parts += [f"{f['state']} of {f['name']}: {f['nan']} NaN, {f['inf']} Inf, {f['negative']} negative"
                   for f in entry.get("optimizer_state", [])[:2]]
         return "; ".join(parts) or "its weights differ from its data-parallel peers'"
@@ -311,7 +315,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines.append("Evidence:")
     for item in verdict.evidence:
         lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
-    lines += rerun_lines(incident.rerun)
+    lines += rerun_lines(incident.rerun, [step.action for step in incident.next_steps])
     lines += samples_lines(incident.rerun)
     lines += runup_lines(incident.runup)
     lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers,

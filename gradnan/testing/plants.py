@@ -28,7 +28,8 @@ def coordinates(job: TinyGPTJob) -> List[Coordinate]:
 
 
 def stage_of(job: TinyGPTJob, name: str) -> int:
-    """The pipeline stage that holds a parameter or module, by its global name (none: the loss's, the last)."""
+    """The pipeline stage that holds a parameter or module, by its global name (none: the loss's, the
+    last)."""
     if name.startswith("embedding"):
         return 0
     if not name or name.startswith(("output_layer", "decoder.final_layernorm")):
@@ -61,8 +62,9 @@ class Plant:
     - FORWARD_OP: ``target`` (a module)'s output made Inf on the rank ``where`` names, again when run again;
     - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names;
     - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
-    - COLLECTIVE: ``target``'s reduced gradient made NaN after the data-parallel collective (with the
-      distributed optimizer, in the shard of the replica that owns the element);
+    - COLLECTIVE: a parameter ``target``'s reduced gradient made NaN after the data-parallel collective
+      (with the distributed optimizer, in the shard of the replica that owns the element); a module
+      ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
     - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward."""
 
@@ -95,6 +97,8 @@ class Plant:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
                          and (self.job.distributed_optimizer or c[2] == dp))
+        if cause is Cause.COLLECTIVE and not target.endswith((".weight", ".bias")):
+            return (Injection(self.rank, step, target, "inf", where="tp_reduction", index=3),)
         if cause is Cause.COLLECTIVE and self.job.distributed_optimizer:
             return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="main_grad", index=3)
                          for c in coordinates(self.job) if c[:2] == (tp, pp))
@@ -117,7 +121,9 @@ class Plant:
         """``applied``: the global ranks where an injection took effect (``WorkerResult.injected``)."""
         tp, pp, dp = self.coordinate
         by_rank = {global_rank(self.job, *c): c for c in coordinates(self.job)}
-        if self.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE, Cause.COLLECTIVE):
+        parameter = self.target.endswith((".weight", ".bias"))
+        if self.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) or (
+                self.cause is Cause.COLLECTIVE and parameter):
             planted = frozenset(by_rank[rank] for rank in applied)
             return Expected(self.cause, planted, planted, self.target)
         if self.cause is Cause.LOSS:

@@ -53,6 +53,9 @@ class Injection:
       (``exp_avg_sq``, ``exp_avg``) of parameter ``target`` right before ``optimizer.step()``, where this
       rank's optimizer holds that element: the update then writes a bad weight from finite gradients (a
       step after the first: Adam builds its state at its first step);
+    - ``"tp_reduction"``: the result of module ``target``'s tensor-parallel reduction (a row-parallel
+      linear's all-reduce of its partial sums) on this rank: what a faulty transfer or reduction delivers
+      from finite partial sums;
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
       count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
       is not used; the rank is any of the replica's last pipeline stage).
@@ -448,6 +451,31 @@ def _forward_fault(index: int, value: float, transient: bool):
     return hook
 
 
+class _ReductionFault:
+    """Poisons the result of the tensor-parallel reductions made inside ``module``'s forward (Megatron's
+    ``reduce_from_tensor_model_parallel_region``, as ``tensor_parallel.layers`` calls it); ``remove``
+    undoes it."""
+
+    def __init__(self, module, index: int, value: float) -> None:
+        from megatron.core.tensor_parallel import layers
+
+        self._layers, self._original = layers, layers.reduce_from_tensor_model_parallel_region
+        inside = []
+
+        def reduction(partial, *args, **kwargs):
+            reduced = self._original(partial, *args, **kwargs)
+            return _poisoned(reduced, index, value) if inside else reduced
+
+        self._handles = [module.register_forward_pre_hook(lambda *_: inside.append(True)),
+                         module.register_forward_hook(lambda *_: inside.clear())]
+        layers.reduce_from_tensor_model_parallel_region = reduction
+
+    def remove(self) -> None:
+        self._layers.reduce_from_tensor_model_parallel_region = self._original
+        for handle in self._handles:
+            handle.remove()
+
+
 def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
     """Register this step's backward, module_backward and forward injections; return their handles."""
     handles = []
@@ -458,6 +486,10 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
     for injection in _due(job, rank, step, "fails_without_grad"):
         module = _module_by_global_name(chunks, injection.target)
         handles.append(module.register_forward_pre_hook(_fails_without_grad))
+        result.injected.append(dataclasses.asdict(injection))
+    for injection in _due(job, rank, step, "tp_reduction"):
+        module = _module_by_global_name(chunks, injection.target)
+        handles.append(_ReductionFault(module, injection.index or 0, injection.number()))
         result.injected.append(dataclasses.asdict(injection))
     for where in ("module_backward", "forward"):
         for injection in _due(job, rank, step, where):

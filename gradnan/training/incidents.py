@@ -192,8 +192,9 @@ class Detections:
             first, self._pre_reduction_logged = not self._pre_reduction_logged, True
         if largest is None:
             logger.log(level if first else logging.DEBUG,
-                       "%s: non-finite gradient on %s BEFORE the data-parallel collective: %s; produced in"
-                       " this data-parallel replica, not received through that collective; record: %s",
+                       "%s: this rank's own gradients on %s are non-finite BEFORE the data-parallel"
+                       " collective: %s; this data-parallel replica produced them, they did not come through"
+                       " that collective (which rank of the replica, and where: gradnan report); record: %s",
                        when(record), where(record), describe_params(record), record.path)
         else:
             logger.log(level if first else logging.DEBUG,

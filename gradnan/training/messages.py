@@ -23,10 +23,11 @@ def describe_params(record: Dict[str, Any]) -> str:
     if not params:
         return "no local parameter gradient is non-finite"
     first = params[0]
-    more = record["params_total"] - 1
-    tail = f" and {more} more parameter(s)" if more else ""
-    return (f"non-finite gradient in {first['name']} ({nonfinite_counts(first)}, first at "
-            f"{first['first_bad_index']}){tail}")
+    if record["params_total"] == 1:
+        return (f"non-finite gradient in {first['name']} ({nonfinite_counts(first)}, first at "
+                f"{first['first_bad_index']})")
+    return (f"non-finite gradients in {record['params_total']} parameters, the first in backward order"
+            f" {first['name']} ({nonfinite_counts(first)}, first at {first['first_bad_index']})")
 
 
 def is_power_of_two(value: int) -> bool:

@@ -139,9 +139,11 @@ class PassResult:
     grew out of line (at or before the first non-finite one)."""
 
     def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]],
-                 losses: Tuple[Optional[bool], Optional[int]] = (None, None)) -> None:
+                 losses: Tuple[Optional[bool], Optional[int]] = (None, None),
+                 reductions: Sequence[Tuple[int, bool, bool]] = ()) -> None:
         self.frames = frames
         self.loss_finite, self.loss_micro_batch = losses
+        self.reductions = reductions  # (the call it is in, partial sum finite, reduced value finite)
         index = first_nonfinite(frames)
         self.first = frames[index] if index is not None else None
         self.candidate = forward_origin(frames)
@@ -169,11 +171,33 @@ class PassResult:
         frame = self.candidate or self.first
         return None if frame is None else self.micro_batch_of(frame.call)
 
+    def reduction_in(self, call: float) -> Tuple[float, float]:
+        """In call ``call``'s tensor-parallel reduction (the first whose result is non-finite, else the
+        first): (1 its partial sum here was non-finite, else 0; 1 its result was, else 0); (0, 0) without
+        one."""
+        inside = [(partial, reduced) for at, partial, reduced in self.reductions if at == call]
+        partial, reduced = next((found for found in inside if not found[1]),
+                                inside[0] if inside else (True, True))
+        return float(not partial), float(not reduced)
+
 
 def grew_in_json(frame: Frame, growth: Growth, micro_batch: Optional[int]) -> Dict[str, Any]:
     """The call where a value first grew out of line, as records and bundle manifests write it."""
     return {"module": frame.module, "class": frame.cls, "call": frame.call, "micro_batch": micro_batch,
             **growth.to_json()}
+
+
+def reduction_finding(partial_bad: float, any_partial_bad: float, any_reduced_bad: float) -> Optional[str]:
+    """How the earliest non-finite call's tensor-parallel reduction stood on this rank (the values
+    all-reduced over the tensor-parallel group): "partial" (this rank's partial sum was non-finite: it made
+    it), "received" (another rank's was: it came through the reduction), "collective" (every partial sum
+    finite, the reduced value not: the reduction made it); None where that call reduced nothing
+    non-finite."""
+    if not any_reduced_bad:
+        return None
+    if partial_bad:
+        return "partial"
+    return "received" if any_partial_bad else "collective"
 
 
 def largest(values: Sequence[float]) -> Any:
@@ -345,13 +369,21 @@ class StepRerun:
     def _traced_pass(self, kept: RerunnableStep) -> PassResult:
         step = self._clock.current()
         tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._hooking.new()).attach()
+        flags: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+
+        def on_reduction(partial: torch.Tensor, reduced: torch.Tensor) -> None:
+            # the reduction runs inside its layer's call, which is the next frame to finish
+            flags.append((tracer.frame_count(), torch.isfinite(partial).all(), torch.isfinite(reduced).all()))
+
         try:
             with self._pass(kept, tracer.frame_count) as counter:
-                losses = kept.forward()
+                losses = kept.forward(on_reduction)
                 frames = tracer.read()
         finally:
             tracer.detach()
-        return PassResult(frames, counter.of_frame, losses)
+        read = torch.stack([flag for _, *pair in flags for flag in pair]).tolist() if flags else []
+        reductions = [(at, bool(read[2 * n]), bool(read[2 * n + 1])) for n, (at, _, _) in enumerate(flags)]
+        return PassResult(frames, counter.of_frame, losses, reductions)
 
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -360,7 +392,11 @@ class StepRerun:
                                                     "min", "tensor")
         # like the origin, the growth is named on the tensor-parallel rank where it came first
         grew_in = seen.grew_in() if seen.key(seen.grown_frame) <= earliest_growth else None
-        if seen.candidate is not None and seen.key(seen.candidate) <= earliest:
+        # the earliest call may end in a tensor-parallel reduction: whose partial sum was non-finite
+        partial_bad, reduced_bad = seen.reduction_in(earliest)
+        any_partial_bad, any_reduced_bad = kept.all_reduce([partial_bad, reduced_bad], "max", "tensor")
+        reduction = reduction_finding(partial_bad, any_partial_bad, any_reduced_bad)
+        if seen.candidate is not None and seen.key(seen.candidate) <= earliest and reduction != "received":
             role, module = RerunRole.ORIGIN, seen.candidate
         else:
             role, module = (RerunRole.RECEIVER if seen.first is not None else RerunRole.CLEAN), seen.first
@@ -393,7 +429,8 @@ class StepRerun:
             return None
         samples = None if failing_mb is None else kept.samples(failing_mb)
         return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch, grew_in,
-                            {"samples": samples, "nonfinite_at": nonfinite_at})
+                            {"samples": samples, "nonfinite_at": nonfinite_at,
+                             "reduction": reduction if role is not RerunRole.CLEAN else None})
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
                       micro_batch: Optional[int]) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:

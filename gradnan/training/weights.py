@@ -45,7 +45,8 @@ def _must_not_be_negative(state_name: str) -> bool:
 
 
 @torch.no_grad()
-def optimizer_state_faults(slots: Sequence[ParamSlot], stepped: Sequence[ParamTensors]) -> List[Dict[str, Any]]:
+def optimizer_state_faults(slots: Sequence[ParamSlot],
+                           stepped: Sequence[ParamTensors]) -> List[Dict[str, Any]]:
     """Each optimizer-state tensor that holds a NaN or an Inf, or a second moment below zero (from which
     the update's square root is NaN): ``name`` (the parameter), ``state``, ``nan``, ``inf``, ``negative``.
     One host read for the non-finite scan's candidates and one for the signs."""
@@ -86,7 +87,8 @@ def finite_flag(weights: Sequence[Tuple[str, torch.Tensor]]) -> Optional[torch.T
     present = [tensor.detach() for _, tensor in weights if tensor.numel()]
     if not present:
         return None
-    return torch.isfinite(torch.stack([norm.float() for norm in torch._foreach_norm(present, math.inf)])).all()
+    largest = torch._foreach_norm(present, math.inf)
+    return torch.isfinite(torch.stack([norm.float() for norm in largest])).all()
 
 
 def state_fields(state: StepState, ids_by_name: Mapping[str, int],
