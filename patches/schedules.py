@@ -124,7 +124,7 @@ TENSOR_PARALLEL_REDUCTIONS = ("reduce_from_tensor_model_parallel_region",
 
 @contextlib.contextmanager
 def _reductions_watched(
-        on_reduction: Optional[Callable[[torch.Tensor, torch.Tensor], None]]) -> Iterator[None]:
+        on_reduction: Optional[Callable[[torch.Tensor], Callable[[torch.Tensor], None]]]) -> Iterator[None]:
     """For one diagnostic pass: the reductions of partial sums that ``megatron.core.tensor_parallel.layers``
     makes (row-parallel linear, vocabulary-parallel embedding) report their input and output."""
     if on_reduction is None:
@@ -134,8 +134,9 @@ def _reductions_watched(
 
     def watching(original):
         def reduction(partial, *args, **kwargs):
+            done = on_reduction(partial)  # before: the all-reduce writes its result into its input
             reduced = original(partial, *args, **kwargs)
-            on_reduction(partial, reduced)
+            done(reduced)
             return reduced
 
         return reduction
@@ -219,8 +220,8 @@ class KeptStep:
         first = self._first_iterator()
         return micro_batch_samples(micro_batch, first.source if first is not None else None)
 
-    def forward(self, on_reduction: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> Tuple[
-            Optional[bool], Optional[int]]:
+    def forward(self, on_reduction: Optional[Callable[[torch.Tensor], Callable[[torch.Tensor], None]]] = None
+                ) -> Tuple[Optional[bool], Optional[int]]:
         """The step's forward pass again: same micro-batches, from the RNG state the step started with,
         without gradients; the RNG state is put back as it was. Its losses as ``loss_state`` reads them
         (the schedule runs the loss function in a forward-only pass too). ``on_reduction``: see

@@ -110,13 +110,14 @@ class RerunnableStep(Protocol):
 
     chunks: List[torch.nn.Module]
 
-    def forward(self, on_reduction: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> Tuple[
-            Optional[bool], Optional[int]]:
+    def forward(self, on_reduction: Optional[Callable[[torch.Tensor], Callable[[torch.Tensor], None]]] = None
+                ) -> Tuple[Optional[bool], Optional[int]]:
         """The step's forward pass again: same micro-batches, same starting RNG state, no gradients; leaves
         the RNG state as it found it. Returns what ``original_losses`` says of the training pass, for this
-        pass's losses (the loss function runs again on the model's output). ``on_reduction(partial,
-        reduced)``: called at each tensor-parallel reduction of a layer's partial sums (a row-parallel
-        linear's, a vocabulary-parallel embedding's) in the pass, with its input and output."""
+        pass's losses (the loss function runs again on the model's output). ``on_reduction(partial)``:
+        called at each tensor-parallel reduction of a layer's partial sums in the pass (a row-parallel
+        linear's, a vocabulary-parallel embedding's) before it reduces, and what it returns with the
+        result after."""
 
     def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
         """Whether the training pass's losses were all finite (None: none here), and the first micro-batch

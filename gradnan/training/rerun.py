@@ -371,9 +371,11 @@ class StepRerun:
         tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._hooking.new()).attach()
         flags: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
 
-        def on_reduction(partial: torch.Tensor, reduced: torch.Tensor) -> None:
-            # the reduction runs inside its layer's call, which is the next frame to finish
-            flags.append((tracer.frame_count(), torch.isfinite(partial).all(), torch.isfinite(reduced).all()))
+        def on_reduction(partial: torch.Tensor) -> Callable[[torch.Tensor], None]:
+            # read before the reduction, which may write its result into ``partial``; the reduction runs
+            # inside its layer's call, which is the next frame to finish
+            at, partial_finite = tracer.frame_count(), torch.isfinite(partial).all()
+            return lambda reduced: flags.append((at, partial_finite, torch.isfinite(reduced).all()))
 
         try:
             with self._pass(kept, tracer.frame_count) as counter:
@@ -398,6 +400,8 @@ class StepRerun:
         reduction = reduction_finding(partial_bad, any_partial_bad, any_reduced_bad)
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest and reduction != "received":
             role, module = RerunRole.ORIGIN, seen.candidate
+        elif reduction == "partial":  # its own partial sum was non-finite (from non-finite weights, say)
+            role, module = RerunRole.ORIGIN, seen.first
         else:
             role, module = (RerunRole.RECEIVER if seen.first is not None else RerunRole.CLEAN), seen.first
         loss_finite, loss_micro_batch = kept.original_losses()
