@@ -187,7 +187,7 @@ def test_a_bundle_and_micro_batch_from_a_record_are_quoted_for_the_shell(tmp_pat
     write_run(tmp_path, files)
     code, out, err = cli("report", str(tmp_path))
     assert code == 0
-    assert printed_commands(out, "replay") == [["gradnan", "replay", INJECTED]]
+    assert ["gradnan", "replay", INJECTED] in printed_commands(out, "replay")
     assert printed_commands(out, "batch") == [["gradnan", "batch", INJECTED]]
 
 
@@ -214,7 +214,7 @@ def test_the_printed_commands_run_nothing_when_pasted(tmp_path):
     run_dir = write_run(tmp_path / "run", files)
     _, out, _ = cli("report", str(run_dir))
     [replay] = [line.strip().removeprefix("replay it: ") for line in out.splitlines()
-                if line.strip().startswith(("replay it: ", "gradnan replay "))]
+                if line.strip().startswith(("replay it: ", "gradnan replay ")) and str(target) in line]
     subprocess.run(["sh", "-c", replay.replace("gradnan replay", "true")], check=True)
     assert not target.exists()
 

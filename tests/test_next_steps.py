@@ -37,8 +37,9 @@ def test_a_transient_fault_names_the_device_to_drain_and_the_self_test_for_its_n
     assert steps[0].command is None
     assert steps[1].command == ("torchrun", "--nproc_per_node=2", "-m", "gradnan", "selftest", "--out",
                                 "/run")  # the job ran two ranks on node00272
-    assert document[1] == {"action": "selftest", "text": steps[1].text, "command": list(steps[1].command)}
-    section = text.split("Next:\n")[1].split("Origin (")[0]
+    assert document[1] == {"action": "selftest", "text": steps[1].text, "command": list(steps[1].command),
+                           "health": []}  # NVML's readings are beside the drain
+    section = text.split("Next:\n")[1].split("Evidence:")[0]
     assert section.startswith(f"  1. {steps[0].text}\n"), text
     assert "\n     torchrun --nproc_per_node=2 -m gradnan selftest --out /run\n" in section, text
     assert "node00001" not in section

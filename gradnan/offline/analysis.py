@@ -717,8 +717,9 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
 
 def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], origin: Sequence[View],
                 ranks: Dict[int, Dict[str, Any]], run_dir: str, health: Sequence[HealthReading],
-                capture: Optional[Dict[str, str]]) -> List[NextStep]:
-    """What the cause calls for, every cause at least one step."""
+                capture: Optional[Dict[str, str]], captured: Optional[str]) -> List[NextStep]:
+    """What the cause calls for, every cause at least one step. ``captured``: a bundle of the origin's
+    first bad gradient's module on an origin rank, where capture took one after the detection."""
     cause, steps = decision.cause, []
     devices = list(dict.fromkeys((entry.get("host"), entry.get("device")) for entry in origin))[:MAX_DRAINED]
     if cause is Cause.DEVICE:
@@ -759,7 +760,10 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
         steps.append(NextStep(Action.REPLAY,
                               Action.REPLAY.wording(f"{rerun.module} on rank {rerun.global_rank}"),
                               ("gradnan", "replay", rerun.bundle)))
-    if cause is Cause.BACKWARD_OP and capture:
+    if cause is Cause.BACKWARD_OP and captured:
+        steps.append(NextStep(Action.REPLAY, Action.REPLAY.wording(module_of(e.first_in_backward or "")),
+                              ("gradnan", "replay", captured)))
+    elif cause is Cause.BACKWARD_OP and capture:
         steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"]),
                               tuple(f"{key}={value}" for key, value in capture.items())))
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
@@ -822,6 +826,9 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         _evidence_lines(evidence) + _selftest_evidence(origin, selftests) + _health_evidence(health)),
         decision.rule)
     capture = _capture_settings(pattern, origin, step, iteration)
+    captured = next((str(path) for path, doc in sorted(files.bundles.items())
+                     if capture and doc["module"]["path"] == capture["GRADNAN_CAPTURE_MODULES"]
+                     and doc["rank"]["global_rank"] in named and doc["step"] >= step), None)
     return Incident(
         step=step, iteration=iteration,
         kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,),
@@ -831,7 +838,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         parameters=tuple(parameters), pattern=pattern,
         verdict=verdict, rerun=rerun, capture_settings=capture,
         next_steps=tuple(_next_steps(decision, evidence, rerun, origin, ranks, str(files.run_dir), health,
-                                     capture)),
+                                     capture, captured)),
         health=tuple(health),
         runup=_runup(files, launch, step, _culprit_parameter(pattern, gradient_origin, origin, rerun,
                                                              decision.cause)))

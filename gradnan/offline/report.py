@@ -346,14 +346,18 @@ def format_text(report: Report, max_modules: int = 10) -> str:
     else:
         lines += _incident_lines(incident, report.later_steps, max_modules)
     lines += summary_lines(report.run_dir, report.frames, report.probes)
-    shown = incident.rerun.bundle if incident is not None and incident.rerun is not None else None
-    others = [bundle for bundle in report.bundles if bundle["path"] != shown]
+    shown = {step.command[-1] for step in (incident.next_steps if incident is not None else ())
+             if step.action is Action.REPLAY and step.command}
+    if incident is not None and incident.rerun is not None and incident.rerun.bundle:
+        shown.add(incident.rerun.bundle)
+    others = [bundle for bundle in report.bundles if bundle["path"] not in shown]
     if others:
         lines.append("Also captured for replay:" if shown else "Captured for replay:")
         lines += _listed(others, lambda bundle: [
             f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
             f"    gradnan replay {shell_word(bundle['path'])}"], "bundle(s)")
-    if incident is not None and incident.capture_settings:
+    if incident is not None and incident.capture_settings and all(
+            step.action is not Action.CAPTURE for step in incident.next_steps):
         lines.append("To capture this step on a rerun from a checkpoint, set:")
         lines.append("  " + " ".join(f"{key}={shell_word(value)}"
                                      for key, value in incident.capture_settings.items()))
