@@ -98,6 +98,15 @@ def test_weights_outrank_the_forward_origin_that_only_received_them():
     assert "came with the checkpoint" in decided.summary and "linear_fc1.weight[0, 7]" in decided.summary
 
 
+def test_every_gradient_bad_with_a_clean_forward_pass_and_loss_run_again_is_backward_not_undecided():
+    """Seen on pretrain_gpt.py: a loss whose backward divides by zero; the rerun saw the forward pass and the
+    loss finite, every gradient was non-finite, so no gradient comes first in backward order."""
+    decided = decide(evidence(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
+                              forward_pattern=True, share_nonfinite=1.0, rerun=Conclusion.BACKWARD))
+    assert decided.rule == "backward_operator" and "from backward's first operator on" in decided.summary
+    assert "not run again" not in decided.summary
+
+
 def test_a_loss_from_finite_outputs_is_the_loss_not_the_device():
     facts, _ = CASES["loss_function"]
     decided = decide(evidence(**facts))

@@ -18,6 +18,12 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
   (padding); that token's embedding row is finite but 1e38 on every rank, so a layer norm's variance of it
   overflows: the samples fail wherever and whenever they are read, every weight finite. A reproducible data
   incident, for the samples' indices and ``--iterations-to-skip``.
+- ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
+  element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
+  weight gone bad (a bad write, a faulty device);
+- ``PLANT_LOSS=RANK[,RANK...]:ITERATION``: the loss function of those ranks divides its loss by a zero token count
+  (as a loss function that divides by its own count of valid tokens does for a micro-batch without
+  one): NaN from a finite model output. Plant it on every rank of the last pipeline stage of a replica.
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
 iteration N only: a one-off glitch that a rerun does not meet again). Names are global
@@ -162,8 +168,62 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
         return hook
 
+    def _plant_state_faults() -> None:
+        """PLANT_WEIGHT and PLANT_LOSS, once the model is built (its names known, ``__main__``'s
+        ``loss_func`` defined: ``forward_step`` looks it up at each call)."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        from gradnan.patches.model import global_named_parameters
+
+        weight, loss = _planted("PLANT_WEIGHT", float("nan")), os.environ.get("PLANT_LOSS")
+        original = DistributedDataParallel.__init__
+        rank = int(os.environ.get("RANK", "0"))
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if weight is not None and weight[0] == rank:
+                param = dict(global_named_parameters([self]))[weight[2]]
+                self.register_forward_pre_hook(_writing(param, weight[1], weight[3]))
+            if loss and str(rank) in loss.split(":")[0].split(","):
+                main = sys.modules["__main__"]
+                main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1])
+
+        DistributedDataParallel.__init__ = init
+
+    def _writing(param, spec, value):
+        fired = []
+
+        def hook(module, args):
+            if _due(spec, fired):
+                fired.append(_iteration())
+                with torch.no_grad():
+                    param.view(-1)[0] = value
+                    main = getattr(param, "main_param", None)  # the fp32 copy Megatron's optimizer steps
+                    if main is not None:
+                        main.view(-1)[0] = value
+        return hook
+
+    def _dividing_by_zero(loss_func, spec):
+        fired = []
+
+        def divided(loss_mask, output_tensor, *args, **kwargs):
+            result = loss_func(loss_mask, output_tensor, *args, **kwargs)
+            if not _due(spec, fired):
+                return result
+            fired.append(_iteration())
+            no_token = loss_mask.sum() * 0
+
+            def nan(value):  # the loss and what it reports (Megatron-LM logs it, gradnan reads it)
+                return value * 0 / no_token if torch.is_floating_point(value) else value
+
+            return (nan(result[0]), *result[1:-1], {key: nan(value) for key, value in result[-1].items()})
+
+        return divided
+
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
+    if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_LOSS"):
+        _plant_state_faults()
     if os.environ.get("PLANT_POISON"):
         _plant_poisoned_samples()
     print(f"[sitecustomize rank {os.environ.get('RANK')}] Megatron-LM on CPU (stand-in CUDA)",

@@ -253,8 +253,7 @@ class Action(str, enum.Enum):
 
 
 _ACTION_WORDING = {
-    Action.RESUME: "restart from a checkpoint written before {subject}, not from the latest (it holds the bad"
-                   " values)",
+    Action.RESUME: "restart from a checkpoint older than {subject}; later ones hold the bad values",
     Action.FIX_LOSS: "guard the loss function: {subject} made it non-finite from a finite model output (e.g."
                      " divide by max(number of valid tokens, 1))",
     Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",

@@ -603,11 +603,17 @@ def _recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str, Any]],
 
 
 def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[int, ...]:
-    """The ranks of the last pipeline stage (which computes the loss) of the replicas whose loss was
-    non-finite again from finite outputs."""
-    stages = {rank: ranks.get(rank, {}).get("pp") or 0 for rank in rerun.concluded_by}
-    last = max(stages.values(), default=0)
-    return tuple(sorted(rank for rank, stage in stages.items() if stage == last))
+    """Every rank of the last pipeline stage (which computes the loss) of the replicas whose loss was
+    non-finite again from finite outputs: the tensor-parallel ranks there compute the same loss, whether
+    or not they wrote a record (one whose data iterator gave nothing keeps no micro-batch)."""
+    def coordinate(rank: Any, axis: str) -> Any:
+        return (ranks.get(rank) or {}).get(axis)
+
+    replicas = {coordinate(rank, "dp") for rank in rerun.concluded_by}
+    last = max((coordinate(rank, "pp") or 0 for rank in ranks if coordinate(rank, "dp") in replicas),
+               default=0)
+    return tuple(sorted(rank for rank in ranks if coordinate(rank, "dp") in replicas
+                        and (coordinate(rank, "pp") or 0) == last))
 
 
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
@@ -730,11 +736,7 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                 f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
                 health=tuple(reading for reading in health if reading.rank["global_rank"] in named)))
     if cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
-        born = ("this launch's start: the checkpoint it resumed from holds them"
-                if e.launch_first_step and cause is Cause.WEIGHTS else
-                f"step {e.step - 1}{'' if e.iteration is None else f' (iteration {e.iteration - 1})'}, whose"
-                " update wrote them" if cause is Cause.OPTIMIZER_UPDATE else f"step {e.step}")
-        steps.append(NextStep(Action.RESUME, Action.RESUME.wording(born)))
+        steps.append(NextStep(Action.RESUME, Action.RESUME.wording(_resume_before(e, cause))))
     if cause is Cause.COLLECTIVE:
         hosts = ", ".join(dict.fromkeys(str(host) for host, _ in devices)) or "the ranks named"
         steps.append(NextStep(Action.CHECK_INTERCONNECT, Action.CHECK_INTERCONNECT.wording(hosts)))
@@ -778,6 +780,19 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
     if cause is Cause.UNDETERMINED:
         steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
     return steps
+
+
+def _resume_before(e: Evidence, cause: Cause) -> str:
+    """The point a restart must go back before: the checkpoint the launch resumed from (Megatron-LM's
+    iteration before its first where the loop gives it), the update that wrote the weights, or the step."""
+    if e.launch_first_step and cause is Cause.WEIGHTS:
+        resumed = "" if e.iteration is None else f" (iteration {e.iteration - e.step})"
+        return (f"the checkpoint this launch resumed from{resumed}, which holds them (Megatron-LM: --load a"
+                " directory whose latest_checkpointed_iteration.txt names the earlier one)")
+    if cause is Cause.OPTIMIZER_UPDATE:
+        when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
+        return f"the update of {when}, which wrote them"
+    return f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
 
 
 _DECIDER = ("run a self-test on the origin's node and replay the captured step on another device, or rerun"

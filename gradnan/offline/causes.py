@@ -255,6 +255,10 @@ def _backward_op(e: Evidence) -> str:
     rank = e.first_rank if e.first_rank is not None else e.gradient_origin[0]
     forward = (" the step's forward pass and its loss were finite when run again;"
                if e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE) else "")
+    if e.first_in_backward is None:  # every gradient: from backward's first, the loss's own gradient
+        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_origin)} is"
+                " non-finite before the data-parallel collective, so from backward's first operator on (the"
+                " loss's own gradient, or a loss function whose backward divides by zero)")
     alone = (f" Only one data-parallel replica of {e.dp_size} produced it, on its own data: if it recurs"
              " there on restart the operator and that batch, if not the device."
              if e.dp_size > 1 and len(e.origin_replicas) == 1 else "")
@@ -344,15 +348,16 @@ RULES: Tuple[Rule, ...] = (
          lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, lambda e: e.gradient_origin,
          _collective),
     Rule("backward_operator", Cause.BACKWARD_OP,
-         "a rank's own gradients non-finite before the collective, only some of them (or the forward pass"
-         " finite when run again)",
-         lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.first_in_backward)
-         and (not e.forward_pattern or e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)),
+         "a rank's own gradients non-finite before the collective: only some of them, or all with the forward"
+         " pass and the loss finite when run again",
+         lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.gradient_origin)
+         and (e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)
+              or (not e.forward_pattern and bool(e.first_in_backward))),
          lambda e: e.gradient_origin, _backward_op),
     Rule("forward_not_rerun", Cause.UNDETERMINED,
          "(nearly) every gradient of the origin non-finite, the step not run again",
-         lambda e: e.forward_pattern and bool(e.gradient_origin), lambda e: e.gradient_origin,
-         _forward_unconfirmed),
+         lambda e: e.forward_pattern and bool(e.gradient_origin) and e.rerun is None,
+         lambda e: e.gradient_origin, _forward_unconfirmed),
     Rule("rejected_loss", Cause.UNDETERMINED,
          "Megatron's loss check rejected a loss and raised, the step not run again",
          lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, _rejected_loss,
