@@ -34,6 +34,7 @@ from gradnan.commandline import printable
 from gradnan.config import resolve_config
 from gradnan.errors import ConfigError, InputError
 from gradnan.formats import bundle
+from gradnan.formats.incident import RecordKind
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
 from gradnan.formats.records import load as load_records
 from gradnan.formats.schema import append_json_line, read_text
@@ -499,15 +500,15 @@ def _write_under_a_file_size_limit(out_dir: str, room: int, results: "multiproce
                        named_modules=lambda chunks: [])
     writer = Writer(GradnanConfig(out_dir=out_dir), facts)
     param = [{"id": 0, "name": "w" * 300, "nan": 1, "inf": 0}]
-    written = Path(writer.record("pre_reduction", 1, param, {}).path)
+    written = Path(writer.record(RecordKind.PRE_REDUCTION, 1, param, {}).path)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (written.stat().st_size + room, hard))
     for step in (2, 3):
-        writer.record("pre_reduction", step, param, {})
+        writer.record(RecordKind.PRE_REDUCTION, step, param, {})
     bundle_written = writer.bundle(3, "decoder", {"module": {"path": "decoder", "class": "M"}, "trace": {}},
                                    {"x": torch.ones(4096)})
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    writer.record("pre_reduction", 4, param, {})
+    writer.record(RecordKind.PRE_REDUCTION, 4, param, {})
     results.put({"messages": messages, "bundle_written": bundle_written is not None})
 
 

@@ -21,8 +21,8 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
 - ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
   element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
   weight gone bad (a bad write, a faulty device);
-- ``PLANT_LOSS=RANK[,RANK...]:ITERATION``: the loss function of those ranks divides its loss by a zero token count
-  (as a loss function that divides by its own count of valid tokens does for a micro-batch without
+- ``PLANT_LOSS=RANK[,RANK...]:ITERATION``: the loss function of those ranks divides its loss by a zero
+  token count (as a loss function that divides by its own count of valid tokens does for a micro-batch without
   one): NaN from a finite model output. Plant it on every rank of the last pipeline stage of a replica.
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of

@@ -7,7 +7,7 @@ conclusion's wording lives here and nowhere else, so a log line and a report hea
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from .layout import step_label
 from .magnitude import LIMIT_MARGIN, magnitude_text
@@ -146,7 +146,7 @@ _TRANSIENT_EXPLANATIONS = {
                           " selftest)",
 }
 
-def describe_largest(largest: Optional[Dict[str, Any]]) -> str:
+def describe_largest(largest: Optional[Mapping[str, Any]]) -> str:
     """A record's ``largest_grad`` as a log line and a report name it: "decoder.x.weight[3, 5] = 1e+30"."""
     if not largest:
         return "none"
@@ -156,7 +156,7 @@ def describe_largest(largest: Optional[Dict[str, Any]]) -> str:
         f"{largest['name']}[{index}] = {value}"
 
 
-def norm_overflow_summary(rank: str, largest: Dict[str, Any], before_collective: bool) -> str:
+def norm_overflow_summary(rank: str, largest: Mapping[str, Any], before_collective: bool) -> str:
     """The verdict's summary for exploding gradients: the rank (``rank_label``), parameter, element, value."""
     when = " before the data-parallel collective" if before_collective else ""
     return (f"exploding gradients: {NORM_OVERFLOW_WORDS}: {rank} held the largest gradient{when},"
@@ -261,8 +261,8 @@ _ACTION_WORDING = {
     Action.CHECK_INTERCONNECT: "check the interconnect and the communication library of {subject}"
                                " (NCCL_DEBUG=INFO, the fabric's error counters), then self-test there",
     Action.TUNE_NUMERICS: "change the numerics, not the data: {subject}",
-    Action.CAPTURE: "to see the failing call, restart from the last checkpoint with these settings"
-                    " ({subject}):",
+    Action.CAPTURE: "to see the failing call ({subject}), restart from the last checkpoint with the"
+                    " GRADNAN_CAPTURE_* settings printed at the end",
     Action.DECIDE: "to decide it: {subject}",
     Action.DRAIN: "drain {subject}: take its node out of the job before restarting",
     Action.SELFTEST: "confirm or clear {subject}: gradnan selftest, launched there as training is"
@@ -418,7 +418,7 @@ def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optiona
             f" micro-batch; before that gradnan recorded it and {kept}; {again}")
 
 
-def values(enum_type: type) -> Tuple[str, ...]:
+def values(enum_type: Type[enum.Enum]) -> Tuple[str, ...]:
     """The strings a file may carry for ``enum_type``, in declaration order."""
     return tuple(member.value for member in enum_type)
 

@@ -326,10 +326,11 @@ def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:
 
 def load(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:
     """The records of one rank's file, and a problem per line that could not be used."""
-    records, problems = [], []
+    records: List[Dict[str, Any]] = []
+    problems: List[str] = []
     for line in stream(path):
         if line.record is not None:
             records.append(line.record)
-        else:
+        elif line.problem is not None:
             problems.append(line.problem)
     return records, problems

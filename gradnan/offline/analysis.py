@@ -19,7 +19,7 @@ the text view, ``--json`` and the plot only render it (``gradnan.offline.report`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.incident import (
@@ -275,7 +275,8 @@ def _params_per_rank(files: RunFiles) -> Dict[int, int]:
 
 def _backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
     """Later pipeline stages and later-registered parameters come first in backward."""
-    return (-(rank.get("pp") or 0), -(param.get("order") if isinstance(param.get("order"), int) else -1))
+    order = param.get("order")
+    return (-(rank.get("pp") or 0), -(order if isinstance(order, int) else -1))
 
 
 def _param_view(param: Dict[str, Any], dtype: Optional[str]) -> Dict[str, Any]:
@@ -284,10 +285,10 @@ def _param_view(param: Dict[str, Any], dtype: Optional[str]) -> Dict[str, Any]:
             "dtype": dtype}
 
 
-def _param_dtypes(files: RunFiles, ranks: Sequence[Any]) -> Dict[Tuple[Any, str], str]:
+def _param_dtypes(files: RunFiles, ranks: Collection[Any]) -> Dict[Tuple[Any, str], str]:
     """The model dtype of every parameter of these ranks' maps, by (global rank, name): the dtype whose
     limit a gradient's largest finite magnitude is measured against (``near_limit``; the plot's line)."""
-    dtypes = {}
+    dtypes: Dict[Tuple[Any, str], str] = {}
     for path, document in files.maps.items():
         rank = document["rank"]["global_rank"]
         if rank in ranks:
@@ -632,7 +633,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     conclusion = rerun.conclusion if rerun is not None else None
     reduction_fault = rerun is not None and any(view.get("reduction") == "collective"
                                                 for view in rerun.origins)
-    rerun_origins = (_loss_ranks(rerun, ranks) if conclusion is Conclusion.LOSS else
+    rerun_origins = (_loss_ranks(rerun, ranks) if rerun is not None and conclusion is Conclusion.LOSS else
                      tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
     return Evidence(
@@ -766,8 +767,7 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
         steps.append(NextStep(Action.REPLAY, Action.REPLAY.wording(module_of(e.first_in_backward or "")),
                               ("gradnan", "replay", captured)))
     elif cause is Cause.BACKWARD_OP and capture:
-        steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"]),
-                              tuple(f"{key}={value}" for key, value in capture.items())))
+        steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"])))
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
             cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) and not e.launch_first_step):
         drained = cause is Cause.DEVICE  # NVML's readings are printed beside the drain, else the self-test
@@ -921,9 +921,10 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                for key, records in runs.items()}
     chosen = run or next((key for key in reversed(list(runs)) if failing[key] is not None),
                          next(reversed(list(runs)), None))
-    launch = runs.get(chosen, [])
+    launch = runs.get(chosen, []) if chosen is not None else []
     incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
-    in_launch = split_runs(list(files.bundles.values()) + launch).get(chosen, [])
+    in_launch = (split_runs(list(files.bundles.values()) + launch).get(chosen, [])
+                 if chosen is not None else [])
     bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
                     for path, doc in sorted(files.bundles.items())
@@ -935,7 +936,8 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                                          for entry in doc["failing_ranks"]]}
                       for path, doc in sorted(files.selftests.items()))
     first_step = failing[chosen] if chosen is not None else None
-    incident, later = None, {}
+    incident: Optional[Incident] = None
+    later: Dict[int, set] = {}
     if first_step is not None:
         at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
                          key=lambda r: (r["rank"].get("global_rank", -1),

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.bundle import load_tensors
+from ..formats.incident import RecordKind
 from ..formats.layout import BATCHES_DIR, RECORDS_DIR
 from ..formats.text import printable_lines
 from .read import read_run
@@ -66,7 +67,7 @@ def kept_by(path: Path) -> Optional[Dict[str, Any]]:
     if wanted.parent.parent.name != BATCHES_DIR or not (run_dir / RECORDS_DIR).is_dir():
         return None
     return next((record for record in read_run(run_dir, params=False).all_records()
-                 if record.get("kind") == "rerun" and isinstance(record.get("batch"), dict)
+                 if record.get("kind") == RecordKind.RERUN and isinstance(record.get("batch"), dict)
                  and Path(record["batch"]["path"]).resolve() == wanted), None)
 
 

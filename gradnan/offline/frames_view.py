@@ -3,8 +3,9 @@ out as Hugging Face's DebugUnderflowOverflow prints its frames (abs min, abs max
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
+from ..formats.incident import RecordKind
 from ..formats.layout import rank_label
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import nonfinite_counts
@@ -36,10 +37,10 @@ def probes_summary(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Every probe that saw a non-finite value, with its rank and step."""
     return [{"global_rank": record["rank"]["global_rank"], "step": record["step"], "label": probe["label"],
              "module": probe.get("module"), "nan": probe["nan"], "inf": probe["inf"]}
-            for record in records if record.get("kind") == "probe" for probe in record["probes"]]
+            for record in records if record.get("kind") == RecordKind.PROBE for probe in record["probes"]]
 
 
-def summary_lines(run_dir: str, frames: List[Dict[str, Any]], probes: List[Dict[str, Any]],
+def summary_lines(run_dir: str, frames: Sequence[Dict[str, Any]], probes: Sequence[Dict[str, Any]],
                   limit: int = 4) -> List[str]:
     lines, command = [], f"gradnan frames {shell_word(run_dir)}"
     detected = [entry for entry in frames if entry["mode"] == "detect"]

@@ -68,6 +68,7 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
     return {
         "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
         "grads_nonfinite": any(has_nonfinite(g) for g in result.grads.values()),
+        "grads_replayed": grad_outputs is not None,
         "first_nonfinite": result.first_nonfinite,
         "first_growth": result.first_growth,
         "_outputs": outputs,
@@ -228,9 +229,12 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
         return _fused_verdict(operator)
     if captured["outputs_nonfinite"]:
         if not wide["outputs_nonfinite"]:
+            # a value that grew out of line (here, or in float64 where it stays finite) overflowed; else it
+            # may as well have underflowed (0/0)
+            grew = (growth is not None and growth["where"] == "operator") or bool(wide.get("first_growth"))
             return {"verdict": "precision", "reproduces": True,
                     "summary": "reproduces in the captured dtype, not in float64:"
-                               f" overflow or underflow{where}"}
+                               f" {'an overflow' if grew else 'overflow or underflow'}{where}"}
         return {"verdict": "bad_operator_or_input", "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
                            " or a bug in it"}
@@ -336,8 +340,11 @@ def format_text(result: Dict[str, Any]) -> str:
                  if operator else "no operator turned finite inputs non-finite")
         if run["first_growth"]:
             first = f"{growth_text({'where': 'operator', **run['first_growth']})}; {first}"
+        gradients = "not replayed (no incoming gradient was captured)"
+        if run.get("grads_replayed", True):
+            gradients = "NON-FINITE" if run["grads_nonfinite"] else "finite"
         lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
-                     f" gradients {'NON-FINITE' if run['grads_nonfinite'] else 'finite'}; {first}")
+                     f" gradients {gradients}; {first}")
     if result.get("fused"):
         lines.append(fused_text(result["fused"]))
     lines.append("Replay matches the module's own outputs saved in training:"

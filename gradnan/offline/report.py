@@ -50,7 +50,7 @@ def _same(view: Dict[str, Any], other: Dict[str, Any], axes: Sequence[str]) -> b
     return all(view.get(axis) == other.get(axis) for axis in axes)
 
 
-def rank_role(view: Dict[str, Any], origin: List[Dict[str, Any]]) -> str:
+def rank_role(view: Dict[str, Any], origin: Sequence[Dict[str, Any]]) -> str:
     """How a rank stands to the origin: ``dp_peer`` (same model-parallel position, another data-parallel
     replica: where the collective carries the NaN), ``mp_peer`` (same replica, another position),
     ``other``."""
@@ -90,7 +90,7 @@ ROLE_TEXT = {"dp_peer": "data-parallel peer(s) of the origin (same tp/pp)",
               "other": "other rank(s)"}
 
 
-def _grouped_lines(views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) -> List[str]:
+def _grouped_lines(views: Sequence[Dict[str, Any]], origin: Sequence[Dict[str, Any]]) -> List[str]:
     """One line per role (and whether the rank's own gradients hold the NaN): how many, which ranks."""
     groups: Dict[Tuple[str, bool], List[int]] = {}
     for view in views:
@@ -106,7 +106,8 @@ def _grouped_lines(views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) ->
     return lines
 
 
-def _ranks_section(title: str, views: List[Dict[str, Any]], origin: List[Dict[str, Any]]) -> List[str]:
+def _ranks_section(title: str, views: Sequence[Dict[str, Any]],
+                   origin: Sequence[Dict[str, Any]]) -> List[str]:
     """A line per rank in a small job; in a large one, a line per role (``_grouped_lines``)."""
     if not views:
         return []
@@ -356,8 +357,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
         lines += _listed(others, lambda bundle: [
             f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
             f"    gradnan replay {shell_word(bundle['path'])}"], "bundle(s)")
-    if incident is not None and incident.capture_settings and all(
-            step.action is not Action.CAPTURE for step in incident.next_steps):
+    if incident is not None and incident.capture_settings:
         lines.append("To capture this step on a rerun from a checkpoint, set:")
         lines.append("  " + " ".join(f"{key}={shell_word(value)}"
                                      for key, value in incident.capture_settings.items()))

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..config import FramesMode, GradnanConfig
+from ..formats.incident import RecordKind
 from ..log import logger
 from .clock import StepClock
 from .events import ModuleHooking, NamedModules
@@ -68,7 +69,7 @@ class ForwardWatch:
         if self.config.frames is FramesMode.TRACE:
             if frames:
                 bad = first_nonfinite(frames)
-                self._writer.record("frames", step, [], {
+                self._writer.record(RecordKind.FRAMES, step, [], {
                     "mode": "trace", "frames": [f.to_json() for f in frames], "frames_total": len(frames),
                     "first_nonfinite": bad, "local_nonfinite": bad is not None})
             if self._clock.filter_step() >= self._trace_steps.last():
@@ -78,7 +79,7 @@ class ForwardWatch:
         if window is None:
             return
         last = window[-1]
-        record = self._writer.record("frames", step, [], {
+        record = self._writer.record(RecordKind.FRAMES, step, [], {
             "mode": "detect", "frames": [f.to_json() for f in window], "frames_total": len(window),
             "first_nonfinite": len(window) - 1, "local_nonfinite": True})
         logger.error("%s: forward value non-finite first in %s (%s) on %s; the %d frames before it are in"
@@ -97,7 +98,7 @@ class ForwardWatch:
         return self._module_name_cache
 
     def _write_probes(self, step: int, bad: List[Dict[str, Any]]) -> None:
-        record = self._writer.record("probe", step, [], {"probes": bad, "local_nonfinite": True})
+        record = self._writer.record(RecordKind.PROBE, step, [], {"probes": bad, "local_nonfinite": True})
         first = bad[0]
         logger.error("%s: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", when(record),
                      first["label"], first["nan"], first["inf"], first["module"] or "code outside any module",

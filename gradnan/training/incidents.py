@@ -182,7 +182,7 @@ class Detections:
                  "runup": self._runup_file(step) if level > logging.DEBUG else None}
         if largest is not None:
             extra.update(norm_overflow=True, largest_grad=largest)
-        record = self._writer.record("pre_reduction", step, found,
+        record = self._writer.record(RecordKind.PRE_REDUCTION, step, found,
                                      self._with_health(extra, step, level >= logging.ERROR))
         with self._lock:
             if largest is None:
@@ -231,11 +231,11 @@ class Detections:
         health = self._health.at(step) if incident else None
         return extra if health is None else {**extra, "device_health": health}
 
-    def _record(self, optimizer: Any, kind: str, slots: Sequence[ParamSlot], grads: Grads,
+    def _record(self, optimizer: Any, kind: RecordKind, slots: Sequence[ParamSlot], grads: Grads,
                 extra: Dict[str, Any], incident: bool = True) -> Dict[str, Any]:
         """``incident``: not a routine fp16 skip; its run-up is written (``_runup_file``)."""
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
-        pre_reduction = self._flush_deferred(logging.ERROR if kind == "nonfinite_grad_norm"
+        pre_reduction = self._flush_deferred(logging.ERROR if kind == RecordKind.NONFINITE_GRAD_NORM
                                              else logging.DEBUG)
         self.last_pre_reduction = pre_reduction
         state, _ = self.optimizer(optimizer)
@@ -251,7 +251,8 @@ class Detections:
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads) -> Dict[str, Any]:
         """Record and log it; the record, on which to stop if asked."""
-        record = self._record(optimizer, "nonfinite_grad_norm", slots, grads, {"grad_norm": json_float(norm)})
+        record = self._record(optimizer, RecordKind.NONFINITE_GRAD_NORM, slots, grads,
+                              {"grad_norm": json_float(norm)})
         state, _ = self.optimizer(optimizer)
         consecutive = state.last_nonfinite_step == record["step"] - 1
         state.consecutive_nonfinite = state.consecutive_nonfinite + 1 if consecutive else 1
@@ -307,7 +308,7 @@ class Detections:
         warmup = not state.warmed_up and loss_finite is not False
         incident = self.overflow_is_incident(optimizer, scale, min_scale, loss_finite)
         record = self._record(
-            optimizer, "loss_scale_overflow", [slots[i] for i in chosen], [grads[i] for i in chosen],
+            optimizer, RecordKind.LOSS_SCALE_OVERFLOW, [slots[i] for i in chosen], [grads[i] for i in chosen],
             {"loss_scale": None if scale is None else json_float(scale),
              "min_loss_scale": None if min_scale is None else json_float(min_scale), "sub_optimizer": leaf,
              "consecutive_skips": skips, "scale_collapsed": collapsed, "warmup": warmup,
@@ -339,7 +340,7 @@ class Detections:
         """Megatron's loss check rejected this rank's loss (``--rerun-mode disabled``): record and log it
         before Megatron's RuntimeError goes on to the user."""
         step = self._clock.current()
-        record = self._writer.record("nonfinite_loss", step, [], self._with_health({
+        record = self._writer.record(RecordKind.NONFINITE_LOSS, step, [], self._with_health({
             "micro_batch": micro_batch, "loss": json_float(loss), "message": message,
             "megatron_mode": "disabled", "batch": batch, "rerun_skipped": rerun_skipped}, step, True))
         logger.error("%s: Megatron's loss check rejected a non-finite loss (%s) on %s, micro-batch %s"
@@ -354,7 +355,7 @@ class Detections:
         """The weights and optimizer state as the failing step found them (``weights.state_fields``): the
         ``state`` record, and a log line where a weight or a moment was already bad."""
         found, extra = state_fields(held, ids_by_name, at_launch)
-        record = self._writer.record(RecordKind.STATE.value, self._clock.current(), found, extra)
+        record = self._writer.record(RecordKind.STATE, self._clock.current(), found, extra)
         if found:
             first = found[0]
             logger.error("%s: the weights on %s were already non-finite when the step began: %s (%s copy, %s,"

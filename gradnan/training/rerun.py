@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
-from ..formats.incident import Conclusion, OwnFailure, RerunRole, growth_log, samples_wording
+from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole, growth_log, samples_wording
 from ..formats.magnitude import Growth
 from ..formats.schema import json_float
 from ..formats.text import shell_word
@@ -484,7 +484,7 @@ class StepRerun:
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
-        record = self._writer.record("rerun", self._clock.current(), [], {
+        record = self._writer.record(RecordKind.RERUN, self._clock.current(), [], {
             "trigger": trigger, "megatron": facts.megatron.here if facts.megatron else None,
             "role": role.value,
             "conclusion": facts.conclusion().value,

@@ -26,6 +26,7 @@ import torch
 
 from ..config import GradnanConfig
 from ..formats import bundle, maps, records, runup
+from ..formats.incident import RecordKind
 from ..formats.layout import (
     batch_path,
     bundle_dir,
@@ -116,12 +117,12 @@ class Writer:
         logger.debug("wrote parameter map %s (%d parameters)", path, len(slots))
         return str(path)
 
-    def record(self, kind: str, step: int, found: List[Dict[str, Any]],
+    def record(self, kind: RecordKind, step: int, found: List[Dict[str, Any]],
                extra: Mapping[str, Any]) -> Written:
         """Append one record (``found`` capped at ``max_params_per_record``, all counted); returns it with
         its ``path``, also when ``max_records_bytes`` kept it off the disk."""
         coords = self.coords()
-        record = records.to_json(kind, step, self._facts.iteration(), coords, self.run,
+        record = records.to_json(kind.value, step, self._facts.iteration(), coords, self.run,
                                  found[:self.config.max_params_per_record], len(found), extra)
         path = records_path(self.config.out_dir, coords)
         try:
