@@ -25,9 +25,10 @@ TP_DP = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True, steps=3)
 LAYOUTS = (TP_DP, TP_DP.with_(distributed_optimizer=True),
            TinyGPTJob(world_size=4, pp=2, dtype="fp32", quiet=True, steps=3, micro_batches=2),
            TP_DP.with_(dtype="fp16"))
-# (parameter, the module it belongs to): column- and row-parallel linears, layer norm, embedding, output layer
+# column- and row-parallel linears, layer norm, embedding (the position embedding: every step reads each of
+# its rows, where a word embedding's row is read only where the data holds its token), output layer
 PARAMETERS = ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_proj.weight",
-              "decoder.layers.0.input_layernorm.weight", "embedding.word_embeddings.weight",
+              "decoder.layers.0.input_layernorm.weight", "embedding.position_embeddings.weight",
               "output_layer.weight", "decoder.layers.1.self_attention.linear_qkv.weight")
 ROW_PARALLEL = ("decoder.layers.0.mlp.linear_fc2", "decoder.layers.1.self_attention.linear_proj")
 MODULES = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention.linear_proj",

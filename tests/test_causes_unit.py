@@ -30,7 +30,7 @@ CASES = {
                                rerun_origins=(0,)), (1,)),
     "optimizer_state": (dict(bad_weights=(NAN_WEIGHT,), state_faults=(BAD_MOMENT,)), (2,)),
     "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
-    "updated_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
+    "later_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
                                rerun_origins=(3,)), (3,)),
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,

@@ -117,8 +117,8 @@ def test_overlapped_reduction_with_several_buckets_and_accumulation(reports):
 def test_text_report_fits_one_screen_for_a_four_rank_job(reports):
     for run_dir, _ in reports.values():
         lines = format_text(analyze(read_run(run_dir))).splitlines()
-        # 40, up to 4 lines of next steps and 4 of the run-up (docs/cli.md promises 60 at any scale)
-        assert len(lines) <= 48
+        # 40, up to 8 lines of next steps and 4 of the run-up (docs/cli.md promises 60 at any scale)
+        assert len(lines) <= 52
         # the replay command lines hold the bundle's path, as long as wherever the user keeps the run
         assert max(len(line) for line in lines if not line.strip().startswith("gradnan replay ")) <= 160
 

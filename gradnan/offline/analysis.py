@@ -441,6 +441,21 @@ def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> L
     return [chosen[dp_rank] for dp_rank in sorted(chosen)]
 
 
+def _earliest_stages(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Of the ranks a rerun named as origins, those of each data-parallel replica's earliest pipeline
+    stage: a forward value flows from the first stage to the last, so a later stage that went non-finite
+    too received it (a stage's input arrives through the point-to-point exchange, not as an argument its
+    hooks see)."""
+    def stage(record: Dict[str, Any]) -> int:
+        return record["rank"].get("pp") or 0
+
+    earliest: Dict[Any, int] = {}
+    for record in records:
+        replica = record["rank"].get("dp")
+        earliest[replica] = min(earliest.get(replica, stage(record)), stage(record))
+    return [record for record in records if stage(record) == earliest[record["rank"].get("dp")]]
+
+
 def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -449,7 +464,8 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         return None
     step = min(r["step"] for r in reruns)
     at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
-    origins = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
+    named = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
+    origins = _earliest_stages(named)
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
     batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
@@ -472,7 +488,7 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         origins=tuple({**rank_view(r["rank"]), "module": r["module"], "reduction": r.get("reduction")}
                       for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
-                        if r["role"] == RerunRole.RECEIVER),
+                        if r["role"] == RerunRole.RECEIVER or (r in named and r not in origins)),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
 
 

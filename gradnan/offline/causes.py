@@ -184,12 +184,12 @@ def _one_replica_weights(e: Evidence) -> str:
             " went bad after the last update (a bad write, a faulty device)")
 
 
-def _updated_weights(e: Evidence) -> str:
+def _later_weights(e: Evidence) -> str:
     ranks = _weight_holders(e)
     return (f"the weights were non-finite when step {e.step} began, on every replica holding them, and the"
-            f" optimizer state is finite: {_first_weight(e, ranks)} on {e.labelled(ranks)}: the update of"
-            f" step {e.step - 1} wrote them (finite gradients, a finite norm, so the update arithmetic or the"
-            " learning rate)")
+            f" optimizer state is finite: {_first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite"
+            f" when this launch began, so written since: by the update of step {e.step - 1} (finite"
+            " gradients and moments: the learning rate, the update arithmetic) or a bad write")
 
 
 def _replicas_disagree(e: Evidence) -> str:
@@ -317,9 +317,9 @@ RULES: Tuple[Rule, ...] = (
          lambda e: any(rank in e.lone_weights + e.odd_replicas for rank in _ranks(_model_weights(e))),
          _weight_holders,
          _one_replica_weights, OriginBasis.STATE),
-    Rule("updated_weights", Cause.OPTIMIZER_UPDATE,
+    Rule("later_weights", Cause.WEIGHTS,
          "a weight is non-finite at a later step on every replica holding it, the optimizer state finite",
-         lambda e: bool(e.bad_weights), _weight_holders, _updated_weights, OriginBasis.STATE),
+         lambda e: bool(e.bad_weights), _weight_holders, _later_weights, OriginBasis.STATE),
     Rule("replicas_disagree", Cause.WEIGHTS,
          "every weight finite, but data-parallel replicas' weights differ (digest)",
          lambda e: bool(e.odd_replicas or e.split_replicas),
