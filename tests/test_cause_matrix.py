@@ -38,6 +38,7 @@ ON_PARAMETERS = (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE, Cause.BACKWARD_OP, Cause
                  Cause.NORM_OVERFLOW)
 ON_MODULES = (Cause.FORWARD_OP, Cause.DEVICE)
 GRADIENT_CAUSES = (Cause.BACKWARD_OP, Cause.COLLECTIVE, Cause.NORM_OVERFLOW)
+TP_DUPLICATES = ("layernorm", "position_embeddings")  # the same copy on every tensor-parallel rank
 # fp16's loss scaler skips a step whose gradients alone overflow, by design: only what breaks the forward
 # pass or the weights is an incident there
 FP16_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
@@ -55,7 +56,7 @@ def _all_plants():
             if cause is Cause.COLLECTIVE and job.tp > 1:  # and the tensor-parallel reduction of a layer
                 targets += ROW_PARALLEL
             for target, where in itertools.product(targets, wheres):
-                if cause in GRADIENT_CAUSES and "layernorm" in target and where[0] != 0:
+                if cause in GRADIENT_CAUSES and any(part in target for part in TP_DUPLICATES) and where[0]:
                     continue  # Megatron's norm counts a tensor-parallel duplicate on tensor rank 0 only
                 for step in ((1, 2) if cause is Cause.WEIGHTS else (2,)):
                     micro_batch = job.micro_batches - 1 if cause is Cause.LOSS else 0
