@@ -26,9 +26,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..config import PreReduction
+from ..events import Events
 from ..formats.maps import ParamSlot
-from ..training.events import Events
-from ..training.scan import abs_max
 from .instrumentor import Instrumentor, SurfaceMissing
 from .model import global_named_parameters
 from .undo_log import Patcher
@@ -94,7 +93,7 @@ class GradSyncInstrumentor(Instrumentor):
             mode = runtime.config.pre_reduction
             if mode is PreReduction.OFF or not runtime.first_sync_of_step(group):
                 return
-            maxima = torch.stack([abs_max(bucket.grad_data) for bucket in group.buckets])
+            maxima = runtime.bucket_maxima([bucket.grad_data for bucket in group.buckets])
             runtime.keep_runup(group, maxima, contents)
             megatron_checks = bool(getattr(group.ddp_config, "check_for_nan_in_grad", False))
             if mode is PreReduction.SYNC or megatron_checks:

@@ -7,7 +7,7 @@ non-finite one is localized on the gradients that produced it.
 
 from __future__ import annotations
 
-from ..training.events import Events
+from ..events import Events
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..training.events import Events
+from ..events import Events
 from .instrumentor import Instrumentor, SurfaceMissing
 from .optimizer import optimizer_classes, own_methods
 from .optimizer_params import leaf_optimizers, param_slots

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..training.events import ModelFacts
+from ..events import ModelFacts
 from .instrumentor import megatron_version
 from .names import prefix_renamer
 

@@ -13,13 +13,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..training.events import Events
+from ..events import Events
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 
 
 class ModuleHooks:
-    """One owner's changes to the model's modules (``gradnan.training.events.ModuleHooks``)."""
+    """One owner's changes to the model's modules (``gradnan.events.ModuleHooks``)."""
 
     def __init__(self) -> None:
         self._changes = Patcher()

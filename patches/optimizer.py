@@ -18,7 +18,7 @@ from typing import Any, Iterator, List
 
 import torch
 
-from ..training.events import Events
+from ..events import Events
 from .instrumentor import Instrumentor, SurfaceMissing
 from .optimizer_params import param_slots
 from .reentrancy_guard import Outermost

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
-from ..training.events import ParamTensors, StepState
 from .model import global_named_parameters
 
 _Pairing = Dict[int, Tuple[torch.nn.Parameter, Optional[Tuple[int, int]]]]

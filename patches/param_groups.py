@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..training.events import Events
+from ..events import Events
 from .instrumentor import Instrumentor, SurfaceMissing
 from .undo_log import Patcher
 

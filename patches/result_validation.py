@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..training.events import Events, MegatronRerun
+from ..events import Events, MegatronRerun
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..training.events import Events
+from ..events import Events
 from .data import micro_batch_samples
 from .instrumentor import Instrumentor
 from .undo_log import Patcher, patch_scope

@@ -32,8 +32,8 @@ def make_runtime(tmp_path):
     ``named_modules`` stands for the model's modules by global name. It may hook them (the ``module_hooks``
     patch is applied to it)."""
     from gradnan.config import GradnanConfig
+    from gradnan.events import ModelFacts
     from gradnan.patches.module_hooks import ModuleHooksInstrumentor
-    from gradnan.training.events import ModelFacts
     from gradnan.training.runtime import Runtime
 
     def make(named_modules=(), **options):

@@ -25,16 +25,19 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.formats": ("gradnan.errors",),
     "gradnan.offline": ("gradnan.errors", "gradnan.formats"),
     "gradnan.selftest": ("gradnan.errors", "gradnan.commandline", "gradnan.formats"),
+    # the patch layer calls the runtime through the interface below both (gradnan.events), never directly
     "gradnan.patches": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
-                        "gradnan.training", "megatron"),
+                        "gradnan.events", "megatron"),
+    "gradnan.events": ("gradnan.config", "gradnan.formats"),
     "gradnan.patches.undo_log": (),  # the undo log every change goes through knows nothing of Megatron
-    "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats"),
+    "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
+                         "gradnan.events"),
     # install() and seed_all() are where the training side reaches the patch layer
     "gradnan.training.install": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.training",
-                                 "gradnan.patches"),
+                                 "gradnan.events", "gradnan.patches"),
     "gradnan.training.seed": ("gradnan.errors", "gradnan.training", "gradnan.patches"),
     # the recorder wraps ``torch.autograd.Function.apply`` while it records, through the undo log alone
-    "gradnan.training.recorder": ("gradnan.errors", "gradnan.formats", "gradnan.training",
+    "gradnan.training.recorder": ("gradnan.errors", "gradnan.formats", "gradnan.training", "gradnan.events",
                                   "gradnan.patches.undo_log"),
     "gradnan.testing": ("gradnan", "megatron"),
     "gradnan.commandline": ("gradnan.errors", "gradnan.config", "gradnan.formats"),

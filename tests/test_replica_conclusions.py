@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from gradnan.events import MegatronRerun
 from gradnan.formats.incident import Conclusion, OwnFailure
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
-from gradnan.training.events import MegatronRerun
 from gradnan.training.rerun import ReplicaFacts
 
 from .helpers import records_by_rank

@@ -488,7 +488,7 @@ def _write_under_a_file_size_limit(out_dir: str, room: int, results: "multiproce
     record (the kernel cuts the write short, then refuses with EFBIG: what a full disk does with
     ENOSPC), then with the limit lifted (the disk freed)."""
     from gradnan.config import GradnanConfig
-    from gradnan.training.events import ModelFacts
+    from gradnan.events import ModelFacts
     from gradnan.training.writer import Writer
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

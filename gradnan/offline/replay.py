@@ -43,7 +43,7 @@ from ..formats import bundle
 from ..formats.layout import MANIFEST
 from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
 from ..formats.records import is_growth
-from ..formats.schema import Schema
+from ..formats.replay import SCHEMA, ReplayVerdict
 from ..formats.text import printable_lines, shell_word
 from ..formats.trace import REPLAY_PRECISIONS, Trace, TraceError, has_nonfinite, same_values, tensors_in
 from .trace_replay import output_tree, replay
@@ -51,7 +51,6 @@ from .trace_replay import output_tree, replay
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
 MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
-SCHEMA = Schema("gradnan.replay", 1)  # what --json prints
 
 
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
@@ -123,7 +122,7 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
     changes = manifest.get("outputs_changed", [])
     judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth, changes), "growth": growth,
                  "fused": (captured["first_nonfinite"] or {}).get("fused")}
-    if judgement["verdict"] == "not_reproduced" and seen.get("outputs_nonfinite") and not matches:
+    if judgement["verdict"] == ReplayVerdict.NOT_REPRODUCED and seen.get("outputs_nonfinite") and not matches:
         judgement["summary"] += ("; its own computation is finite, so the non-finite output came in from"
                                  " outside it (a collective with other ranks, e.g. a tensor-parallel"
                                  " all-reduce)")
@@ -217,12 +216,12 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
     if growth is not None and growth["where"] == "operator":
         where = f" ({growth_text(growth)}; first non-finite{where or ' output'})"
     if bad_leaves:
-        return {"verdict": "inputs_nonfinite", "reproduces": True,
+        return {"verdict": ReplayVerdict.INPUTS_NONFINITE.value, "reproduces": True,
                 "summary": "the module's inputs or parameters were already non-finite"
                            f" ({', '.join(bad_leaves[:3])}): look upstream (an earlier module, or the update"
                            " of the previous step)"}
     if captured["outputs_nonfinite"] and growth is not None and growth["where"] == "upstream":
-        return {"verdict": "inputs_out_of_line", "reproduces": True,
+        return {"verdict": ReplayVerdict.INPUTS_OUT_OF_LINE.value, "reproduces": True,
                 "summary": f"{growth_text(growth)}; it went non-finite here{where}, which only finished what"
                            " that growth started: look upstream, at where the value grew"}
     if captured["outputs_nonfinite"] and operator is not None and "finding" in operator.get("fused", {}):
@@ -232,35 +231,36 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
             # a value that grew out of line (here, or in float64 where it stays finite) overflowed; else it
             # may as well have underflowed (0/0)
             grew = (growth is not None and growth["where"] == "operator") or bool(wide.get("first_growth"))
-            return {"verdict": "precision", "reproduces": True,
+            return {"verdict": ReplayVerdict.PRECISION.value, "reproduces": True,
                     "summary": "reproduces in the captured dtype, not in float64:"
                                f" {'an overflow' if grew else 'overflow or underflow'}{where}"}
-        return {"verdict": "bad_operator_or_input", "reproduces": True,
+        return {"verdict": ReplayVerdict.BAD_OPERATOR_OR_INPUT.value, "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
                            " or a bug in it"}
     if any(change["nonfinite"] for change in changes):
-        return {"verdict": "changed_after_return", "reproduces": False,
+        return {"verdict": ReplayVerdict.CHANGED_AFTER_RETURN.value, "reproduces": False,
                 "summary": "the module's own outputs are finite, and the replay agrees; training went on"
                            f" with {changed_text(changes)}: look at what changed it"}
     if seen.get("outputs_nonfinite"):
-        return {"verdict": "not_reproduced", "reproduces": False,
+        return {"verdict": ReplayVerdict.NOT_REPRODUCED.value, "reproduces": False,
                 "summary": "does not reproduce: the output was non-finite in training but the module computes"
                            " finite values from the same inputs"}
     if any(has_nonfinite(g) for g in grads.values()):
-        return {"verdict": "incoming_gradient_nonfinite", "reproduces": True,
+        return {"verdict": ReplayVerdict.INCOMING_GRADIENT_NONFINITE.value, "reproduces": True,
                 "summary": "the forward is finite but the gradient flowing into the module's outputs was"
                            " already non-finite: look downstream (the modules after it)"}
     if captured["grads_nonfinite"]:
         precision = not wide["grads_nonfinite"]
-        return {"verdict": "precision" if precision else "bad_operator_or_input", "reproduces": True,
+        verdict = ReplayVerdict.PRECISION if precision else ReplayVerdict.BAD_OPERATOR_OR_INPUT
+        return {"verdict": verdict.value, "reproduces": True,
                 "summary": (f"the backward reproduces in the captured dtype, not in float64{where}"
                             if precision else f"the backward reproduces in every precision{where}")}
     if any(bool(value) for value in seen.values()):
-        return {"verdict": "not_reproduced", "reproduces": False,
+        return {"verdict": ReplayVerdict.NOT_REPRODUCED.value, "reproduces": False,
                 "summary": "does not reproduce: from the same inputs the module computes finite values; what"
                            " training saw came from elsewhere: a transient device fault (run gradnan"
                            " selftest) or a corruption after this computation"}
-    return {"verdict": "healthy", "reproduces": False,
+    return {"verdict": ReplayVerdict.HEALTHY.value, "reproduces": False,
             "summary": "nothing non-finite was captured, and the replay agrees" + _still_grew(growth)}
 
 
@@ -286,14 +286,15 @@ def operator_text(operator: Dict[str, Any]) -> str:
 
 
 _FINDINGS = {
-    "kernel_bug": ("kernel_bug", "reference math on the same inputs is finite in the captured dtype: a bug in"
-                                 " the kernel"),
-    "numerics": ("precision", "its reference math overflows in the captured dtype too, not in {wider}:"
-                              " numerics (overflow or underflow in the captured dtype)"),
-    "bad_input": ("bad_operator_or_input", "its reference math is non-finite in every precision too: a"
-                                           " genuinely bad input for it"),
-    "opaque": ("bad_operator_or_input", "no reference math is known for it (opaque): it cannot tell a kernel"
-                                        " bug from numerics"),
+    "kernel_bug": (ReplayVerdict.KERNEL_BUG,
+                   "reference math on the same inputs is finite in the captured dtype: a bug in the kernel"),
+    "numerics": (ReplayVerdict.PRECISION,
+                 "its reference math overflows in the captured dtype too, not in {wider}: numerics"
+                 " (overflow or underflow in the captured dtype)"),
+    "bad_input": (ReplayVerdict.BAD_OPERATOR_OR_INPUT,
+                  "its reference math is non-finite in every precision too: a genuinely bad input for it"),
+    "opaque": (ReplayVerdict.BAD_OPERATOR_OR_INPUT,
+               "no reference math is known for it (opaque): it cannot tell a kernel bug from numerics"),
 }
 
 
@@ -303,7 +304,7 @@ def _fused_verdict(operator: Dict[str, Any]) -> Dict[str, Any]:
     verdict, reason = _FINDINGS[fused["finding"]]
     wider = " or ".join(label for label, bad in (fused["reference_nonfinite"] or {}).items()
                         if label != "captured" and not bad)
-    return {"verdict": verdict, "reproduces": True,
+    return {"verdict": verdict.value, "reproduces": True,
             "summary": f"{operator_text(operator)} turned finite inputs into Inf/NaN"
                        f" (op #{operator['index']}); {reason.format(wider=wider)}"}
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..config import GradnanConfig
+from ..events import ModelFacts
 from ..formats.incident import RecordKind, board_text, failing_step_headline
 from ..log import logger
 from .clock import StepClock
-from .events import ModelFacts
 from .rerun import RerunOutcome
 from .writer import Writer
 

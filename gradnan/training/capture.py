@@ -27,12 +27,12 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..config import GradnanConfig
+from ..events import ModelFacts, ModuleHooking, ModuleHooks, NamedModules
 from ..formats.text import shell_word
 from ..formats.trace import Trace, has_nonfinite, same_values, tensors_in
 from ..log import logger
 from .clock import StepClock
 from .error_guard import ErrorGuard
-from .events import ModelFacts, ModuleHooking, ModuleHooks, NamedModules
 from .frames import FrameTracer, forward_origin, in_backward
 from .messages import when, where
 from .recorder import OpRecorder

@@ -8,10 +8,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..config import FramesMode, GradnanConfig
+from ..events import ModuleHooking, NamedModules
 from ..formats.incident import RecordKind
 from ..log import logger
 from .clock import StepClock
-from .events import ModuleHooking, NamedModules
 from .frames import FrameBuffer, FrameTracer, first_nonfinite
 from .messages import when, where
 from .probe import Probes, enclosing_module

@@ -22,9 +22,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..events import ModuleHooks
 from ..formats.magnitude import Growth, entries_growth
 from ..formats.schema import json_float
-from .events import ModuleHooks
 
 
 @dataclass

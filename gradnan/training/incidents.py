@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..config import GradnanConfig
+from ..events import DescribeBuckets, DescribeContents, Grads, StepState
 from ..formats.incident import RecordKind, describe_largest
 from ..formats.maps import ParamSlot
 from ..formats.records import FLOAT32_SQUARE_LIMIT, FORWARD_SHARE
@@ -20,7 +21,6 @@ from ..formats.schema import json_float, nonfinite_counts
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
-from .events import DescribeBuckets, DescribeContents, Grads, StepState
 from .health import DeviceHealth
 from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params

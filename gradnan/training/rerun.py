@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
+from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
 from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole, growth_log, samples_wording
 from ..formats.magnitude import Growth
 from ..formats.schema import json_float
@@ -34,7 +35,6 @@ from ..log import logger
 from .capture import CaptureManager, ModuleCapture
 from .clock import StepClock
 from .error_guard import ErrorGuard
-from .events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
 from .frames import Frame, FrameTracer, first_growth, first_nonfinite, forward_origin
 from .messages import when, where
 from .writer import Writer

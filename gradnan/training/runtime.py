@@ -17,13 +17,7 @@ import torch
 
 from ..config import GradnanConfig
 from ..errors import INTENDED_STOPS
-from ..formats.incident import RecordKind
-from ..formats.maps import ParamSlot
-from .board import IncidentBoard
-from .capture import CaptureManager
-from .clock import StepClock
-from .error_guard import ErrorGuard
-from .events import (
+from ..events import (
     DescribeBuckets,
     DescribeContents,
     Grads,
@@ -33,11 +27,18 @@ from .events import (
     NamedModules,
     RerunnableStep,
 )
+from ..formats.incident import RecordKind
+from ..formats.maps import ParamSlot
+from .board import IncidentBoard
+from .capture import CaptureManager
+from .clock import StepClock
+from .error_guard import ErrorGuard
 from .forward import ForwardWatch
 from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rerun import StepRerun
+from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
 from .weights import finite_flag
 from .window import RecordingWindow
@@ -263,6 +264,10 @@ class Runtime:
 
     def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None:
         self.detections.keep_runup(group, maxima, contents)
+
+    @staticmethod
+    def bucket_maxima(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([abs_max(grad) for grad in grads])
 
     # -- the user's controls -------------------------------------------------------------------------
 

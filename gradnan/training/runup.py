@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..events import DescribeContents
 from ..formats.schema import json_float
-from .events import DescribeContents
 
 
 class BucketGroupRing:

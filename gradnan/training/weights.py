@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
-from .events import ParamTensors, StepState
 from .offenders import offending_params
 from .scan import find_nonfinite, integer_view, nonfinite_indices, unravel
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..config import GradnanConfig
+from ..events import ModelFacts
 from ..formats import bundle, maps, records, runup
 from ..formats.incident import RecordKind
 from ..formats.layout import (
@@ -39,7 +40,6 @@ from ..formats.layout import (
 from ..formats.maps import ParamSlot
 from ..formats.schema import RefusedPath, append_json_line, held_directory, write_json_atomic
 from ..log import logger
-from .events import ModelFacts
 
 
 class Written(dict):

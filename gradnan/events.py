@@ -1,4 +1,5 @@
-"""The interface between the Megatron adapter and the runtime, in both directions.
+"""The interface between the Megatron adapter (``gradnan.patches``) and the runtime (``gradnan.training``),
+in both directions: below both, so that neither imports the other.
 
 ``ModelFacts``: what the runtime asks of the model and the job; the adapter supplies it
 (``gradnan.patches.model.MEGATRON_FACTS``), a test or a custom loop may supply its own.
@@ -14,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import torch
 
-from ..config import GradnanConfig
-from ..formats.maps import ParamSlot
+from .config import GradnanConfig
+from .formats.maps import ParamSlot
 
 NamedModules = List[Tuple[str, torch.nn.Module]]
 Grads = Sequence[Optional[torch.Tensor]]
@@ -226,3 +227,6 @@ class Events(Protocol):
                                   describe: DescribeBuckets) -> None: ...
 
     def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None: ...
+
+    def bucket_maxima(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Each gradient's largest magnitude (NaN/Inf carried through), stacked, on the device."""
