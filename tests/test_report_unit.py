@@ -222,3 +222,13 @@ def test_an_origin_without_its_data_parallel_coordinate_is_still_reported():
     report = analysis.to_json()
     assert report["first_step"] == 2 and report["incident"]["verdict"]["cause"]
     assert "First failing step: 2" in format_text(analysis)
+
+
+def test_a_run_up_file_naming_its_launch_with_any_json_value_is_compared_not_a_crash():
+    """Found by the readers' property test: a run-up file whose ``run`` holds a list (unhashable)."""
+    record = _record(1, "nonfinite_grad_norm", 0, ["decoder.layers.0.mlp.linear_fc1.weight"],
+                     run={"": []}, pre_reduction="nonfinite", grad_norm="nan")
+    files = _files(record)
+    files.runups[Path("/run/runup/r.json")] = {"step": 1, "rank": record["rank"], "run": {"": []},
+                                               "groups": []}
+    assert analyze(files).incident.step == 1

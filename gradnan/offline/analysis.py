@@ -18,6 +18,7 @@ the text view, ``--json`` and the plot only render it (``gradnan.offline.report`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -897,9 +898,10 @@ def _culprit_parameter(pattern: Pattern, gradients: Sequence[View], origin: Sequ
     return (largest or params or [pattern.first_in_backward])[0]
 
 
-def _run_key(document: Dict[str, Any]) -> Tuple[Any, ...]:
+def _run_key(document: Dict[str, Any]) -> str:
+    """The launch a document names, as a hashable key (a file may hold any JSON value in ``run``)."""
     run = document.get("run")
-    return tuple(sorted(run.items())) if isinstance(run, dict) else ()
+    return json.dumps(run, sort_keys=True) if isinstance(run, dict) else ""
 
 
 def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
