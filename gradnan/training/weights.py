@@ -17,7 +17,7 @@ from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
 from .offenders import offending_params
-from .scan import find_nonfinite, integer_view, nonfinite_indices, unravel
+from .scan import find_nonfinite, integer_view, unravel
 
 MAX_STATE_ENTRIES = 32  # optimizer-state findings a record lists (all are counted)
 
@@ -49,20 +49,20 @@ def optimizer_state_faults(slots: Sequence[ParamSlot],
                            stepped: Sequence[ParamTensors]) -> List[Dict[str, Any]]:
     """Each optimizer-state tensor that holds a NaN or an Inf, or a second moment below zero (from which
     the update's square root is NaN): ``name`` (the parameter), ``state``, ``nan``, ``inf``, ``negative``.
-    One host read for the non-finite scan's candidates and one for the signs."""
+    The scan's own host reads (``find_nonfinite``) and one for the signs."""
     entries = [(position, name, value) for position, held in enumerate(stepped)
                for name, value in sorted(held.state.items())]
-    bad = set(nonfinite_indices([value for _, _, value in entries]))
+    bad = dict(find_nonfinite([value for _, _, value in entries]))
     squares = [index for index, (_, name, _) in enumerate(entries) if _must_not_be_negative(name)]
     negatives = (torch.stack([(entries[i][2] < 0).sum() for i in squares]).tolist() if squares else [])
     negative_at = {index: int(count) for index, count in zip(squares, negatives) if count}
     faults = []
-    for index in sorted(bad | set(negative_at)):
-        position, name, value = entries[index]
-        counts = torch.stack([torch.isnan(value).sum(), torch.isinf(value).sum()]).tolist() \
-            if index in bad else [0, 0]
+    for index in sorted(set(bad) | set(negative_at)):
+        position, name, _ = entries[index]
+        found = bad.get(index)
         faults.append({"id": slots[position].id, "name": slots[position].name, "state": name,
-                       "nan": int(counts[0]), "inf": int(counts[1]), "negative": negative_at.get(index, 0)})
+                       "nan": found.nan if found else 0, "inf": found.inf if found else 0,
+                       "negative": negative_at.get(index, 0)})
     return faults
 
 
