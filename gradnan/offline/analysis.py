@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.incident import (
@@ -467,6 +467,7 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
     named = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
     origins = _earliest_stages(named)
+    later_stages = {id(r) for r in named} - {id(r) for r in origins}
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
     batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
@@ -489,7 +490,7 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         origins=tuple({**rank_view(r["rank"]), "module": r["module"], "reduction": r.get("reduction")}
                       for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
-                        if r["role"] == RerunRole.RECEIVER or (r in named and r not in origins)),
+                        if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
 
 
@@ -555,12 +556,10 @@ def _state_records(files: RunFiles, launch: List[Dict[str, Any]], step: int) -> 
     of the first step at or after the failing one that has any (a run of fp16 skips, which apply no update,
     becomes an incident a few steps after the step the report starts from). A rank whose first incident
     came later read weights another update had changed: not comparable, left out."""
-    steps = [record["step"] for record in launch if record.get("kind") == RecordKind.STATE
-             and record["step"] >= step]
-    if not steps:
-        return []
+    first = min((record["step"] for record in launch if record.get("kind") == RecordKind.STATE
+                 and record["step"] >= step), default=None)
     chosen = {record["rank"].get("global_rank"): record for record in launch
-              if record.get("kind") == RecordKind.STATE and record["step"] == min(steps)}
+              if record.get("kind") == RecordKind.STATE and record["step"] == first}
     return [files.full(chosen[rank]) for rank in sorted(chosen, key=lambda rank: (rank is None, rank or 0))]
 
 
@@ -570,16 +569,17 @@ def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, 
     fp16 skip recorded with a finite loss: a replica that did not fail reads no state): that replica's
     copy went bad alone."""
     bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
-    finite_forward = [r["rank"] for r in at_step
-                      if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True]
-    lone = set()
+    peers: Dict[Tuple[Any, ...], List[Any]] = {}
     for record in states:
-        rank, key = record["rank"].get("global_rank"), _peer_key(record["rank"])
-        peers = [other["rank"].get("global_rank") for other in states
-                 if _peer_key(other["rank"]) == key and other["rank"].get("global_rank") != rank]
-        if (any(name not in bad[peer] for name in bad[rank] for peer in peers)
-                or (bad[rank] and any(_peer_key(coords) == key for coords in finite_forward))):
-            lone.add(rank)
+        peers.setdefault(_peer_key(record["rank"]), []).append(record["rank"].get("global_rank"))
+    finite_forward = {_peer_key(r["rank"]) for r in at_step
+                      if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True}
+    lone = set()
+    for key, group in peers.items():
+        for rank in group:
+            if bad[rank] and (key in finite_forward or any(
+                    name not in bad[peer] for peer in group if peer != rank for name in bad[rank])):
+                lone.add(rank)
     return tuple(sorted(lone))
 
 
@@ -634,10 +634,27 @@ def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[
                         and (coordinate(rank, "pp") or 0) == last))
 
 
+class RankLabels(Mapping):
+    """Each known rank's label ("rank 3 (tp1 pp0 dp1, host cuda:1)"), made when a wording asks for it: a
+    summary names a few ranks of a job that may have 131,072."""
+
+    def __init__(self, ranks: Dict[int, Dict[str, Any]]) -> None:
+        self._ranks = ranks
+
+    def __getitem__(self, rank: int) -> str:
+        return rank_label(self._ranks[rank], "inside")
+
+    def __iter__(self) -> Iterator[int]:
+        return (rank for rank in self._ranks if rank is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
-                pattern: Pattern, parameters: Sequence[Dict[str, Any]], rerun: Optional[RerunFinding],
-                at_step: Sequence[Dict[str, Any]], recurs: bool) -> Evidence:
+                pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
+                recurs: bool) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records."""
     basis, origin = gradient
     odd, split = replica_digests(states)
@@ -655,7 +672,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
     return Evidence(
         step=step, iteration=iteration,
-        labels={rank: rank_label(coords, "inside") for rank, coords in ranks.items() if rank is not None},
+        labels=RankLabels(ranks),
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
         launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
@@ -673,7 +690,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         forward_pattern=pattern.gradient_pass is GradientPass.FORWARD,
         share_nonfinite=pattern.share_nonfinite,
         first_in_backward=pattern.first_in_backward, first_rank=pattern.first_rank,
-        near_limit=any(p["near_limit"] for module in parameters for p in module["params"]),
+        near_limit=any(p.get("near_limit") for entry in origin for p in entry["params"]),
         recorded_norm=bool(at_step), largest_grad=largest,
         largest_before_collective=any(entry["kind"] == RecordKind.PRE_REDUCTION for entry in origin
                                       if entry.get("largest_grad")),
@@ -830,14 +847,13 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     states = _state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [_rank_entry(r, dtypes) for r in origin_records]
-    parameters = _parameters_by_module(gradient_origin)
     pattern = _pattern(gradient_origin, _params_per_rank(files))
     rerun = _rerun_finding(launch)
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
                      rerun.iteration if rerun is not None and rerun.step == step else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
-                           parameters, rerun, at_step, _recurs(at_step, launch, step))
+                           rerun, at_step, _recurs(at_step, launch, step))
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here, dtypes)
@@ -847,11 +863,11 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                                               key=lambda entry: entry["global_rank"] not in named))
     receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
                  if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in named]
+    listed = named | {view["global_rank"] for view in receivers}
     receivers += [_receiver({key: value for key, value in entry.items()
                              if key not in ("params", "params_total", "kind", "largest_grad")},
                             entry["params"])
-                  for entry in gradient_origin if entry["global_rank"] not in named
-                  and all(entry["global_rank"] != view["global_rank"] for view in receivers)]
+                  for entry in gradient_origin if entry["global_rank"] not in listed]
     recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states}
     health = health_readings(at_step, origin)
     verdict = Verdict(decision.cause, decision.summary, tuple(
