@@ -21,7 +21,8 @@ from .offline.replay_limits import (
     DEFAULT_MAX_OPS,
     ReplayLimits,
     byte_size,
-    physical_memory,
+    cpu_seconds,
+    default_max_memory,
 )
 from .offline.report import format_text
 from .offline.runs import SERIOUS_SKIPS
@@ -32,6 +33,20 @@ DESCRIPTION = ("Forensics for a Megatron-LM run whose grad norm went NaN or Inf:
 SELFTEST = ("Confirm or clear a suspect GPU: every rank checks its arithmetic against the others' and the"
             " collectives between them. Launch it like training, one process per GPU: torchrun"
             " --nproc_per_node=N -m gradnan selftest --out RUN_DIR (docs/selftest.md).")
+
+
+PICTURE_FORMATS = ("png", "svg", "pdf")  # matplotlib's formats that run no other program (not pgf: LaTeX)
+
+
+def picture_path(text: str) -> Path:
+    """An argparse type: a file to draw into, its format named by its suffix (``PICTURE_FORMATS``)."""
+    path = Path(text)
+    if path.suffix[1:].lower() not in PICTURE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture's format is its suffix, one of"
+                                         f" {', '.join('.' + suffix for suffix in PICTURE_FORMATS)}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: a directory, not a file to draw into")
+    return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="consecutive fp16 loss-scale skips that count as a failure"
                              " (default: %(default)s)")
     report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
-    report.add_argument("--plot", type=Path, metavar="FILE",
+    report.add_argument("--plot", type=picture_path, metavar="FILE",
                         help="also draw the failing step (rank x module map) into FILE"
                              " (.png/.svg/.pdf; matplotlib)")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
@@ -79,9 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="the gradnan.replay JSON document")
     replay.add_argument("--max-memory", type=byte_size, metavar="SIZE",
                         help="address space the replay may map beyond torch's own (8G, 512M; default:"
-                             " this machine's memory)")
-    replay.add_argument("--max-cpu-seconds", type=positive, default=DEFAULT_MAX_CPU_SECONDS, metavar="N",
-                        help="CPU time of the replay, all threads (default: %(default)s)")
+                             " a quarter of this machine's memory)")
+    replay.add_argument("--max-cpu-seconds", type=cpu_seconds, default=DEFAULT_MAX_CPU_SECONDS, metavar="N",
+                        help="CPU time of the replay, all threads, at most a day (default: %(default)s)")
     replay.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
                         help="operators one forward or backward pass may run (default: %(default)s)")
     selftest.add_arguments(commands.add_parser(
@@ -166,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .offline.isolation import replay_isolated
             from .offline.replay import format_text as replay_text
 
-            limits = ReplayLimits(max_memory=args.max_memory or physical_memory(),
+            limits = ReplayLimits(max_memory=args.max_memory or default_max_memory(),
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
             result = replay_isolated(args.bundle, args.device, limits)
             say(json.dumps(result, indent=1) if args.json else replay_text(result))

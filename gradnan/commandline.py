@@ -35,7 +35,7 @@ def boolean(text: str) -> bool:
 
 def positive(text: str) -> int:
     """An argparse type: a whole number >= 1."""
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
 

@@ -13,6 +13,7 @@ import types
 import pytest
 
 from gradnan.formats.incident import health_line
+from gradnan.formats.text import printable
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
@@ -154,6 +155,7 @@ def test_the_report_prints_the_reading_beside_the_device_to_drain_and_weighs_its
     assert document["health"] == document["next"][0]["health"]
     text = format_text(analysis)
     section = " ".join(text.split("Next:\n")[1].split("Evidence:")[0].split())
-    line = " ".join(f"NVML at the incident (rank 1): {health_line(EXPECTED, reading.unread)}".split())
+    reading_text = printable(f"NVML at the incident (rank 1): {health_line(EXPECTED, reading.unread)}")
+    line = " ".join(reading_text.split())
     assert section.index(line) < section.index("gradnan selftest"), text
     assert "83 C" in line and "XID: 79" in line and "power_w (NVMLError: Not Supported)" in line

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gradnan.cli import main
-from gradnan.errors import UsageError
+from gradnan.errors import InputError, UsageError
 from gradnan.selftest.arithmetic import Tally, checksum, flip_lowest_bit, majority, split_plans
 from gradnan.selftest.communication import (
     allreduce_expected,
@@ -30,7 +30,7 @@ from gradnan.selftest.communication import (
     layout_groups,
 )
 from gradnan.selftest.options import PERTURB_ENV, STALL_ENV, launch_environment
-from gradnan.selftest.result import result_path
+from gradnan.selftest.result import write_result
 from gradnan.selftest.runner import ranks_named_in
 from gradnan.testing.gloo import free_port
 
@@ -144,16 +144,23 @@ def test_launch_environment_reads_torchrun_then_srun_variables():
         launch_environment(master)
 
 
-def test_result_path_never_replaces_an_existing_result(tmp_path):
+def test_a_result_never_replaces_an_existing_one_nor_goes_through_a_link(tmp_path):
     import datetime
 
     started = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
-    first = result_path(tmp_path, started)
+    first = write_result(tmp_path, started, {"n": 1})
     first.write_text("earlier result")
-    second = result_path(tmp_path, started)
+    second = write_result(tmp_path, started, {"n": 2})
     assert first == tmp_path / "selftest" / "selftest-20250102T030405Z.json"
     assert second == tmp_path / "selftest" / "selftest-20250102T030405Z-2.json"
-    assert first.read_text() == "earlier result"
+    assert first.read_text() == "earlier result" and json.loads(second.read_text()) == {"n": 2}
+    elsewhere, linked = tmp_path / "elsewhere", tmp_path / "linked"
+    elsewhere.mkdir()
+    linked.mkdir()
+    (linked / "selftest").symlink_to(elsewhere)
+    with pytest.raises(InputError, match="symbolic link"):
+        write_result(linked, started, {"n": 3})
+    assert not list(elsewhere.iterdir())
 
 
 def test_the_selftest_package_imports_torch_only_when_it_runs():

@@ -11,6 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from .layout import step_label
 from .magnitude import LIMIT_MARGIN, magnitude_text
+from .text import listing, shell_word, untrusted
 
 
 class RecordKind(str, enum.Enum):
@@ -151,9 +152,9 @@ def describe_largest(largest: Optional[Mapping[str, Any]]) -> str:
     if not largest:
         return "none"
     index = ", ".join(str(i) for i in largest.get("index") or [])
-    value = largest["value"]
-    return f"{largest['name']}[{index}] = {value:.4g}" if isinstance(value, (int, float)) else \
-        f"{largest['name']}[{index}] = {value}"
+    number, name = largest["value"], untrusted(largest["name"])
+    shown = f"{number:.4g}" if isinstance(number, (int, float)) else number
+    return f"{name}[{index}] = {shown}"
 
 
 def norm_overflow_summary(rank: str, largest: Mapping[str, Any], before_collective: bool) -> str:
@@ -169,32 +170,43 @@ def _magnitudes(grew_in: Mapping[str, Any]) -> str:
     text = (f"{magnitude_text(grew_in.get('inputs_abs_max'))} ->"
             f" {magnitude_text(grew_in.get('output_abs_max'))}")
     if grew_in.get("near_limit"):
-        text += f", within {LIMIT_MARGIN:g}x of the {str(grew_in.get('dtype')).removeprefix('torch.')} limit"
+        text += f", within {LIMIT_MARGIN:g}x of the {_dtype(grew_in)} limit"
     return text
 
 
 def grew_text(grew_in: Mapping[str, Any]) -> str:
     """The culprit of a value that grew out of line (a ``rerun`` record's ``grew_in``), as the verdict
     names it: ``decoder.layers.0.mlp (MLP) grew a value out of line (2.91 -> 3.9e28)``."""
-    return f"{grew_in['module']} ({grew_in['class']}) grew a value out of line ({_magnitudes(grew_in)})"
+    return f"{_module(grew_in)} grew a value out of line ({_magnitudes(grew_in)})"
 
 
 def growth_path(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
     """The magnitude path as a report headline says it: where the value grew, then where it went
     non-finite (``module``; None: it stayed finite on the ranks traced)."""
-    grown = (f"{grew_in['module']} ({grew_in['class']}) grew a value to"
+    grown = (f"{_module(grew_in)} grew a value to"
              f" {magnitude_text(grew_in.get('output_abs_max'))} (from"
              f" {magnitude_text(grew_in.get('inputs_abs_max'))})")
     if grew_in.get("near_limit"):
-        grown += f", near the {str(grew_in.get('dtype')).removeprefix('torch.')} limit"
-    return grown + (f", which went non-finite in {module} ({module_class})" if module else "")
+        grown += f", near the {_dtype(grew_in)} limit"
+    return grown + (f", which went non-finite in {_module(module, module_class)}" if module else "")
+
+
+def _module(module: Any, module_class: Any = None) -> str:
+    """ "decoder.layers.0.mlp (MLP)": a module and its class from a file (a ``grew_in``, or the two)."""
+    if isinstance(module, Mapping):
+        module, module_class = module["module"], module["class"]
+    return f"{untrusted(module)} ({untrusted(module_class)})"
+
+
+def _dtype(grew_in: Mapping[str, Any]) -> str:
+    return untrusted(str(grew_in.get("dtype")).removeprefix("torch."))
 
 
 def growth_log(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
     """The magnitude path as a rank's log line says it."""
-    grown = (f"values first grew out of line in {grew_in['module']} ({grew_in['class']})"
+    grown = (f"values first grew out of line in {_module(grew_in)}"
              f" ({_magnitudes(grew_in)})")
-    return grown + (f", then went non-finite in {module} ({module_class})" if module else "")
+    return grown + (f", then went non-finite in {_module(module, module_class)}" if module else "")
 
 
 class Cause(str, enum.Enum):
@@ -297,13 +309,14 @@ def samples_wording(samples: Dict[str, Any], micro_batch: Any) -> str:
 
 
 def _source_wording(source: Dict[str, Any]) -> str:
-    blend = (f"blend dataset {source['blend_dataset']} sample {source['blend_sample']}, "
+    blend = (f"blend dataset {untrusted(source['blend_dataset'])} sample {source['blend_sample']}, "
              if source.get("blend_dataset") is not None else "")
-    documents = ", ".join(map(str, source["documents"]))
+    documents = listing(source["documents"])
     more = (f" (of {source['documents_total']})"
             if (source.get("documents_total") or 0) > len(source["documents"]) else "")
-    path = f" {source['dataset_path']}" if source.get("dataset_path") else ""
-    return (f"sample {source['index']}: {blend}{source['dataset']}{path} document(s) {documents}{more}"
+    path = f" {untrusted(source['dataset_path'])}" if source.get("dataset_path") else ""
+    dataset = untrusted(source["dataset"])
+    return (f"sample {source['index']}: {blend}{dataset}{path} document(s) {documents}{more}"
             f" from token {source.get('offset')}")
 
 
@@ -387,7 +400,8 @@ class RunUpFinding(str, enum.Enum):
         """The finding as one sentence: ``ratio``, the largest of the last steps over the earlier median
         (on the ``first`` ranks where it grew); ``before``: how many steps before the failing one it first
         did; ``reason``: why the evidence does not decide."""
-        subject = f"the gradients of {parameter}'s bucket" if parameter else "the culprit's gradients"
+        subject = (f"the gradients of {untrusted(parameter)}'s bucket" if parameter
+                   else "the culprit's gradients")
         if self is RunUpFinding.GREW:
             return (f"{subject} grew before the failing step: up to {magnitude_text(ratio)}x their earlier"
                     f" median, first on {first}, {before} step(s) before it: the value built up over"
@@ -409,13 +423,13 @@ def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optiona
                           rerun_skipped: Optional[str]) -> str:
     """The verdict's summary of a loss Megatron's check rejected (``--rerun-mode disabled``): what
     Megatron did, what gradnan could and could not do before Megatron raised."""
-    kept = f"kept the micro-batch ({batch})" if batch else "kept no micro-batch"
-    again = (f"it could not run the step again ({rerun_skipped}): replay the kept micro-batch, or run with"
-             " --rerun-mode validate_results, to tell the data from the device" if rerun_skipped
+    kept = f"kept the micro-batch ({shell_word(batch)})" if batch else "kept no micro-batch"
+    again = (f"it could not run the step again ({untrusted(rerun_skipped)}): replay the kept micro-batch, or"
+             " run with --rerun-mode validate_results, to tell the data from the device" if rerun_skipped
              else "the step's forward pass was run again in place (see the rerun)")
-    return (f"Megatron's loss check rejected a non-finite loss ({loss}) on rank {rank}, micro-batch"
-            f" {micro_batch}, and raised (--rerun-mode disabled): the forward pass went non-finite on that"
-            f" micro-batch; before that gradnan recorded it and {kept}; {again}")
+    return (f"Megatron's loss check rejected a non-finite loss ({untrusted(loss)}) on rank {rank},"
+            f" micro-batch {untrusted(micro_batch)}, and raised (--rerun-mode disabled): the forward pass"
+            f" went non-finite on that micro-batch; before that gradnan recorded it and {kept}; {again}")
 
 
 def values(enum_type: Type[enum.Enum]) -> Tuple[str, ...]:
@@ -442,8 +456,8 @@ _FLAGGED_SIGNS = (
 def _listed(values: Mapping[str, Any], key: str) -> list:
     """A list value of a reading (a file may hold anything a reader let through: a list of integers or
     text, or something else, read as none)."""
-    value = values.get(key)
-    return value if isinstance(value, list) else []
+    items = values.get(key)
+    return items if isinstance(items, list) else []
 
 
 def health_signs(values: Mapping[str, Any]) -> Tuple[str, ...]:
@@ -475,20 +489,20 @@ _HEALTH_UNITS = (("temperature_c", "{} C"), ("power_w", "{} W"), ("sm_clock_mhz"
 
 def health_line(values: Mapping[str, Any], unread: Mapping[str, str]) -> str:
     """NVML's reading as the report prints it beside the device to drain, every value NVML gave."""
-    parts = [unit.format(values[key]) for key, unit in _HEALTH_UNITS if key in values]
+    parts = [unit.format(untrusted(values[key])) for key, unit in _HEALTH_UNITS if key in values]
     if "throttle_reasons" in values:
-        parts.append(f"throttle: {', '.join(map(str, _listed(values, 'throttle_reasons'))) or 'none'}")
+        parts.append(f"throttle: {listing(_listed(values, 'throttle_reasons')) or 'none'}")
     ecc = [f"{key.removeprefix('ecc_').replace('_', ' ')} {values[key]}" for key in values
            if key.startswith("ecc_")]
     if ecc:
-        parts.append("ECC " + ", ".join(ecc))
-    parts += [f"{key.replace('_', ' ')} {values[key]}" for key in values
-              if key.startswith(("retired_pages_", "remapped_rows_"))]
+        parts.append("ECC " + listing(ecc))
+    parts.append(listing(f"{key.replace('_', ' ')} {values[key]}" for key in values
+                         if key.startswith(("retired_pages_", "remapped_rows_"))))
     if "xid_errors" in values:
-        parts.append(f"XID: {', '.join(map(str, _listed(values, 'xid_errors'))) or 'none'}")
+        parts.append(f"XID: {listing(_listed(values, 'xid_errors')) or 'none'}")
     if unread:
-        parts.append("not read: " + ", ".join(f"{key} ({reason})" for key, reason in unread.items()))
-    return "; ".join(parts)
+        parts.append("not read: " + listing(f"{key} ({reason})" for key, reason in unread.items()))
+    return "; ".join(part for part in parts if part)
 
 
 def failing_step_headline(step: int, iteration: Optional[int], kinds) -> str:

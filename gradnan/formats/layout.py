@@ -23,6 +23,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from .text import untrusted
+
 MAPS_DIR = "maps"
 RECORDS_DIR = "records"
 BUNDLES_DIR = "bundles"
@@ -44,10 +46,15 @@ def rank_label(coords: Mapping[str, Any], place: str = "", axes: Optional[Sequen
     """ "rank 3 (tp1 pp0 dp1)"; ``place="inside"`` adds ", host device" in the brackets, ``"after"``
     adds " on host device" after them. ``axes``: the axes to name (default: ``shown_axes``)."""
     axes = " ".join(f"{axis}{coords.get(axis)}" for axis in (shown_axes(coords) if axes is None else axes))
-    machine = f"{coords.get('host')} {coords.get('device')}"
+    machine = host_device(coords)
     if place == "inside":
         return f"rank {coords['global_rank']} ({axes}, {machine})"
     return f"rank {coords['global_rank']} ({axes})" + (f" on {machine}" if place == "after" else "")
+
+
+def host_device(coords: Mapping[str, Any]) -> str:
+    """ "node-7 cuda:3": where a rank ran, as a text shows values from a file (``untrusted``)."""
+    return f"{untrusted(coords.get('host'))} {untrusted(coords.get('device'))}"
 
 
 def rank_tag(coords: Mapping[str, Any]) -> str:
@@ -102,9 +109,12 @@ def batch_path(out_dir: str, coords: Mapping[str, Any], step: int, micro_batch: 
     return Path(out_dir) / BATCHES_DIR / rank_tag(coords) / f"{_when(step, iteration)}_mb{micro_batch}.pt"
 
 
-def runup_path(out_dir: str, coords: Mapping[str, Any], step: int, iteration: Optional[int] = None) -> Path:
-    """Where a rank writes the run-up of its gradient buckets at an incident step."""
-    return Path(out_dir) / RUNUP_DIR / f"{rank_tag(coords)}_{_when(step, iteration)}.json"
+def runup_path(out_dir: str, coords: Mapping[str, Any], step: int, iteration: Optional[int] = None,
+               launch: str = "") -> Path:
+    """Where a rank writes the run-up of its gradient buckets at an incident step. ``launch``: this launch's
+    tag (``launch_tag``), where another launch's run-up already has the name."""
+    suffix = f".{launch}" if launch else ""
+    return Path(out_dir) / RUNUP_DIR / f"{rank_tag(coords)}_{_when(step, iteration)}{suffix}.json"
 
 
 def run_identity(run_id: str, environ: Mapping[str, str], started: float) -> Dict[str, Any]:

@@ -294,15 +294,31 @@ def held_directory(path: Path, root: Optional[Path] = None) -> Iterator[Path]:
 
 def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[int] = 1,
                       replace: bool = True, root: Optional[Path] = None) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``: a reader
-    sees the whole document or none of it. ``indent=None``: compact, for large documents.
-    ``replace=False``: never over an existing file (another launch's): FileExistsError instead. ``root``:
-    the out dir ``path`` is in, below which no symbolic link is followed (``open_directory``;
-    RefusedPath); a link named ``path`` is replaced, never written through. An OSError names ``path``."""
+    """``document`` written whole or not at all (``write_atomic``). ``indent=None``: compact, for large
+    documents."""
+    text = json.dumps(document, indent=indent, allow_nan=False, separators=None if indent else (",", ":"))
+    write_atomic(path, lambda stream: stream.write((text + "\n").encode("utf-8")), replace, root)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any], replace: bool = True,
+                 root: Optional[Path] = None, plain_only: bool = False) -> None:
+    """``write(stream)`` to a temporary file in ``path``'s directory, fsync, then rename over ``path``: a
+    reader sees the whole file or none of it, and an old file stays whole when the write fails (a full
+    disk). ``replace=False``: never over an existing file (another launch's): FileExistsError instead.
+    ``root``: the out dir ``path`` is in, below which no symbolic link is followed (``open_directory``;
+    RefusedPath); a link named ``path`` is replaced, never written through; ``plain_only``: anything at
+    ``path`` but a plain file (a link, a device, a directory) is refused instead. An OSError names
+    ``path``."""
     try:
         directory = open_directory(path, root)
     except OSError as error:
         raise with_path(error, path) from None
+    if plain_only:
+        try:
+            _refuse_unless_plain(path, directory)
+        except BaseException:
+            os.close(directory)
+            raise
     temporary = f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
         handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644,
@@ -312,9 +328,8 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[
         raise with_path(error, path) from None
     try:
         os.fchmod(handle, 0o644)  # whatever the umask: documents are read by other users' tools
-        with os.fdopen(handle, "w") as stream:
-            stream.write(json.dumps(document, indent=indent, allow_nan=False,
-                                    separators=None if indent else (",", ":")) + "\n")
+        with os.fdopen(handle, "wb") as stream:
+            write(stream)
             stream.flush()
             os.fsync(stream.fileno())
         if replace:
@@ -330,6 +345,21 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], indent: Optional[
         raise
     finally:
         os.close(directory)
+
+
+def _refuse_unless_plain(path: Path, directory: int) -> None:
+    """RefusedPath where ``path`` (in ``directory``) exists and is not a plain file of one name."""
+    try:
+        status = os.lstat(path.name, dir_fd=directory)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise with_path(error, path) from None
+    if stat.S_ISLNK(status.st_mode):
+        raise _refused(path, "a symbolic link")
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+        raise _refused(path, "not a plain file" if not stat.S_ISREG(status.st_mode)
+                       else "a hard link to another file")
 
 
 def _write_all(descriptor: int, data: bytes) -> None:

@@ -5,8 +5,19 @@ side's log lines."""
 
 from __future__ import annotations
 
+import re
 import shlex
-from typing import Any, Iterable
+import textwrap
+from typing import Any, Iterable, List
+
+# Stands for a space inside a value from a file (``untrusted``) until the line is printed: the wrapping
+# (``wrap``) never breaks a line there, and ``printable_lines`` prints it as one ASCII space. A private-use
+# code point: no name, host or path gradnan writes holds one, and a file's own is shown as one space too.
+GLUE = "\ue000"
+MAX_VALUE = 160  # characters of one value from a file shown in a text; longer ones are cut in the middle
+MAX_LISTED = 8  # items of one list from a file shown in a text; the rest are counted
+_SPACE_RUN = re.compile(" {2,}")
+_GLUE_RUN = re.compile(GLUE + "+")
 
 
 def _escaped(character: str) -> str:
@@ -23,10 +34,38 @@ def printable(text: str) -> str:
     unassigned code points. A parameter name, a host or a path from an untrusted file can then neither
     drive the terminal (colours, titles, hyperlinks, clearing the screen) nor print a line of its own (a
     fake ``Verdict:``) nor reorder or hide what is shown. The escapes are printable themselves: escaping
-    twice changes nothing."""
+    twice changes nothing. A value's glued spaces (``GLUE``) are printed as one space a run."""
+    if GLUE in text:  # a value's glued spaces (``untrusted``), once a line is laid out
+        text = _GLUE_RUN.sub(" ", text)
     if text.isprintable():  # the common case, at C speed
         return text
     return "".join(character if character.isprintable() else _escaped(character) for character in text)
+
+
+def untrusted(text: Any, limit: int = MAX_VALUE) -> str:
+    """A value read from a file (a name, a host, a reason) as a text shows it: escaped (``printable``), each
+    run of spaces shown as one, cut to ``limit`` characters (the middle dropped, the count said), and
+    its spaces glued (``GLUE``). The value can then neither start a line of its own where ``wrap`` breaks
+    one, nor indent text to a column of its choice (a fake command under ``Next:``), nor fill a screen."""
+    text = _SPACE_RUN.sub(" ", printable(str(text)))
+    if len(text) > limit:
+        half = limit // 2
+        text = f"{text[:half]}...({len(text) - 2 * half} characters)...{text[-half:]}"
+    return text.replace(" ", GLUE)
+
+
+def listing(items: Iterable[Any], limit: int = MAX_LISTED) -> str:
+    """Items from a file as a text lists them: the first ``limit`` (each ``untrusted``), then the count."""
+    items = list(items)
+    shown = ", ".join(untrusted(item) for item in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def wrap(text: str, width: int, initial_indent: str = "", subsequent_indent: str = "") -> List[str]:
+    """``text`` in lines of at most ``width`` characters, broken only at the text's own spaces: never
+    inside a value (``untrusted``), nor inside a long word (a path, a name), which overruns the width."""
+    return textwrap.wrap(text, width, initial_indent=initial_indent, subsequent_indent=subsequent_indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def printable_lines(lines: Iterable[str]) -> str:
@@ -35,7 +74,34 @@ def printable_lines(lines: Iterable[str]) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def plain(document: Any) -> Any:
+    """A JSON document whose wordings hold values (``untrusted``), with their glued spaces as spaces."""
+    if isinstance(document, str):
+        return document.replace(GLUE, " ") if GLUE in document else document
+    if isinstance(document, dict):
+        return {key: plain(item) for key, item in document.items()}
+    if isinstance(document, (list, tuple)):
+        return [plain(item) for item in document]
+    return document
+
+
 def shell_word(value: Any) -> str:
-    """``value`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
-    with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``)."""
-    return shlex.quote(str(value))
+    """``untrusted`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
+    with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``), and is never broken by
+    ``wrap``. A value that is not printable or holds a run of spaces is written in bash's ``$'...'`` form
+    (every space ``\\x20``, a control character ``\\x1b``): still the same path to bash and zsh, and no
+    run of spaces that could push a value's text to the start of a line."""
+    text = str(value)
+    if text.isprintable() and "  " not in text:
+        return shlex.quote(text).replace(" ", GLUE)
+    return "$'" + "".join(_ansi_c(character) for character in text) + "'"
+
+
+def _ansi_c(character: str) -> str:
+    """One character inside bash's ``$'...'`` quoting."""
+    if character in "\\'":
+        return "\\" + character
+    if character.isprintable() and character != " ":
+        return character
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

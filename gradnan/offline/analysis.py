@@ -38,9 +38,10 @@ from ..formats.incident import (
     health_signs,
     values,
 )
-from ..formats.layout import AXES, rank_label, rank_ranges, shown_axes
+from ..formats.layout import AXES, host_device, rank_label, rank_ranges, shown_axes
 from ..formats.records import FORWARD_SHARE
 from ..formats.schema import Schema
+from ..formats.text import plain, untrusted
 from .causes import BadWeight, Decision, Evidence, StateFault, decide
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
@@ -232,7 +233,7 @@ class Report:
     def to_json(self) -> Dict[str, Any]:
         """The ``gradnan.report`` document (docs/formats.md), what ``gradnan report --json`` prints."""
         incident = self.incident
-        return {**SCHEMA.header(), "run_dir": self.run_dir, "ranks_seen": list(self.ranks_seen),
+        return plain({**SCHEMA.header(), "run_dir": self.run_dir, "ranks_seen": list(self.ranks_seen),
                 "problems": list(self.problems),
                 "problems_total": self.problems_total, "first_step": self.first_step,
                 "incident": None if incident is None else incident.to_json(),
@@ -241,7 +242,7 @@ class Report:
                 "selftests": list(self.selftests), "bundles": list(self.bundles),
                 "rerun_capture": None if incident is None else incident.capture_settings,
                 "frames": list(self.frames), "probes": list(self.probes), "run": self.run,
-                "runs": list(self.runs)}
+                "runs": list(self.runs)})
 
 
 def rank_view(coords: Dict[str, Any]) -> View:
@@ -475,7 +476,7 @@ def _rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     megatron = _grouped(at_step, "megatron", values(Conclusion))
     strongest = conclusions[0]
     return RerunFinding(
-        step=step, iteration=at_step[0].get("iteration"), trigger=at_step[0].get("trigger"),
+        step=step, iteration=(first or at_step[0]).get("iteration"), trigger=at_step[0].get("trigger"),
         megatron=megatron[0].conclusion if megatron else None, conclusion=Conclusion(strongest.conclusion),
         concluded_by=strongest.ranks, own_failure=strongest.own_failure, conclusions=tuple(conclusions),
         megatron_split=tuple(megatron) if len(megatron) > 1 else (),
@@ -508,7 +509,7 @@ def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any
         failed_here = [entry for entry in result["failing_ranks"]
                        if (entry["host"], entry["device"]) in devices]
         if failed_here:
-            named = ", ".join(f"rank {e['rank']} ({e['host']} {e['device']})" for e in failed_here)
+            named = ", ".join(f"rank {e['rank']} ({host_device(e)})" for e in failed_here)
             evidence.append(f"self-test {result['time']} FAILED on the origin's device: {named}")
         elif result["pass"]:
             evidence.append(f"self-test {result['time']} passed on all {result['world_size']} ranks: no"
@@ -531,7 +532,7 @@ def health_readings(at_step: Sequence[Dict[str, Any]], origin: Sequence[View]) -
 
 def _health_evidence(readings: Sequence[HealthReading]) -> List[str]:
     """What NVML said of the origin's devices at the incident."""
-    return [health_evidence(f"{reading.rank.get('host')} {reading.rank.get('device')} (rank"
+    return [health_evidence(f"{host_device(reading.rank)} (rank"
                             f" {reading.rank['global_rank']})", reading.signs, len(reading.unread))
             for reading in readings]
 
@@ -654,7 +655,7 @@ class RankLabels(Mapping):
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
-                recurs: bool) -> Evidence:
+                recurs: bool, iterations_seen: Tuple[int, ...] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records."""
     basis, origin = gradient
     odd, split = replica_digests(states)
@@ -671,7 +672,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                      tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
     return Evidence(
-        step=step, iteration=iteration,
+        step=step, iteration=iteration, iterations_seen=iterations_seen,
         labels=RankLabels(ranks),
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
@@ -724,14 +725,14 @@ def _evidence_lines(e: Evidence) -> List[str]:
         lines.append(f"{e.share_nonfinite:.0%} of the origin's gradients are non-finite (what a non-finite"
                      " activation or loss does in backward)")
     elif e.first_in_backward:
-        lines.append(f"first non-finite gradient in backward order: {e.first_in_backward} on rank"
+        lines.append(f"first non-finite gradient in backward order: {untrusted(e.first_in_backward)} on rank"
                      f" {e.first_rank}")
     if e.near_limit:
         lines.append("the largest finite gradient values are near the dtype's limit (overflow)")
     if e.rejected:
-        lines.append(f"Megatron's loss check rejected a non-finite loss ({e.rejected['loss']}) on rank"
-                     f" {e.rejected['global_rank']}, micro-batch {e.rejected['micro_batch']}, and raised"
-                     " (--rerun-mode disabled)")
+        lines.append("Megatron's loss check rejected a non-finite loss"
+                     f" ({untrusted(e.rejected['loss'])}) on rank {e.rejected['global_rank']}, micro-batch"
+                     f" {e.rejected['micro_batch']}, and raised (--rerun-mode disabled)")
     if e.recurs:
         lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
                      " batch")
@@ -768,7 +769,8 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
             named = [entry["global_rank"] for entry in origin if (entry.get("host"), entry.get("device"))
                      == (host, device)]
             steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
-                f"{host} {device} (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
+                f"{host_device({'host': host, 'device': device})}"
+                f" (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
                 health=tuple(reading for reading in health if reading.rank["global_rank"] in named)))
     if cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
         steps.append(NextStep(Action.RESUME, Action.RESUME.wording(_resume_before(e, cause))))
@@ -786,28 +788,31 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
         steps.append(NextStep(Action.INSPECT_BATCH,
                               Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
                               ("gradnan", "batch", batch)))
-    if cause in (Cause.FORWARD_OP, Cause.LOSS) and isinstance(e.iteration, int) and not e.recurs \
-            and rerun is not None:
+    if cause in (Cause.FORWARD_OP, Cause.LOSS) and e.iterations_seen and not e.recurs and rerun is not None:
+        refusal = _skip_refusal(e)
         # a checkpoint written by Megatron's own validate_results exit runs the iteration again on restart,
         # then exits (17) rather than skipping it: that restart goes without the rerun state machine
         restarted_rerun = ("--rerun-mode", "disabled") if rerun.megatron else ()
-        steps.append(NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
+        steps.append(NextStep(Action.SKIP_ITERATION, f"no --iterations-to-skip option: {refusal}")
+                     if refusal or e.iteration is None else
+                     NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
                               ("--iterations-to-skip", str(e.iteration - 1), *restarted_rerun)))
     if rerun is not None and rerun.bundle and cause is Cause.FORWARD_OP:
         steps.append(NextStep(Action.REPLAY,
-                              Action.REPLAY.wording(f"{rerun.module} on rank {rerun.global_rank}"),
+                              Action.REPLAY.wording(f"{untrusted(rerun.module)} on rank {rerun.global_rank}"),
                               ("gradnan", "replay", rerun.bundle)))
     if cause is Cause.BACKWARD_OP and captured:
         steps.append(NextStep(Action.REPLAY, Action.REPLAY.wording(module_of(e.first_in_backward or "")),
                               ("gradnan", "replay", captured)))
     elif cause is Cause.BACKWARD_OP and capture:
-        steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"])))
+        modules = untrusted(capture["GRADNAN_CAPTURE_MODULES"])
+        steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(modules)))
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
             cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) and not e.launch_first_step):
         drained = cause is Cause.DEVICE  # NVML's readings are printed beside the drain, else the self-test
         for host in dict.fromkeys(host for host, _ in devices):
             processes = sum(1 for coords in ranks.values() if coords.get("host") == host) or 1
-            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{host}'s devices"), (
+            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{untrusted(host)}'s devices"), (
                 "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", run_dir),
                 health=() if drained else tuple(reading for reading in health
                                                 if reading.rank.get("host") == host)))
@@ -839,6 +844,31 @@ _DECIDERS = {
 }
 
 
+def _counted(iteration: Any) -> bool:
+    return isinstance(iteration, int) and not isinstance(iteration, bool)
+
+
+def _iterations(at_step: Sequence[Dict[str, Any]], rerun: Optional[RerunFinding],
+                step: int) -> Tuple[int, ...]:
+    """Every Megatron-LM iteration the failing step's records (its incident and ``rerun`` records) and its
+    rerun's origin name (one where they agree)."""
+    named: List[Any] = [r.get("iteration") for r in at_step]
+    if rerun is not None and rerun.step == step:
+        named.append(rerun.iteration)
+    return tuple(sorted({int(iteration) for iteration in named if _counted(iteration)}))
+
+
+def _skip_refusal(e: Evidence) -> Optional[str]:
+    """Why the failing iteration cannot be named to ``--iterations-to-skip`` (None: it can)."""
+    if len(e.iterations_seen) > 1:
+        seen = ", ".join(map(str, e.iterations_seen))
+        return (f"the ranks' records disagree on the failing iteration ({seen}); read it from Megatron-LM's"
+                " log before skipping one")
+    if e.iteration is None or e.iteration < 1:
+        return f"the records name iteration {e.iteration}, and Megatron-LM counts its iterations from 1"
+    return None
+
+
 def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
@@ -850,10 +880,11 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     pattern = _pattern(gradient_origin, _params_per_rank(files))
     rerun = _rerun_finding(launch)
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
-    iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),
-                     rerun.iteration if rerun is not None and rerun.step == step else None)
+    iterations = _iterations(list(at_step) + reruns_here, rerun, step)
+    iteration = (rerun.iteration if rerun is not None and rerun.step == step and _counted(rerun.iteration)
+                 else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
-                           rerun, at_step, _recurs(at_step, launch, step))
+                           rerun, at_step, _recurs(at_step, launch, step), iterations)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here, dtypes)

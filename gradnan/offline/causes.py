@@ -23,6 +23,7 @@ from ..formats.incident import (
     norm_overflow_summary,
     rejected_loss_summary,
 )
+from ..formats.text import untrusted
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class BadWeight:
     def text(self) -> str:
         where = f"[{', '.join(map(str, self.index))}]"
         copy = "" if self.copy == "model" else " (the optimizer's main copy)"
-        return f"{self.name}{where}{copy}: {self.nan} NaN, {self.inf} Inf"
+        return f"{untrusted(self.name)}{where}{copy}: {self.nan} NaN, {self.inf} Inf"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class StateFault:
     def text(self) -> str:
         counts = [f"{count} {what}" for count, what in ((self.nan, "NaN"), (self.inf, "Inf"),
                                                         (self.negative, "negative")) if count]
-        return f"{self.state} of {self.name} ({', '.join(counts)})"
+        return f"{untrusted(self.state)} of {untrusted(self.name)} ({', '.join(counts)})"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Evidence:
     rejected_losses: Tuple[int, ...] = ()
     rejected: Optional[Mapping[str, Any]] = None  # the first one: micro_batch, loss, batch, rerun_skipped
     recurs: bool = False  # the next step failed too, with no update applied in between (fp16 skips)
+    iterations_seen: Tuple[int, ...] = ()  # every Megatron-LM iteration the step's records name (one: agreed)
 
     def label(self, rank: int) -> str:
         return self.labels.get(rank, f"rank {rank}")
@@ -203,9 +205,9 @@ def _replicas_disagree(e: Evidence) -> str:
 
 
 def _tensor_parallel_collective(e: Evidence) -> str:
-    return (f"the tensor-parallel reduction in {e.rerun_module}: run again in place, every rank's partial sum"
-            f" was finite and the reduced value was not, on {e.labelled(e.rerun_origins)}, micro-batch"
-            f" {e.micro_batch}: a transfer or reduction fault")
+    return (f"the tensor-parallel reduction in {untrusted(e.rerun_module)}: run again in place, every rank's"
+            f" partial sum was finite and the reduced value was not, on {e.labelled(e.rerun_origins)},"
+            f" micro-batch {e.micro_batch}: a transfer or reduction fault")
 
 
 def _loss(e: Evidence) -> str:
@@ -216,7 +218,7 @@ def _loss(e: Evidence) -> str:
 
 
 def _forward_op(e: Evidence) -> str:
-    where = f"in {e.rerun_module}" if not e.grew_in else f"in {e.rerun_module}, after {grew_text(e.grew_in)}"
+    where = f"in {untrusted(e.rerun_module)}" + (f", after {grew_text(e.grew_in)}" if e.grew_in else "")
     return (f"a forward operator made it: the failing step, run again in place with the same micro-batches"
             f" and RNG state, went non-finite again {where} on {e.labelled(e.rerun_origins[:1])}, micro-batch"
             f" {e.micro_batch}, with finite inputs and finite weights: the data or the numerics (an"
@@ -248,7 +250,7 @@ def _norm_overflow(e: Evidence) -> str:
 def _collective(e: Evidence) -> str:
     return (f"the data-parallel gradient collective: every rank's own gradients were finite before it"
             f" (checked on each), and {e.labelled(e.gradient_origin)} held non-finite gradients after it"
-            f" ({e.first_in_backward or 'see the table'}): a transfer or reduction fault")
+            f" ({untrusted(e.first_in_backward or 'see the table')}): a transfer or reduction fault")
 
 
 def _backward_op(e: Evidence) -> str:
@@ -263,7 +265,8 @@ def _backward_op(e: Evidence) -> str:
              " there on restart the operator and that batch, if not the device."
              if e.dp_size > 1 and len(e.origin_replicas) == 1 else "")
     return (f"a backward operator made it:{forward} the first non-finite gradient in backward order is"
-            f" {e.first_in_backward} on {e.label(rank)}, before the data-parallel collective.{alone}")
+            f" {untrusted(e.first_in_backward)} on {e.label(rank)}, before the data-parallel"
+            f" collective.{alone}")
 
 
 def _forward_unconfirmed(e: Evidence) -> str:

@@ -9,11 +9,11 @@ from ..formats.incident import RecordKind
 from ..formats.layout import rank_label
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import nonfinite_counts
-from ..formats.text import printable_lines, shell_word
+from ..formats.text import printable_lines, shell_word, untrusted
 
 
 def _module_text(frame: Dict[str, Any]) -> str:
-    return f"{frame['module'] or '<model>'} {frame['class']}"
+    return f"{untrusted(frame['module'] or '<model>')} {untrusted(frame['class'])}"
 
 
 def frames_summary(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -46,26 +46,28 @@ def summary_lines(run_dir: str, frames: Sequence[Dict[str, Any]], probes: Sequen
     detected = [entry for entry in frames if entry["mode"] == "detect"]
     for entry in detected[:limit]:
         lines.append(f"Forward frames: {rank_label(entry['rank'])} step {entry['step']}: first non-finite in"
-                     f" {entry['first_nonfinite_module'] or '<model>'} ({entry['first_nonfinite_class']});"
+                     f" {untrusted(entry['first_nonfinite_module'] or '<model>')}"
+                     f" ({untrusted(entry['first_nonfinite_class'])});"
                      f" {command} --rank {entry['global_rank']} --step {entry['step']}")
     traced = sorted({entry["step"] for entry in frames if entry["mode"] == "trace"})
     if traced:
         lines.append(f"Traced frames at step(s) {', '.join(map(str, traced[:8]))}"
                      f"{' ...' if len(traced) > 8 else ''}: {command} --step {traced[0]}")
     for probe in probes[:limit]:
-        lines.append(f"gradnan.check({probe['label']!r}) in {probe['module'] or 'code outside any module'}:"
+        where = untrusted(probe["module"] or "code outside any module")
+        lines.append(f"gradnan.check({untrusted(repr(probe['label']))}) in {where}:"
                      f" {nonfinite_counts(probe)} at step {probe['step']} on rank {probe['global_rank']}")
     if len(probes) > limit:
         lines.append(f"  ... and {len(probes) - limit} more probe finding(s) (see --json)")
     return lines
 
 
-def _stat(value: Any) -> str:
-    if value is None:
+def _stat(number: Any) -> str:
+    if number is None:
         return f"{'-':>8}"
-    if isinstance(value, str):
-        return f"{value:>8}"
-    return f"{value:8.2e}"
+    if isinstance(number, str):
+        return f"{untrusted(number):>8}"
+    return f"{number:8.2e}"
 
 
 def _near_limit(entry: Dict[str, Any]) -> str:
@@ -73,14 +75,14 @@ def _near_limit(entry: Dict[str, Any]) -> str:
     limit, value = DTYPE_MAX.get(entry["dtype"]), entry["abs_max"]
     if limit is None or not isinstance(value, (int, float)) or value * 2 < limit:
         return ""
-    return f"  [near {entry['dtype'].replace('torch.', '')} max {limit:.2e}]"
+    return f"  [near {untrusted(entry['dtype'].replace('torch.', ''))} max {limit:.2e}]"
 
 
 def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
     """A frames record as DebugUnderflowOverflow lays its frames out; ``limit``: the last so many frames."""
     frames = record["frames"] if limit is None else record["frames"][-limit:]
     first = record.get("first_nonfinite")
-    head = (f"{rank_label(record['rank'])} step {record['step']}, {record.get('mode')} mode:"
+    head = (f"{rank_label(record['rank'])} step {record['step']}, {untrusted(record.get('mode'))} mode:"
             f" {len(frames)} forward frame(s)")
     if first is not None:
         bad = record["frames"][first]
@@ -91,5 +93,5 @@ def format_frames(record: Dict[str, Any], limit: Optional[int] = None) -> str:
         lines.append(f"{'':17} {_module_text(frame)}{recomputed}")
         for entry in frame["entries"]:
             lines.append(f"{_stat(entry['abs_min'])} {_stat(entry['abs_max'])}"
-                         f" {entry['name']}{_near_limit(entry)}")
+                         f" {untrusted(entry['name'])}{_near_limit(entry)}")
     return printable_lines(lines)

@@ -32,7 +32,6 @@ so none overlaps another or leaves the figure at any world size (tests/test_plot
 from __future__ import annotations
 
 import math
-import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,8 @@ from ..errors import InputError, UsageError
 from ..formats.incident import OriginBasis, RecordKind
 from ..formats.layout import AXES, rank_label
 from ..formats.magnitude import DTYPE_MAX, magnitude_text
-from ..formats.text import printable
+from ..formats.schema import write_atomic
+from ..formats.text import printable, wrap
 from .analysis import Incident, Report, View
 from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline
 from .runup import RankRunUp, RunUp
@@ -89,8 +89,9 @@ def shortened(text: str, limit: int) -> str:
 
 
 def wrapped(text: str, width_in: float, size: float, indent: str = "") -> List[str]:
-    return textwrap.wrap(clean(text), _chars(width_in, size), subsequent_indent=indent,
-                         break_on_hyphens=False) or [""]
+    """``text`` as lines of plain text (``clean``), never broken inside a value from a file."""
+    lines = wrap(" ".join(str(text).split()), _chars(width_in, size), subsequent_indent=indent)
+    return [printable(line) for line in lines] or [""]
 
 
 # --- the layout: where each rank sits ---------------------------------------------------------------------
@@ -685,9 +686,11 @@ def draw_incident(report: Report):
 
 
 def plot_incident(report: Report, path: Path) -> Dict[str, Any]:
-    """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix); return what was drawn
-    (``draw_incident``). matplotlib's warnings (a glyph missing from the font for a name from a file,
-    numpy's overflow near float64's limit) are dropped: the terminal gets the report, not those."""
+    """Draw the report's incident into ``path`` (PNG, SVG or PDF by suffix, ``PICTURE_FORMATS``); return
+    what was drawn (``draw_incident``). The picture is written whole to a new file, then renamed over
+    ``path`` (an old picture stays whole if the disk is full); a link, a device or a directory at ``path``
+    is refused, never written through. matplotlib's warnings (a glyph missing from the font for a name
+    from a file, numpy's overflow near float64's limit) are dropped: the terminal gets the report."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         figure, drawn = draw_incident(report)
@@ -696,7 +699,8 @@ def plot_incident(report: Report, path: Path) -> Dict[str, Any]:
         try:
             with matplotlib.rc_context({"text.usetex": False, "text.parse_math": False,
                                         "svg.fonttype": "path"}):
-                figure.savefig(path, dpi=DPI)
+                write_atomic(path, lambda stream: figure.savefig(stream, format=path.suffix[1:].lower(),
+                                                                 dpi=DPI), plain_only=True)
         except (OSError, ValueError) as exc:
             reason = clean(str(exc).splitlines()[0])
             raise UsageError(f"{clean(path)}: cannot write the picture ({reason})") from None

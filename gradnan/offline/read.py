@@ -12,6 +12,7 @@ parameters only while ``KEPT_PARAMS`` entries in all are kept, the others withou
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Tuple
@@ -123,8 +124,13 @@ def _read_records(path: Path, params: bool, budget: List[int], problems: Problem
 
 def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
     """The ``*suffix`` entries of ``directory`` (none if it does not exist); one that cannot be listed
-    is a problem, not an empty directory."""
+    is a problem, not an empty directory, and so is a symbolic link: the kit never makes one in a run
+    directory, and one planted there would lead the readers to files outside it."""
     try:
+        if stat.S_ISLNK(os.lstat(directory).st_mode):
+            problems.append(f"{directory}: a symbolic link, not followed (a run directory's folders are its"
+                            " own)")
+            return []
         names = os.listdir(directory)
     except FileNotFoundError:
         return []

@@ -10,8 +10,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_MAX_OPS = 100_000
-DEFAULT_MAX_CPU_SECONDS = 3600
-_SIZE = re.compile(r"(\d{1,15})([KMGT]?)(i?B)?", re.IGNORECASE)
+# a bundle from someone else's job may hold anything: by default a replay gets minutes of CPU and a quarter
+# of this machine's memory (a captured call replays in seconds); the options raise them
+DEFAULT_MAX_CPU_SECONDS = 600
+DEFAULT_MEMORY_SHARE = 4
+MAX_CPU_SECONDS = 86_400  # a day; the wall-clock backstop (2 N + 60 s) stays within poll()'s range
+MAX_MEMORY = 1 << 50  # 1 PiB: beyond it a size is a typo
+_SIZE = re.compile(r"(\d{1,15})([KMGT]?)(i?B)?", re.IGNORECASE | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -37,14 +42,25 @@ def trace_too_long(ops: int, max_ops: int) -> Optional[str]:
     return f"the trace has {ops} ops, more than the {max_ops} a replay runs (--max-ops): refused"
 
 
-def physical_memory() -> int:
-    """This machine's memory in bytes: the default ``--max-memory``."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def default_max_memory() -> int:
+    """The default ``--max-memory``: a quarter of this machine's memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // DEFAULT_MEMORY_SHARE
 
 
 def byte_size(text: str) -> int:
-    """An argparse type: bytes, or a whole number with K, M, G or T (powers of 1024: ``8G``, ``512MiB``)."""
+    """An argparse type: bytes, or a whole number with K, M, G or T (powers of 1024: ``8G``, ``512MiB``),
+    at most ``MAX_MEMORY``."""
     match = _SIZE.fullmatch(text.strip())
     if match is None or int(match[1]) < 1:
         raise argparse.ArgumentTypeError(f"not a size (bytes, or a number with K, M, G or T): {text!r}")
-    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+    size = int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
+    if size > MAX_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text!r}: more than {MAX_MEMORY >> 50} PiB")
+    return size
+
+
+def cpu_seconds(text: str) -> int:
+    """An argparse type: whole seconds of CPU time, 1 to ``MAX_CPU_SECONDS``."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_CPU_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be whole seconds from 1 to {MAX_CPU_SECONDS}, got {text!r}")
+    return int(text)

@@ -5,7 +5,6 @@ for a large one) and ``build_report`` (the ``gradnan.report`` JSON document). Bo
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..formats.incident import (
@@ -19,9 +18,9 @@ from ..formats.incident import (
     health_line,
     samples_wording,
 )
-from ..formats.layout import AXES, rank_label, rank_ranges, step_label
+from ..formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
 from ..formats.schema import nonfinite_counts
-from ..formats.text import printable_lines, shell_word
+from ..formats.text import printable_lines, shell_word, untrusted, wrap
 from .analysis import Incident, Report, RerunFinding, analyze, module_of
 from .frames_view import summary_lines
 from .read import RunFiles
@@ -43,6 +42,7 @@ MAX_TABLE_RANKS = 16
 MAX_ORIGIN_LINES = 6  # and receivers or silent ranks listed one a line; more are summarised
 MAX_LISTED = 3  # bundles, self-tests, problems: the first ones, then a count
 WIDTH = 110
+MAX_PROBLEM = 400  # characters of a file's problem shown (its path and what was wrong)
 _POSITION = ("tp", "pp", "cp", "ep")
 
 
@@ -128,7 +128,8 @@ def _module_table(incident: Incident, max_modules: int) -> List[str]:
         marks[view["global_rank"]] = {module: "r" for module in view["modules"]}
     ranks = focus_ranks(incident, MAX_TABLE_RANKS)
     modules = incident.parameters
-    width = max((len(m["module"]) for m in modules[:max_modules]), default=6)
+    names = {m["module"]: untrusted(m["module"]) for m in modules[:max_modules]}
+    width = max((len(name) for name in names.values()), default=6)
     cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
     first = {p["ranks"][0] for module in modules[:max_modules] for p in module["params"]}
     counted = f"on rank {first.pop()}" if len(first) == 1 else "on the first rank holding it"
@@ -137,9 +138,9 @@ def _module_table(incident: Incident, max_modules: int) -> List[str]:
              + f"  {counted}"]
     for module in modules[:max_modules]:
         cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
-        counts = ", ".join(f"{p['name'].rsplit('.', 1)[-1]} {nonfinite_counts(p)}"
+        counts = ", ".join(f"{untrusted(p['name'].rsplit('.', 1)[-1])} {nonfinite_counts(p)}"
                            + (" [near dtype limit]" if p["near_limit"] else "") for p in module["params"])
-        lines.append(f"  {module['module']:<{width}}  {cells}  {counts}")
+        lines.append(f"  {names[module['module']]:<{width}}  {cells}  {counts}")
     if len(modules) > max_modules:
         lines.append(f"  ... and {len(modules) - max_modules} more module(s) (see --json)")
     total = len(incident.origin) + len(incident.receivers) + len(incident.silent)
@@ -160,18 +161,20 @@ def _listed(items: List[Any], describe, what: str) -> List[str]:
 def _selftest_lines(result: Dict[str, Any]) -> List[str]:
     failing = result["failing_ranks"]
     state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
-        f"rank {e['rank']} ({e['host']} {e['device']})" for e in failing[:MAX_LISTED]) + (
+        f"rank {e['rank']} ({host_device(e)})" for e in failing[:MAX_LISTED]) + (
         f" ... ({len(failing)} ranks failed)" if len(failing) > MAX_LISTED else "")
-    return [f"Self-test {result['time']}: {state}"]
+    return [f"Self-test {untrusted(result['time'])}: {state}"]
 
 
 def _megatron_line(rerun: RerunFinding) -> List[str]:
     """Megatron's own conclusion, per rank where its ranks' state machines disagree."""
     if rerun.megatron_split:
-        split = "; ".join(f"{group.conclusion} on rank(s) {rank_ranges(group.ranks)}"
+        split = "; ".join(f"{untrusted(group.conclusion)} on rank(s) {rank_ranges(group.ranks)}"
                           for group in rerun.megatron_split)
         return [f"  Megatron's own rerun of it (validate_results): split: {split}"]
-    return [f"  Megatron's own rerun of it (validate_results): {rerun.megatron}"] if rerun.megatron else []
+    if not rerun.megatron:
+        return []
+    return [f"  Megatron's own rerun of it (validate_results): {untrusted(rerun.megatron)}"]
 
 
 def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = ()) -> List[str]:
@@ -190,7 +193,7 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = ()) -> 
             lines.append(f"  {growth_path(grew_in, None, None)}, on rank {grew_in['global_rank']}")
     else:
         origin = (growth_path(grew_in, rerun.module, rerun.module_class) if grew_in
-                  else f"{rerun.module} ({rerun.module_class})")
+                  else f"{untrusted(rerun.module)} ({untrusted(rerun.module_class)})")
         lines = [f"Forward origin ({when} run again in place): {origin}",
                  f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
         if grew_in and grew_in["global_rank"] != rerun.global_rank:
@@ -204,7 +207,7 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = ()) -> 
         same = all(o["module"] == rerun.module for o in ties)
         lines.append(f"  the same on rank(s) {rank_ranges([o['global_rank'] for o in ties])} (a tie: each"
                      " went non-finite there first)" if same else "  tied with: " + ", ".join(
-                         f"{o['module']} on rank {o['global_rank']}" for o in ties[:MAX_LISTED]))
+                         f"{untrusted(o['module'])} on rank {o['global_rank']}" for o in ties[:MAX_LISTED]))
     if rerun.receivers:
         lines.append(f"  received it from there (not origins): rank(s) "
                      f"{rank_ranges([r['global_rank'] for r in rerun.receivers])}")
@@ -221,7 +224,7 @@ def samples_lines(rerun: Optional[RerunFinding]) -> List[str]:
         return []
     lines = ["Samples (the failing micro-batch in Megatron-LM's training data):"]
     for entry in rerun.samples[:MAX_LISTED]:
-        lines += textwrap.wrap(samples_wording(entry, entry["micro_batch"]), WIDTH, initial_indent="  ",
+        lines += wrap(samples_wording(entry, entry["micro_batch"]), WIDTH, initial_indent="  ",
                                subsequent_indent="    ")
     if len(rerun.samples) > MAX_LISTED:
         lines.append(f"  ... and {len(rerun.samples) - MAX_LISTED} more data-parallel rank(s) (see --json)")
@@ -236,7 +239,7 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
         module = next((view["module"] for view in rerun.origins
                        if view["global_rank"] == entry["global_rank"]), None)
         if module:
-            return f"  {_rank_label(entry)}: {module}, micro-batch {rerun.micro_batch}"
+            return f"  {_rank_label(entry)}: {untrusted(module)}, micro-batch {rerun.micro_batch}"
         if rerun.conclusion is Conclusion.LOSS:
             return f"  {_rank_label(entry)}: the loss of micro-batch {rerun.micro_batch}"
     return f"  {_rank_label(entry)}: {_origin_holds(entry)}"
@@ -250,18 +253,20 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         weights = sorted(entry["params"], key=lambda p: p.get("copy") != "model")  # the model's own first
         names = {p["name"] for p in weights}
         more = f" and {len(names) - 1} more parameter(s)" if len(names) > 1 else ""
-        parts = [f"{p['name']}{p['first_bad_index']} {nonfinite_counts(p)}{more}" for p in weights[:1]]
-        parts += [f"{f['state']} of {f['name']}: {f['nan']} NaN, {f['inf']} Inf, {f['negative']} negative"
+        parts = [f"{untrusted(p['name'])}{p['first_bad_index']} {nonfinite_counts(p)}{more}"
+                 for p in weights[:1]]
+        parts += [f"{untrusted(f['state'])} of {untrusted(f['name'])}: {f['nan']} NaN, {f['inf']} Inf,"
+                  f" {f['negative']} negative"
                   for f in entry.get("optimizer_state", [])[:2]]
         return "; ".join(parts) or "its weights differ from its data-parallel peers'"
     if entry.get("own_failure"):
-        return f"its own {entry['own_failure']} non-finite in the failing pass"
+        return f"its own {untrusted(entry['own_failure'])} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:
         return f"non-finite loss ({entry['loss']}) at micro-batch {entry['micro_batch']}"
     if entry["params"] and not entry.get("largest_grad"):
         first = entry["params"][0]
         more = f" and {entry['params_total'] - 1} more parameter(s)" if entry["params_total"] > 1 else ""
-        return f"{first['name']}{first.get('first_bad_index')} {nonfinite_counts(first)}{more}"
+        return f"{untrusted(first['name'])}{first.get('first_bad_index')} {nonfinite_counts(first)}{more}"
     if entry["params_total"] or not entry.get("largest_grad"):
         return f"{entry['params_total']} parameter(s)"
     when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
@@ -282,18 +287,18 @@ def runup_lines(runup: Optional[RunUp]) -> List[str]:
     """The run-up's finding (nothing where no rank wrote a run-up)."""
     if runup is None:
         return []
-    return textwrap.wrap(f"Run-up: {runup.summary} (gradnan report --plot draws it)", WIDTH,
+    return wrap(f"Run-up: {runup.summary} (gradnan report --plot draws it)", WIDTH,
                          subsequent_indent="    ")
 
 
 def _next_lines(incident: Incident) -> List[str]:
     lines = ["Next:"]
     for number, step in enumerate(incident.next_steps, 1):
-        lines += textwrap.wrap(step.text, WIDTH, initial_indent=f"  {number}. ", subsequent_indent="     ")
+        lines += wrap(step.text, WIDTH, initial_indent=f"  {number}. ", subsequent_indent="     ")
         if step.command:
             lines.append(f"     {' '.join(map(shell_word, step.command))}")  # whole, on its own line
         for reading in step.health:
-            lines += textwrap.wrap(f"NVML at the incident (rank {reading.rank['global_rank']}): "
+            lines += wrap(f"NVML at the incident (rank {reading.rank['global_rank']}): "
                                    + health_line(reading.values, reading.unread), WIDTH,
                                    initial_indent="     ", subsequent_indent="       ")
     return lines if incident.next_steps else []
@@ -303,7 +308,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     """What the user acts on first (the cause, the origin, what to do), then the evidence."""
     verdict = incident.verdict
     lines = [step_headline(incident)]
-    lines += textwrap.wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
+    lines += wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     origin = incident.origin
     lines.append(f"Origin ({incident.origin_basis.description}):")
     lines += [_origin_line(entry, incident) for entry in origin[:MAX_ORIGIN_LINES]]
@@ -315,7 +320,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines += _next_lines(incident)
     lines.append("Evidence:")
     for item in verdict.evidence:
-        lines += textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+        lines += wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
     lines += rerun_lines(incident.rerun, [step.action for step in incident.next_steps])
     lines += samples_lines(incident.rerun)
     lines += runup_lines(incident.runup)
@@ -335,8 +340,11 @@ def format_text(report: Report, max_modules: int = 10) -> str:
              f"  ({len(report.ranks_seen)} rank(s) wrote files)"]
     if len(report.runs) > 1:
         listed = ", ".join(shell_word(r["run"]) + (f" (fails at step {r['first_step']})" if r["first_step"]
-                                                   else "") for r in report.runs)
-        lines.append(f"Launches here: {listed}; showing {shell_word(report.run)} (--run KEY for another)")
+                                                   else "") for r in report.runs[:MAX_LISTED])
+        hidden = len(report.runs) - MAX_LISTED
+        more = f" and {hidden} more (see --json)" if hidden > 0 else ""
+        lines.append(f"Launches here: {listed}{more}; showing {shell_word(report.run)}"
+                     " (--run KEY for another)")
     incident = report.incident
     if incident is None and report.loss_scale_overflow_steps:
         steps = report.loss_scale_overflow_steps
@@ -355,7 +363,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
     if others:
         lines.append("Also captured for replay:" if shown else "Captured for replay:")
         lines += _listed(others, lambda bundle: [
-            f"  {bundle['module']} on rank {bundle['global_rank']}, step {bundle['step']}:",
+            f"  {untrusted(bundle['module'])} on rank {bundle['global_rank']}, step {bundle['step']}:",
             f"    gradnan replay {shell_word(bundle['path'])}"], "bundle(s)")
     if incident is not None and incident.capture_settings:
         lines.append("To capture this step on a rerun from a checkpoint, set:")
@@ -365,7 +373,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
     if report.problems:
         total = report.problems_total
         lines.append(f"Files that could not be read: {total}")
-        lines += [f"  {problem}" for problem in report.problems[:MAX_LISTED]]
+        lines += [f"  {untrusted(problem, MAX_PROBLEM)}" for problem in report.problems[:MAX_LISTED]]
         if total > MAX_LISTED:
             lines.append(f"  ... and {total - MAX_LISTED} more problem(s) (see --json)")
     return printable_lines(lines)

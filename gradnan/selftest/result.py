@@ -4,7 +4,6 @@ written to ``<out>/selftest/selftest-<UTC time>.json``, never over an earlier re
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -50,27 +49,18 @@ def build_document(*, started: datetime.datetime, world_size: int, layout: Optio
     }
 
 
-def result_path(out_dir: Path, started: datetime.datetime) -> Path:
-    """``<out>/selftest/selftest-<UTC time>.json``, claimed exclusively: an existing file is never
-    replaced."""
-    directory = out_dir / SELFTEST_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = f"selftest-{started.strftime('%Y%m%dT%H%M%SZ')}"
+def write_result(out_dir: Path, started: datetime.datetime, document: Dict[str, Any]) -> Path:
+    """Write ``document`` to a new result file, ``<out>/selftest/selftest-<UTC time>[-N].json``: never over
+    an earlier result, never through a symbolic link below ``out_dir`` (a linked ``selftest/``: nothing is
+    created there). ``InputError`` when it cannot be written."""
+    stem = out_dir / SELFTEST_DIR / f"selftest-{started.strftime('%Y%m%dT%H%M%SZ')}"
     attempt = 1
     while True:
-        path = directory / (f"{stem}.json" if attempt == 1 else f"{stem}-{attempt}.json")
+        path = stem.with_name(stem.name + (".json" if attempt == 1 else f"-{attempt}.json"))
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            write_json_atomic(path, document, replace=False, root=out_dir)
             return path
         except FileExistsError:
             attempt += 1
-
-
-def write_result(out_dir: Path, started: datetime.datetime, document: Dict[str, Any]) -> Path:
-    """Write ``document`` to a new result file under ``out_dir``; ``InputError`` when it cannot be written."""
-    try:
-        path = result_path(out_dir, started)
-        write_json_atomic(path, document, root=out_dir)
-    except OSError as exc:
-        raise InputError(f"--out {out_dir}: cannot write the result: {exc}") from None
-    return path
+        except OSError as exc:
+            raise InputError(f"--out {out_dir}: cannot write the result: {exc}") from None

@@ -138,10 +138,15 @@ class Writer:
         """Write this rank's run-up at an incident ``step`` (``formats.runup``); its path, or None where it
         could not be written."""
         coords, iteration = self.coords(), self._facts.iteration()
+        document = runup.to_json(coords, self.run, step, iteration, groups)
         path = runup_path(self.config.out_dir, coords, step, iteration)
+        root = Path(self.config.out_dir)
         try:
-            write_json_atomic(path, runup.to_json(coords, self.run, step, iteration, groups), indent=None,
-                              root=Path(self.config.out_dir))
+            try:
+                write_json_atomic(path, document, indent=None, replace=False, root=root)
+            except FileExistsError:  # another launch's, into the same out dir: kept, this one beside it
+                path = runup_path(self.config.out_dir, coords, step, iteration, launch_tag(self.run, coords))
+                write_json_atomic(path, document, indent=None, root=root)
         except OSError as error:
             self._unwritable("run-up", path, error)
             return None
