@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from . import selftest
-from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word
+from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word, whole_number
 from .errors import GradnanError, InputError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
@@ -71,13 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
-    maps.add_argument("--id", type=int, dest="param_id", help="optimizer parameter id from a record")
+    maps.add_argument("--id", type=whole_number, dest="param_id", help="optimizer parameter id from a record")
     maps.add_argument("--json", action="store_true")
     frames = commands.add_parser("frames", help="the forward frames a rank recorded (frame tracing)")
     frames.add_argument("run_dir", type=Path)
     frames.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1); default: every rank")
-    frames.add_argument("--step", type=int, help="only this step (the records' step)")
-    frames.add_argument("--iteration", type=int,
+    frames.add_argument("--step", type=whole_number, help="only this step (the records' step)")
+    frames.add_argument("--iteration", type=whole_number,
                         help="only this Megatron-LM iteration (as trace_steps counts there)")
     frames.add_argument("--last", type=positive, metavar="N", help="only the last N frames of each record")
     frames.add_argument("--json", action="store_true", help="the frames records as JSON")

@@ -33,6 +33,13 @@ def boolean(text: str) -> bool:
     return value
 
 
+def whole_number(text: str) -> int:
+    """An argparse type: a whole number >= 0, in ASCII digits (``int`` would take ``٣``)."""
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def positive(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     if not (text.isascii() and text.isdigit()) or int(text) < 1:

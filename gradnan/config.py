@@ -363,10 +363,9 @@ def _parse(name: str, raw: str) -> Any:
             return value
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean (use 1/0, true/false)")
     if type_name is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer") from None
+        if not re.fullmatch(r"-?[0-9]{1,18}", text):  # ASCII digits: int() would take "٣" or "1_000"
+            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not an integer")
+        return int(text)
     if type_name == Tuple[str, ...]:
         return parse_patterns(text)
     return text

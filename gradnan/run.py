@@ -22,7 +22,7 @@ import traceback
 from dataclasses import fields
 from typing import List, Optional
 
-from .commandline import OneLineParser, bad_input, boolean
+from .commandline import OneLineParser, bad_input, boolean, whole_number
 from .config import GradnanConfig, parse_patterns
 from .errors import INTENDED_STOPS, GradnanError, UsageError
 
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         elif spec.type == "Tuple[str, ...]":
             parser.add_argument(flag, dest=spec.name, type=parse_patterns, metavar="NAME,...")
         else:
-            parser.add_argument(flag, dest=spec.name, type=int if spec.type == "int" else str)
+            parser.add_argument(flag, dest=spec.name, type=whole_number if spec.type == "int" else str)
     parser.add_argument("--config", dest="config_file", metavar="FILE",
                         help="a JSON or TOML file of gradnan options (like GRADNAN_CONFIG)")
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")

@@ -267,3 +267,17 @@ def test_many_launches_in_one_directory_are_listed_first_few_and_counted(tmp_pat
     code, out, err = cli("report", str(write_run(tmp_path, files)))
     launches = next(line for line in out.split("\n") if line.startswith("Launches here:"))
     assert code == 0 and len(launches) < 1000 and "more (see --json)" in launches, launches
+
+
+@pytest.mark.parametrize("argv", [["maps", "RUN", "--id", "\u0663"], ["frames", "RUN", "--step", "\u00b2"],
+                                  ["frames", "RUN", "--iteration", "-1"], ["maps", "RUN", "--id", "1_0"]])
+def test_a_number_option_takes_ascii_digits_only(tmp_path, argv):
+    assert_one_line(*cli(*[str(tmp_path) if word == "RUN" else word for word in argv]), argv[2])
+
+
+@pytest.mark.parametrize("value", ["\u0663", "1_000", "9" * 30])
+def test_a_numeric_setting_from_the_environment_takes_ascii_digits_only(value):
+    from gradnan.config import ConfigError, options_from_env
+
+    with pytest.raises(ConfigError, match="not an integer"):
+        options_from_env({"GRADNAN_RUNUP_STEPS": value})
