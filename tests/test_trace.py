@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradnan.formats.trace import SCHEMA as TRACE
-from gradnan.formats.trace import FirstNonFinite, Trace, TraceError
+from gradnan.formats.trace import FirstNonFinite, Trace, TraceError, digest
 from gradnan.offline.trace_replay import replay
 from gradnan.training.recorder import OpRecorder
 
@@ -445,6 +445,13 @@ REFUSALS = {
     "missing leaf": (_set(["leaves", "ghost"], {"shape": [], "dtype": "float32"}), "missing"),
     "output reference": (_set(["outputs"], {"t": "ghost"}), "the outputs use"),
     "first_nonfinite": (_set(["first_nonfinite"], {"index": "0"}), "first_nonfinite"),
+    "digests of another length": (_set(["digests"], []), "one entry per op"),
+    "digest hash not hex": (_set(["digests", 0, 0, "hash"], "x" * 32), "digests of op 0"),
+    "digest count": (_set(["digests", 0, 0, "nonfinite"], -1), "digests of op 0"),
+    "digest magnitude inf": (_set(["digests", 0, 0, "abs_max"], math.inf), "digests of op 0"),
+    "digest dtype": (_set(["digests", 0, 0, "dtype"], "__class__"), "digests of op 0"),
+    "digest extra key": (_set(["digests", 0, 0, "code"], 1), "digests of op 0"),
+    "digests in a version 2 trace": (_set(["version"], 2), "exactly the keys"),
 }
 
 
@@ -462,6 +469,46 @@ def test_from_json_refuses_malformed_documents_with_one_line(case, tmp_path):
     with pytest.raises(TraceError, match=message) as info:
         Trace.from_json(document, leaves)
     assert "\n" not in str(info.value)
+
+
+def test_each_op_records_the_digest_of_its_outputs_and_a_replay_takes_the_same():
+    module = modules()["mlp"].to(torch.bfloat16)
+    x, _ = call_inputs("mlp", torch.bfloat16)
+    x.data[0, 0] = math.inf
+    trace, outputs = record(module, x)
+    assert trace.to_json()["version"] == TRACE.version == 3
+    assert len(trace.digests) == len(trace.ops)
+    last = trace.digests[-1][0]  # the module's output, as the recorder saw it
+    assert last == digest(outputs) and last["dtype"] == "bfloat16" and last["shape"] == [6, 8]
+    values = outputs.detach()
+    assert last["nonfinite"] > 0 and last["abs_max"] == float(values[torch.isfinite(values)].abs().max())
+    again = replay(trace, device="cpu", digests=True).digests
+    assert again == trace.digests
+    widened = replay(trace, dtype=torch.float32, device="cpu", digests=True).digests
+    assert widened[-1][0]["hash"] != last["hash"] and widened[-1][0]["dtype"] == "float32"
+
+
+def test_a_digest_tells_apart_one_bit_and_nan_from_inf():
+    x = torch.tensor([1.0, 2.0, math.nan], dtype=torch.float16)
+    flipped = x.clone()
+    flipped.view(torch.int16)[0] ^= 1
+    assert digest(x)["hash"] != digest(flipped)["hash"]
+    assert digest(x)["nonfinite"] == digest(flipped)["nonfinite"] == 1
+    assert digest(x)["hash"] != digest(torch.tensor([1.0, 2.0, math.inf], dtype=torch.float16))["hash"]
+    assert digest(x[:2])["abs_max"] == 2.0 and digest(torch.arange(3))["abs_max"] is None
+
+
+def test_a_trace_recorded_without_digests_is_still_version_1_or_2(tmp_path):
+    recorder = OpRecorder(digests=False)
+    module, x = nn.Linear(2, 2), torch.randn(1, 2)
+    recorder.mark_inputs([x], "args")
+    recorder.mark_inputs(dict(module.named_parameters()), "param")
+    with recorder:
+        out = module(x)
+    trace = recorder.result(out)
+    document, leaves = saved_and_loaded(trace, tmp_path)
+    assert document["version"] == 1 and "digests" not in document
+    assert Trace.from_json(document, leaves).digests is None
 
 
 def test_from_json_refuses_a_leaf_of_another_dtype(tmp_path):
