@@ -85,10 +85,16 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
     }
 
 
-def replay_device(name: Optional[str]) -> torch.device:
-    """The device ``--device`` names: the CPU or a CUDA device present here (default: cuda if any)."""
+def checked_device_name(name: Optional[str]) -> Optional[str]:
+    """``--device`` as written: cpu, cuda or cuda:N (or None: the default)."""
     if name is not None and not re.fullmatch(r"cpu|cuda(:\d{1,4})?", name):
         raise UsageError(f"--device {name!r}: replay runs on cpu, cuda or cuda:N")
+    return name
+
+
+def replay_device(name: Optional[str]) -> torch.device:
+    """The device ``--device`` names: the CPU or a CUDA device present here (default: cuda if any)."""
+    checked_device_name(name)
     target = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if target.type == "cuda" and (not torch.cuda.is_available()
                                   or (target.index or 0) >= torch.cuda.device_count()):
