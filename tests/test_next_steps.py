@@ -89,5 +89,5 @@ def test_a_bundle_gets_the_replay_and_the_comparison_of_two_stacks_with_it():
         ("replay", ("gradnan", "replay", bundle)),
         ("bisect", ("gradnan", "replay", bundle, "--against", "OLD_STACK/bin/python", "--against",
                     "NEW_STACK/bin/python"))]
-    assert document[1]["action"] == "bisect" and "the first operator that differs" in document[1]["text"]
+    assert document[1]["action"] == "bisect" and "name the first operator that differs" in document[1]["text"]
     assert f"gradnan replay {bundle} --against OLD_STACK/bin/python --against NEW_STACK/bin/python" in text

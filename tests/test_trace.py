@@ -15,6 +15,8 @@ from torch import nn
 
 from gradnan.formats.trace import SCHEMA as TRACE
 from gradnan.formats.trace import FirstNonFinite, Trace, TraceError, digest
+from gradnan.offline.comparison import compare, format_comparison, output_difference
+from gradnan.offline.replay import op_digests
 from gradnan.offline.trace_replay import replay
 from gradnan.training.recorder import OpRecorder
 
@@ -380,6 +382,45 @@ def test_collectives_are_recorded_and_replay_as_identity(world_of_one):
     assert torch.equal(result.outputs, outputs)
     for leaf, grad in expected.items():
         assert torch.allclose(result.grads[leaf], grad), leaf
+
+
+def _replayed_as(trace, name):
+    """The parts of a ``replay_bundle(..., digests=True)`` document that a comparison reads, for ``trace``
+    replayed here in its captured dtype, as environment ``name``."""
+    rank = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0, "host": "h", "device": "cpu"}
+    return {"bundle": "b", "module": {"path": "m", "class": "RowParallel"}, "step": 1, "rank": rank,
+            "digests": op_digests(trace, replay(trace, device="cpu", digests=True).digests),
+            "environment": {"python": name, "versions": {}}, "verdict": "healthy", "summary": "",
+            "runs": {"captured": {"first_nonfinite": None}}}
+
+
+def test_against_the_capture_a_collective_is_skipped_and_what_follows_it_is_flagged_as_after_it(world_of_one):
+    trace, _ = record(RowParallel(), torch.randn(3, 4))
+    collective = next(index for index, op in enumerate(trace.ops) if op.get("collective"))
+    # what a tensor-parallel peer's partial sum makes of the capture: the all-reduce's output and after
+    for entry in trace.digests[collective:]:
+        for item in entry:
+            item["hash"] = "0" * 32
+    document = compare([_replayed_as(trace, "A"), _replayed_as(trace, "B")], {}, "cpu", None)
+    against_capture, _, between = document["pairs"]  # capture vs A, capture vs B, A vs B
+    assert against_capture["after_collective"] == collective
+    assert against_capture["first_difference"]["index"] > collective  # the collective itself is not compared
+    assert between["first_difference"] is None and between["compared"] == len(trace.ops)
+    text = format_comparison(document)
+    assert f"(after the collective at op #{collective}, which replays as identity" in text
+
+
+def test_a_tolerance_in_ulps_forgives_one_ulp_and_not_a_non_finite_value():
+    x = torch.linspace(-3, 3, 64, dtype=torch.bfloat16)
+    nudged = x.clone()
+    nudged[-1] = 3 + 2 ** -6  # the abs-max, 3, one bf16 ulp up
+    assert output_difference([digest(x)], [digest(nudged)], None) == "output 0: its bytes differ"
+    assert output_difference([digest(x)], [digest(nudged)], 1) is None
+    assert "abs_max 3 against 3.02, more than 0 ulps" in output_difference([digest(x)], [digest(nudged)], 0)
+    broken = x.clone()
+    broken[0] = math.inf
+    assert output_difference([digest(x)], [digest(broken)], 100) == "output 0: 0 non-finite against 1"
+    assert "float32" in output_difference([digest(x)], [digest(x.float())], 100)
 
 
 def test_a_collective_that_changes_shapes_is_refused():

@@ -260,9 +260,7 @@ _ACTION_WORDING = {
                      " divide by max(number of valid tokens, 1))",
     Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",
     Action.REPLAY: "replay the captured call in its dtype, fp32 and fp64, or on another device ({subject}):",
-    Action.BISECT: "if it began with a change of stack (torch, megatron-core, Transformer Engine, a"
-                   " driver), replay {subject} under the stacks before and after it: the first operator"
-                   " that differs is where the numerics changed",
+    Action.BISECT: "if it began with a new stack ({subject}), name the first operator that differs:",
     Action.CHECK_INTERCONNECT: "check the interconnect and the communication library of {subject}"
                                " (NCCL_DEBUG=INFO, the fabric's error counters), then self-test there",
     Action.TUNE_NUMERICS: "change the numerics, not the data: {subject}",

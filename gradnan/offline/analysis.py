@@ -802,7 +802,7 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                               ("gradnan", "replay", captured)))
     elif cause is Cause.BACKWARD_OP and capture:
         steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"])))
-    steps += [NextStep(Action.BISECT, Action.BISECT.wording("the same bundle"), (
+    steps += [NextStep(Action.BISECT, Action.BISECT.wording("torch, megatron-core, TE"), (
         *step.command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"))
         for step in list(steps) if step.action is Action.REPLAY and step.command]
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (

@@ -27,7 +27,7 @@ from ..formats.layout import MANIFEST
 from ..formats.magnitude import magnitude_text
 from ..formats.replay import COMPARISON
 from ..formats.text import printable_lines, shell_word
-from .replay import operator_text
+from .replay import module_line, operator_text
 
 CAPTURE = "capture"
 _AROUND = 2  # ops shown before and after each op of interest in the table
@@ -106,21 +106,21 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
     plus its ``environment``), in ``--against`` order."""
     names = environment_names(len(replays))
     first = replays[0]
-    has_capture = all(entry["captured"] is not None for entry in first["digests"])
+    has_capture = all(entry["captured"] is not None for entry in first["digests"]["ops"])
     columns = ([CAPTURE] if has_capture else []) + names
     operators = [{"index": index, "op": entry["op"], "collective": entry["collective"],
                   "uninitialized": entry["uninitialized"],
                   "digests": {CAPTURE: entry["captured"],
-                              **{name: replay["digests"][index]["replayed"]
+                              **{name: replay["digests"]["ops"][index]["replayed"]
                                  for name, replay in zip(names, replays)}}}
-                 for index, entry in enumerate(first["digests"])]
+                 for index, entry in enumerate(first["digests"]["ops"])]
     pairs = [(CAPTURE, name) for name in names] if has_capture else []
     pairs += list(zip(names, names[1:]))
     compared = [_compare_pair(operators, left, right, ulps) for left, right in pairs]
     found = [pair["first_difference"] for pair in compared if pair["first_difference"] is not None]
     earliest = min((difference["index"] for difference in found), default=None)
     environments = [{"name": CAPTURE, "versions": captured_with,
-                     "first_nonfinite": first["seen_in_training"].get("first_nonfinite_op")}]
+                     "first_nonfinite": first["digests"]["first_nonfinite"]}]
     environments += [{"name": name, **replay["environment"], "verdict": replay["verdict"],
                       "summary": replay["summary"],
                       "first_nonfinite": replay["runs"]["captured"]["first_nonfinite"]}
@@ -206,14 +206,11 @@ def _versions_text(versions: Any) -> str:
 
 
 def format_comparison(document: Dict[str, Any]) -> str:
-    rank = document["rank"]
     ulps = document["tolerance"]["ulps"]
     how = "bitwise" if ulps is None else f"within {ulps} ulps of each dtype"
     lines = [f"gradnan replay of {shell_word(document['bundle'])}, compared across environments",
-             f"Module {document['module']['path']} ({document['module']['class']}), step {document['step']},"
-             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']}, {rank['host']}"
-             f" {rank['device']}); replayed on {document['device'] or 'the default device'}, outputs compared"
-             f" {how}"]
+             f"{module_line(document)}; replayed on {document['device'] or 'the default device'}, outputs"
+             f" compared {how}"]
     for environment in document["environments"]:
         if environment["name"] == CAPTURE:
             lines.append(f"  {CAPTURE}: training's own run ({_versions_text(environment['versions'])})"

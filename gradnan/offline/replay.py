@@ -165,15 +165,17 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
     }
 
 
-def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
-    """Each op of the trace: its name, whether it is a collective (identity at replay) or returns
-    uninitialized memory (NaN at replay), and the digests of its outputs at capture (null where the bundle
-    has none) and at this replay."""
+def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """What a comparison needs of one replay: the capture's first non-finite op (as validated with the
+    trace), and each op of the trace with its name, whether it is a collective (identity at replay) or
+    returns uninitialized memory (NaN at replay), and the digests of its outputs at capture (null where the
+    bundle has none) and at this replay."""
     captured = trace.digests or [None] * len(trace.ops)
-    return [{"op": op["op"], "collective": bool(op.get("collective")),
-             "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),
-             "captured": taken, "replayed": again}
-            for op, taken, again in zip(trace.ops, captured, replayed)]
+    return {"first_nonfinite": trace.first_nonfinite,
+            "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
+                     "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),
+                     "captured": taken, "replayed": again}
+                    for op, taken, again in zip(trace.ops, captured, replayed)]}
 
 
 def _largest_input(tensors: Dict[str, torch.Tensor], leaf_names: List[str]) -> Optional[Dict[str, Any]]:
@@ -359,13 +361,18 @@ def fused_text(fused: Dict[str, Any]) -> str:
     return f"Fused kernel {fused['class']}: output NON-FINITE; {reference}: {fused['finding']}"
 
 
-def format_text(result: Dict[str, Any]) -> str:
+def module_line(result: Dict[str, Any]) -> str:
+    """``Module decoder.layers.1.mlp.linear_fc1 (ColumnParallelLinear), step 4, rank 1 (tp1 pp0 dp0, vm
+    cpu)``: which call a replay (or a comparison of replays) is about."""
     rank = result["rank"]
+    return (f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
+            f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
+            f" {rank['host']} {rank['device']})")
+
+
+def format_text(result: Dict[str, Any]) -> str:
     lines = [f"gradnan replay of {shell_word(result['bundle'])}",
-             f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
-             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
-             f" {rank['host']} {rank['device']})"
-             + (", recompute pass" if result["recompute"] else ""),
+             module_line(result) + (", recompute pass" if result["recompute"] else ""),
              f"Verdict: {result['verdict']}: {result['summary']}"]
     for label, run in result["runs"].items():
         operator = run["first_nonfinite"]
