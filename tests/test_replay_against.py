@@ -20,6 +20,8 @@ from gradnan.formats import bundle as bundle_format
 from gradnan.formats.layout import MANIFEST
 from gradnan.offline.comparison import format_comparison
 
+from .test_replay_safety import X, hostile_bundle, op, t
+
 pytestmark = pytest.mark.slow  # real subprocesses and a real Megatron capture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,3 +152,22 @@ def test_an_interpreter_without_torch_is_one_line_naming_what_it_lacks(mlp_bundl
     result = gradnan_replay(mlp_bundle, "--against", str(bare / "bin" / "python"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "No module named 'torch'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_replay_limits_hold_in_the_other_interpreters_child(tmp_path):
+    """The hostile bundles of tests/test_replay_safety.py, replayed with --against: the child started from
+    that interpreter sets the same limits on itself (CPU time, address space) and ends in one line."""
+    import torch
+
+    leaves = {"args.0": torch.ones(2048, 2048), "param.0": torch.ones(2048, 2048)}
+    endless = [op("aten.mm.default", t("args.0"), t("param.0"), out=t(f"%{i}")) for i in range(3000)]
+    result = gradnan_replay(hostile_bundle(tmp_path / "endless", endless, leaves, t("%0")),
+                            "--against", sys.executable, "--max-cpu-seconds", "1")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot replay under {sys.executable}: it ran past its CPU-time limit of 1 s" in result.stderr
+    zeros = [op("aten.zeros.default", [2**28], out=t(f"%{i}"), dtype={"dtype": "float32"},
+                device={"device": "cpu"}) for i in range(20)]
+    result = gradnan_replay(hostile_bundle(tmp_path / "bomb", zeros, X, [t(f"%{i}") for i in range(20)]),
+                            "--against", sys.executable, "--max-memory", "2G")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "allocate" in result.stderr or "memory" in result.stderr, result.stderr
