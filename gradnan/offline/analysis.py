@@ -802,9 +802,6 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                               ("gradnan", "replay", captured)))
     elif cause is Cause.BACKWARD_OP and capture:
         steps.append(NextStep(Action.CAPTURE, Action.CAPTURE.wording(capture["GRADNAN_CAPTURE_MODULES"])))
-    steps += [NextStep(Action.BISECT, Action.BISECT.wording("torch, megatron-core, TE"), (
-        *step.command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"))
-        for step in list(steps) if step.action is Action.REPLAY and step.command]
     if cause in (Cause.DEVICE, Cause.COLLECTIVE, Cause.BACKWARD_OP) or (
             cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE) and not e.launch_first_step):
         drained = cause is Cause.DEVICE  # NVML's readings are printed beside the drain, else the self-test
@@ -816,6 +813,9 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                                                 if reading.rank.get("host") == host)))
     if cause is Cause.UNDETERMINED:
         steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
+    steps += [NextStep(Action.BISECT, Action.BISECT.wording("torch, megatron-core, TE"), (
+        *step.command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"))
+        for step in list(steps) if step.action is Action.REPLAY and step.command]
     return steps
 
 
