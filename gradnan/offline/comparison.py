@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ..errors import InputError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
 from ..formats.magnitude import magnitude_text
@@ -106,6 +107,8 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
     plus its ``environment``), in ``--against`` order."""
     names = environment_names(len(replays))
     first = replays[0]
+    if any(len(replay["digests"]["ops"]) != len(first["digests"]["ops"]) for replay in replays):
+        raise InputError(f"{first['bundle']}: its trace changed between the replays: compare again")
     has_capture = all(entry["captured"] is not None for entry in first["digests"]["ops"])
     columns = ([CAPTURE] if has_capture else []) + names
     operators = [{"index": index, "op": entry["op"], "collective": entry["collective"],
