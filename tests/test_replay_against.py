@@ -171,3 +171,38 @@ def test_the_replay_limits_hold_in_the_other_interpreters_child(tmp_path):
                             "--against", sys.executable, "--max-memory", "2G")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "allocate" in result.stderr or "memory" in result.stderr, result.stderr
+
+
+SOFTMAX_SCALED = '''
+import torch
+_library = torch.library.Library("aten", "IMPL")
+def _softmax(x, dim, half_to_float):
+    e = (x - x.amax(dim, keepdim=True)).exp()
+    return e / e.sum(dim, keepdim=True) * (1 + 2 ** -6)
+_library.impl("_softmax", _softmax, "CPU")
+'''
+
+
+def test_a_fused_kernel_is_compared_with_each_environments_reference_math(tmp_path, monkeypatch,
+                                                                          python_environment):
+    """megatron-core's ScaledSoftmax behind the numpy stand-in of tests/test_fused.py: at its boundary its
+    output is the saved one everywhere; against the reference math (softmax in fp16) this stack's agrees
+    within 2 ulps and the one whose aten::_softmax is scaled by 1 + 2^-6 (16 ulps of fp16) does not."""
+    import torch
+
+    from .test_fused import _large_scores_module, capture_bundle, softmax_extension
+
+    monkeypatch.setitem(sys.modules, "scaled_softmax_cuda", softmax_extension(True, "float32"))
+    scores = torch.linspace(-0.05, 0.05, 32).view(4, 8).to(torch.float16)
+    written, call = capture_bundle(tmp_path / "bundle", _large_scores_module(), scores)
+    kernel = next(index for index, op in enumerate(call.trace.ops) if "fused" in op)
+    document = compared(written, "--against", sys.executable, "--against",
+                        str(python_environment("softmax", SOFTMAX_SCALED)), "--ulps", "2")
+    assert document["first_difference"] is None  # the kernel's own output is the saved one in both
+    [fused] = document["fused"]
+    assert fused["index"] == kernel and fused["class"] == "ScaledSoftmax"
+    assert fused["against_reference"]["A"] == {"reference": True, "difference": None}
+    assert fused["against_reference"]["B"]["reference"]
+    assert "more than 2 ulps of float16 apart" in fused["against_reference"]["B"]["difference"]
+    text = format_comparison(document)
+    assert f"  op #{kernel} ScaledSoftmax: A the same; B output 0: abs_" in text

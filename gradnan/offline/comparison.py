@@ -10,6 +10,12 @@ element-wise error of at most N ulps never counts as a difference; a larger one 
 the abs-max or the abs-sum). The comparison names, for every pair, the first op that differs, and, over
 all pairs, the earliest: nothing before it differs in any pair.
 
+Fused kernels (a ``fused`` entry: work outside the dispatcher) are compared at their boundary: in the
+captured dtype every replay keeps the kernel's saved output, so they never differ there; and against
+their reference math (``gradnan.offline.references``), which each environment computes in the captured
+dtype with its own stack: ``fused`` says, per environment, whether the kernel's output and that reference
+are the same (bitwise, or within the tolerance).
+
 Ops that cannot be compared: those returning uninitialized memory (``empty``: garbage at capture, NaN at
 replay), and, against the capture, collectives (identity at replay: a tensor-parallel shard's partial
 result), after which the capture and a replay legitimately differ (two replays still compare).
@@ -117,6 +123,10 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
                               **{name: replay["digests"]["ops"][index]["replayed"]
                                  for name, replay in zip(names, replays)}}}
                  for index, entry in enumerate(first["digests"]["ops"])]
+    fused = [{"index": index, "op": entry["op"], "class": entry["fused"],
+              "against_reference": {name: _against_reference(replay["digests"]["ops"][index], ulps)
+                                    for name, replay in zip(names, replays)}}
+             for index, entry in enumerate(first["digests"]["ops"]) if entry["fused"] is not None]
     pairs = [(CAPTURE, name) for name in names] if has_capture else []
     pairs += list(zip(names, names[1:]))
     compared = [_compare_pair(operators, left, right, ulps) for left, right in pairs]
@@ -139,9 +149,18 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
             "index": earliest, "op": operators[earliest]["op"],
             "pairs": [f"{pair['left']} vs {pair['right']}" for pair in compared
                       if (pair["first_difference"] or {}).get("index") == earliest]},
+        "fused": fused,
         "columns": columns,
         "operators": operators,
     }
+
+
+def _against_reference(entry: Dict[str, Any], ulps: Optional[int]) -> Dict[str, Any]:
+    """A fused kernel's output (saved in training, kept by the replay) against the reference math this
+    environment computed for it: ``{"reference": bool, "difference": why or null}``."""
+    if entry["reference"] is None:
+        return {"reference": False, "difference": None}
+    return {"reference": True, "difference": output_difference(entry["replayed"], entry["reference"], ulps)}
 
 
 def _first_text(operator: Optional[Dict[str, Any]]) -> str:
@@ -201,6 +220,19 @@ def _table(document: Dict[str, Any]) -> List[str]:
                           for row in [tuple(header), *rows]]
 
 
+def _fused_lines(document: Dict[str, Any], how: str) -> List[str]:
+    """One line per fused kernel: its output against each environment's reference math for it."""
+    lines = []
+    for kernel in document["fused"]:
+        said = [f"{name} " + ("no reference math" if not found["reference"]
+                              else found["difference"] or "the same")
+                for name, found in kernel["against_reference"].items()]
+        lines.append(f"  op #{kernel['index']} {kernel['class']}: {'; '.join(said)}")
+    if not lines:
+        return []
+    return [f"Fused kernels against their reference math ({how}), in each environment:", *lines]
+
+
 def _versions_text(versions: Any) -> str:
     if not isinstance(versions, dict):
         return "versions not recorded"
@@ -237,6 +269,7 @@ def format_comparison(document: Dict[str, Any]) -> str:
             said += (f" (after the collective at op #{pair['after_collective']}, which replays as identity:"
                      " compare two environments there)")
         lines.append(f"  {pair['left']} vs {pair['right']}: {said} ({pair['compared']} compared)")
+    lines += _fused_lines(document, how)
     lines.append("First non-finite: " + "; ".join(
         f"{environment['name']} {_first_text(environment['first_nonfinite'])}"
         for environment in document["environments"]))

@@ -82,6 +82,7 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
         "_outputs": outputs,
         "_grads": result.grads,
         "_digests": result.digests,
+        "_references": result.reference_digests,
     }
 
 
@@ -149,7 +150,7 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                                  " all-reduce)")
     return {
         **SCHEMA.header(),
-        **({"digests": op_digests(trace, captured["_digests"])} if digests else {}),
+        **({"digests": op_digests(trace, captured["_digests"], captured["_references"])} if digests else {}),
         "bundle": str(path),
         "module": manifest["module"],
         "step": manifest.get("step"),
@@ -165,17 +166,20 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
     }
 
 
-def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
+def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]],
+               references: Dict[int, Optional[List[Dict[str, Any]]]]) -> Dict[str, Any]:
     """What a comparison needs of one replay: the capture's first non-finite op (as validated with the
     trace), and each op of the trace with its name, whether it is a collective (identity at replay) or
-    returns uninitialized memory (NaN at replay), and the digests of its outputs at capture (null where the
-    bundle has none) and at this replay."""
+    returns uninitialized memory (NaN at replay), the digests of its outputs at capture (null where the
+    bundle has none) and at this replay, and, for a fused entry, its class and its reference math's
+    digests in the captured dtype here (null without a reference)."""
     captured = trace.digests or [None] * len(trace.ops)
     return {"first_nonfinite": trace.first_nonfinite,
             "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
                      "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),
-                     "captured": taken, "replayed": again}
-                    for op, taken, again in zip(trace.ops, captured, replayed)]}
+                     "fused": op["fused"]["class"] if is_fused(op) else None,
+                     "captured": taken, "replayed": again, "reference": references.get(index)}
+                    for index, (op, taken, again) in enumerate(zip(trace.ops, captured, replayed))]}
 
 
 def _largest_input(tensors: Dict[str, torch.Tensor], leaf_names: List[str]) -> Optional[Dict[str, Any]]:

@@ -43,6 +43,7 @@ from ..formats.trace import (
     child_encodings,
     decode,
     digest,
+    digests_of,
     is_fused,
     op_inputs,
     op_name,
@@ -87,13 +88,15 @@ class ReplayResult:
     """The replayed output tree, the first non-finite op (forward, then backward: ``index`` into the
     trace's ops, or into the ops the backward dispatched), the requested leaf gradients, and the first
     forward op that grew a value out of line before any went non-finite; where asked for, the digests
-    of every forward op's outputs (``gradnan.formats.trace.digest``), as the capture took them."""
+    of every forward op's outputs (``gradnan.formats.trace.digest``), as the capture took them, and, in the
+    captured dtype, those of each fused entry's reference math (by op index; null without a reference)."""
 
     outputs: Any
     first_nonfinite: Optional[Dict[str, Any]]
     grads: Dict[str, Optional[torch.Tensor]]
     first_growth: Optional[Dict[str, Any]] = None
     digests: Optional[List[List[Dict[str, Any]]]] = None
+    reference_digests: Optional[Dict[int, Optional[List[Dict[str, Any]]]]] = None
 
 
 def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype], device: torch.device,
@@ -156,9 +159,12 @@ def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None
 
 
 def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
-                  dtype: Optional[torch.dtype], device: torch.device, leaf_names: Set[str]) -> None:
+                  dtype: Optional[torch.dtype], device: torch.device, leaf_names: Set[str],
+                  references: Optional[Dict[int, Any]] = None) -> None:
     """A fused entry: its saved outputs (leaves) stand in the captured dtype, its reference math's replace
-    them in a cast run where there is one; named where its inputs are finite and its outputs not."""
+    them in a cast run where there is one; named where its inputs are finite and its outputs not.
+    ``references``: in the captured dtype, the digests of its reference math's outputs go there (by op
+    index; null where no reference covers the call), to compare the kernel with them."""
     lookup = _from_env(env)
     args = decode(op["args"], lookup, dtype, device)
     kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
@@ -168,6 +174,10 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
         computed = compute(op, args, kwargs, saved, dtype)
         if computed is not None:
             _bind(op["out"], computed, env, leaf_names)
+    elif references is not None:
+        with torch.no_grad():
+            computed = compute(op, args, kwargs, saved)
+        references[index] = None if computed is None else digests_of(computed)
     found = first.found
     first.check(index, op["op"], finite, decode(op["out"], lookup))
     if first.found is not found:
@@ -178,9 +188,9 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
                growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device,
-               leaf_names: Set[str]) -> None:
+               leaf_names: Set[str], references: Optional[Dict[int, Any]] = None) -> None:
     if is_fused(op):
-        _replay_fused(index, op, env, first, dtype, device, leaf_names)
+        _replay_fused(index, op, env, first, dtype, device, leaf_names, references)
         return
     if op.get("collective"):
         _replay_collective(op, env)
@@ -270,7 +280,8 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     recorded ops already. ``max_ops``: the most ops the forward (the trace, checked before anything runs)
     and the backward (counted as it runs) may each run. Every op is checked before it runs
     (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op. ``digests``:
-    take the digest of every forward op's outputs as it runs, to compare with the capture's."""
+    take the digest of every forward op's outputs as it runs, to compare with the capture's (and, in the
+    captured dtype, of each fused entry's reference math)."""
     refusal = None if max_ops is None else trace_too_long(len(trace.ops), max_ops)
     if refusal is not None:
         raise TraceError(refusal)
@@ -284,10 +295,11 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     growth = FirstGrowth(forward, phase="forward")
     leaf_names = set(trace.leaves)
     taken: Optional[List[List[Dict[str, Any]]]] = [] if digests else None
+    references: Optional[Dict[int, Any]] = {} if digests and dtype is None else None
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
         for index, op in enumerate(trace.ops):
             try:
-                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names)
+                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names, references)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
             except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:
@@ -302,4 +314,4 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
             grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device,
                                         max_ops)
     return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads,
-                        first_growth=growth.found, digests=taken)
+                        first_growth=growth.found, digests=taken, reference_digests=references)
