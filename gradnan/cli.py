@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from . import selftest
 from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word, whole_number
-from .errors import GradnanError, InputError
+from .errors import GradnanError, InputError, UsageError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
 from .offline.read import map_params, read_run
@@ -47,6 +48,24 @@ def picture_path(text: str) -> Path:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: a directory, not a file to draw into")
     return path
+
+
+MAX_AGAINST = 8  # environments one comparison replays in, one after another
+
+
+def interpreter(text: str) -> str:
+    """An argparse type: a Python interpreter to run, by path or by name on PATH."""
+    found = shutil.which(text) if text else None
+    if found is None:
+        raise argparse.ArgumentTypeError(f"not an executable file or a command on PATH: {text!r}")
+    return os.path.abspath(found)  # not resolved: a virtual environment's python is a link out of it
+
+
+def ulps(text: str) -> int:
+    """An argparse type: a whole number of ulps, 0 to 2^30, in ASCII digits."""
+    if not (text.isascii() and text.isdigit()) or int(text) > 1 << 30:
+        raise argparse.ArgumentTypeError(f"must be a whole number of ulps from 0 to 2^30, got {text!r}")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="CPU time of the replay, all threads, at most a day (default: %(default)s)")
     replay.add_argument("--max-ops", type=positive, default=DEFAULT_MAX_OPS, metavar="N",
                         help="operators one forward or backward pass may run (default: %(default)s)")
+    replay.add_argument("--against", type=interpreter, action="append", metavar="PYTHON",
+                        help="replay under this Python interpreter (another virtual environment, another"
+                             " torch) and compare op by op with the capture; twice or more: with each"
+                             " other too (docs/capture-replay.md#which-change-broke-numerics)")
+    replay.add_argument("--ulps", type=ulps, metavar="N",
+                        help="with --against: outputs within N ulps of their dtype count as the same"
+                             " (default: bitwise)")
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)",
         description=SELFTEST))
@@ -143,6 +169,18 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
 
 
+def _compare_command(args: argparse.Namespace, limits: ReplayLimits) -> str:
+    """``gradnan replay BUNDLE --against PYTHON...``: each replay in turn, then the comparison."""
+    from .offline.comparison import capture_versions, compare, format_comparison
+    from .offline.isolation import replay_under
+
+    if len(args.against) > MAX_AGAINST:
+        raise UsageError(f"--against: at most {MAX_AGAINST} environments in one comparison")
+    replays = [replay_under(python, args.bundle, args.device, limits) for python in args.against]
+    document = compare(replays, capture_versions(args.bundle), args.device, args.ulps)
+    return json.dumps(document, indent=1) if args.json else format_comparison(document)
+
+
 def _print_maps(rows: Iterable[Dict[str, Any]]) -> None:
     """One line per parameter, each escaped whole (a name with a newline stays on its line), as the rows
     come (a map of a million rows is never held as text)."""
@@ -183,8 +221,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             limits = ReplayLimits(max_memory=args.max_memory or default_max_memory(),
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
-            result = replay_isolated(args.bundle, args.device, limits)
-            say(json.dumps(result, indent=1) if args.json else replay_text(result))
+            if args.against:
+                say(_compare_command(args, limits))
+            elif args.ulps is not None:
+                raise UsageError("--ulps compares replays: give it with --against PYTHON")
+            else:
+                result = replay_isolated(args.bundle, args.device, limits)
+                say(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "batch":
             from .offline.batch_view import format_batch
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -121,5 +124,44 @@ def crafted_bundle():
         if edit is not None:
             edit(manifest, tensors)
         return bundle.write(path, manifest, tensors)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def mlp_bundle(tmp_path_factory):
+    """A real capture bundle (``gradnan.trace`` v3, with digests): ``decoder.layers.0.mlp`` of the tiny
+    Megatron-Core GPT, one process, bf16, step 1. Its trace: view, t, view, mm, _unsafe_view, add, gelu
+    (op 6), t, view, mm, _unsafe_view, view."""
+    from gradnan.testing.toy import TinyGPTJob, launch
+
+    out = tmp_path_factory.mktemp("mlp_capture")
+    launch(TinyGPTJob(world_size=1, dtype="bf16", steps=1, quiet=True,
+                      gradnan={"out_dir": str(out), "capture_modules": "decoder.layers.0.mlp",
+                               "capture_steps": "1"}))
+    (bundle,) = (out / "bundles").glob("*/*")
+    return bundle
+
+
+@pytest.fixture
+def python_environment(tmp_path):
+    """``make(name, startup="")``: a real virtual environment under ``tmp_path`` (``python -m venv
+    --without-pip``, a second 'stack') that sees this environment's packages (a ``.pth`` naming its
+    site-packages) and runs ``startup`` (Python source, e.g. a ``torch.library`` registration that changes
+    one aten kernel) at every start; returns the path of its ``python``."""
+    import sysconfig
+
+    def make(name, startup=""):
+        root = tmp_path / name
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+        python = root / "bin" / "python"
+        where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        site = Path(subprocess.run([str(python), "-c", where], check=True, capture_output=True, text=True,
+                                   timeout=60).stdout.strip())
+        (site / "a_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        if startup:
+            (site / f"{name}_startup.py").write_text(startup)
+            (site / f"z_{name}.pth").write_text(f"import {name}_startup\n")
+        return python
 
     return make

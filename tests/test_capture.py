@@ -141,7 +141,8 @@ def test_from_report_to_replay_in_two_commands(runs):
     lines = report.stdout.splitlines()
     origin = next(number for number, line in enumerate(lines) if line.startswith("Origin ("))
     assert origin < 8 and lines[origin + 1].startswith("  rank 1 (tp1 pp0 dp0)")  # near the top
-    [command] = printed_commands(report.stdout, "replay")
+    command, bisect = printed_commands(report.stdout, "replay")  # the replay, then the same under two stacks
+    assert bisect == [*command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"]
     replayed = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300)
     assert replayed.returncode == 0, replayed.stderr
     assert "Verdict: precision" in replayed.stdout and "decoder.layers.1.mlp" in replayed.stdout

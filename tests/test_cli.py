@@ -51,7 +51,8 @@ def test_the_demos_bundle_is_the_failing_step_and_replays_the_overflow(demo, mal
     """The same verdict whatever glibc's allocator hands out (``MALLOC_PERTURB_`` fills new and freed
     memory with a byte pattern): the replay's answer depends on no uninitialized memory."""
     out, result = demo
-    [command] = printed_commands(result.stdout, "replay")
+    command, bisect = printed_commands(result.stdout, "replay")  # the replay, then the same under two stacks
+    assert bisect == [*command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"]
     assert command[:2] == ["gradnan", "replay"] and f"step{DEMO_STEP:07d}_{DEMO_MODULE}" in command[2]
     environment = environ_without_gradnan()
     if malloc_perturb:

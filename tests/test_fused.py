@@ -146,8 +146,8 @@ class Exp(torch.autograd.Function):
         return grad
 
 
-def record(module, *args):
-    recorder = OpRecorder()
+def record(module, *args, digests=True):
+    recorder = OpRecorder(digests=digests)
     recorder.mark_inputs(list(args), "args")
     recorder.mark_inputs(dict(module.named_parameters()), "param")
     with recorder:
@@ -220,11 +220,14 @@ def test_a_kernel_writing_in_place_saves_what_it_wrote():
 
 
 def test_a_fused_entry_is_version_2_and_a_version_1_trace_may_not_hold_one():
-    trace, _ = record(_ExpModule(), torch.ones(3))
+    trace, _ = record(_ExpModule(), torch.ones(3), digests=False)
     document = json.loads(json.dumps(trace.to_json()))
     assert document["version"] == 2
-    plain, _ = record(nn.Linear(2, 2), torch.ones(2))
+    plain, _ = record(nn.Linear(2, 2), torch.ones(2), digests=False)
     assert plain.to_json()["version"] == 1
+    with_digests, _ = record(_ExpModule(), torch.ones(3))
+    assert with_digests.to_json()["version"] == 3  # what capture writes: the fused entry's outputs too
+    assert len(with_digests.digests) == len(with_digests.ops)
     with pytest.raises(TraceError, match="malformed entry"):
         Trace.from_json({**document, "version": 1}, trace.leaves)
     fused = next(op for op in document["ops"] if "fused" in op)

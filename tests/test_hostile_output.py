@@ -213,9 +213,11 @@ def test_the_printed_commands_run_nothing_when_pasted(tmp_path):
     files[f"records/{rank_tag(coords(0))}.jsonl"] += json.dumps(rerun).encode() + b"\n"
     run_dir = write_run(tmp_path / "run", files)
     _, out, _ = cli("report", str(run_dir))
-    [replay] = [line.strip().removeprefix("replay it: ") for line in out.splitlines()
-                if line.strip().startswith(("replay it: ", "gradnan replay ")) and str(target) in line]
-    subprocess.run(["sh", "-c", replay.replace("gradnan replay", "true")], check=True)
+    replays = [line.strip().removeprefix("replay it: ") for line in out.splitlines()
+               if line.strip().startswith(("replay it: ", "gradnan replay ")) and str(target) in line]
+    assert len(replays) == 2  # the replay, and the same with --against (the bisect step)
+    for replay in replays:
+        subprocess.run(["sh", "-c", replay.replace("gradnan replay", "true")], check=True)
     assert not target.exists()
 
 

@@ -14,10 +14,10 @@ from .test_report_unit import _files, _record
 CORE = "decoder.layers.1.self_attention.core_attention"
 
 
-def _rerun(rank, conclusion, host, own=None, module=None, iteration=None, megatron=None):
+def _rerun(rank, conclusion, host, own=None, module=None, iteration=None, megatron=None, bundle=None):
     record = _record(2, "rerun", rank, trigger="nonfinite_grad_norm", megatron=megatron,
                      role="origin" if module else "clean", conclusion=conclusion, own_failure=own,
-                     micro_batch=0, module=module, bundle=None, batch=None, iteration=iteration,
+                     micro_batch=0, module=module, bundle=bundle, batch=None, iteration=iteration,
                      **{"class": "DotProductAttention" if module else None})
     record["rank"].update(host=host, device=f"cuda:{rank % 8}")
     return record
@@ -79,3 +79,15 @@ def test_a_command_naming_a_hostile_run_dir_is_quoted_for_the_shell():
     [_, selftest] = analyze(files).incident.next_steps
     assert shlex.split(shlex.join(selftest.command))[-1] == "/tmp/x; touch /tmp/PWNED #"
     assert "'/tmp/x; touch /tmp/PWNED #'" in format_text(analyze(files))
+
+
+def test_a_bundle_gets_the_replay_and_the_comparison_of_two_stacks_with_it():
+    bundle = "/run/bundles/rank00001_tp1_pp0_dp0/step0000002_" + CORE
+    steps, document, text = _next([_rerun(1, "reproducible", "node3", module=CORE, bundle=bundle),
+                                   _rerun(0, "after_collective", "node3")])
+    assert [(step.action.value, step.command) for step in steps] == [
+        ("replay", ("gradnan", "replay", bundle)),
+        ("bisect", ("gradnan", "replay", bundle, "--against", "OLD_STACK/bin/python", "--against",
+                    "NEW_STACK/bin/python"))]
+    assert document[1]["action"] == "bisect" and "name the first operator that differs" in document[1]["text"]
+    assert f"gradnan replay {bundle} --against OLD_STACK/bin/python --against NEW_STACK/bin/python" in text

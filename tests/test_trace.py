@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gradnan.formats.trace import SCHEMA as TRACE
-from gradnan.formats.trace import FirstNonFinite, Trace, TraceError
+from gradnan.formats.trace import FirstNonFinite, Trace, TraceError, digest
+from gradnan.offline.comparison import compare, format_comparison, output_difference
+from gradnan.offline.replay import op_digests
 from gradnan.offline.trace_replay import replay
 from gradnan.training.recorder import OpRecorder
 
@@ -382,6 +384,46 @@ def test_collectives_are_recorded_and_replay_as_identity(world_of_one):
         assert torch.allclose(result.grads[leaf], grad), leaf
 
 
+def _replayed_as(trace, name):
+    """The parts of a ``replay_bundle(..., digests=True)`` document that a comparison reads, for ``trace``
+    replayed here in its captured dtype, as environment ``name``."""
+    rank = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0, "host": "h", "device": "cpu"}
+    replayed = replay(trace, device="cpu", digests=True)
+    return {"bundle": "b", "module": {"path": "m", "class": "RowParallel"}, "step": 1, "rank": rank,
+            "digests": op_digests(trace, replayed.digests, replayed.reference_digests),
+            "environment": {"python": name, "versions": {}}, "verdict": "healthy", "summary": "",
+            "runs": {"captured": {"first_nonfinite": None}}}
+
+
+def test_against_the_capture_a_collective_is_skipped_and_what_follows_it_is_flagged_as_after_it(world_of_one):
+    trace, _ = record(RowParallel(), torch.randn(3, 4))
+    collective = next(index for index, op in enumerate(trace.ops) if op.get("collective"))
+    # what a tensor-parallel peer's partial sum makes of the capture: the all-reduce's output and after
+    for entry in trace.digests[collective:]:
+        for item in entry:
+            item["hash"] = "0" * 32
+    document = compare([_replayed_as(trace, "A"), _replayed_as(trace, "B")], {}, "cpu", None)
+    against_capture, _, between = document["pairs"]  # capture vs A, capture vs B, A vs B
+    assert against_capture["after_collective"] == collective
+    assert against_capture["first_difference"]["index"] > collective  # the collective itself is not compared
+    assert between["first_difference"] is None and between["compared"] == len(trace.ops)
+    text = format_comparison(document)
+    assert f"(after the collective at op #{collective}, which replays as identity" in text
+
+
+def test_a_tolerance_in_ulps_forgives_one_ulp_and_not_a_non_finite_value():
+    x = torch.linspace(-3, 3, 64, dtype=torch.bfloat16)
+    nudged = x.clone()
+    nudged[-1] = 3 + 2 ** -6  # the abs-max, 3, one bf16 ulp up
+    assert output_difference([digest(x)], [digest(nudged)], None) == "output 0: its bytes differ"
+    assert output_difference([digest(x)], [digest(nudged)], 1) is None
+    assert "abs_max 3 against 3.02, more than 0 ulps" in output_difference([digest(x)], [digest(nudged)], 0)
+    broken = x.clone()
+    broken[0] = math.inf
+    assert output_difference([digest(x)], [digest(broken)], 100) == "output 0: 0 non-finite against 1"
+    assert "float32" in output_difference([digest(x)], [digest(x.float())], 100)
+
+
 def test_a_collective_that_changes_shapes_is_refused():
     ops = [{"op": "aten.empty.memory_format", "args": [[4]], "kwargs": {}, "out": {"t": "%0"}},
            {"op": "c10d._allgather_base_.default", "collective": True, "opaque": True,
@@ -445,6 +487,13 @@ REFUSALS = {
     "missing leaf": (_set(["leaves", "ghost"], {"shape": [], "dtype": "float32"}), "missing"),
     "output reference": (_set(["outputs"], {"t": "ghost"}), "the outputs use"),
     "first_nonfinite": (_set(["first_nonfinite"], {"index": "0"}), "first_nonfinite"),
+    "digests of another length": (_set(["digests"], []), "one entry per op"),
+    "digest hash not hex": (_set(["digests", 0, 0, "hash"], "x" * 32), "digests of op 0"),
+    "digest count": (_set(["digests", 0, 0, "nonfinite"], -1), "digests of op 0"),
+    "digest magnitude inf": (_set(["digests", 0, 0, "abs_max"], math.inf), "digests of op 0"),
+    "digest dtype": (_set(["digests", 0, 0, "dtype"], "__class__"), "digests of op 0"),
+    "digest extra key": (_set(["digests", 0, 0, "code"], 1), "digests of op 0"),
+    "digests in a version 2 trace": (_set(["version"], 2), "exactly the keys"),
 }
 
 
@@ -462,6 +511,46 @@ def test_from_json_refuses_malformed_documents_with_one_line(case, tmp_path):
     with pytest.raises(TraceError, match=message) as info:
         Trace.from_json(document, leaves)
     assert "\n" not in str(info.value)
+
+
+def test_each_op_records_the_digest_of_its_outputs_and_a_replay_takes_the_same():
+    module = modules()["mlp"].to(torch.bfloat16)
+    x, _ = call_inputs("mlp", torch.bfloat16)
+    x.data[0, 0] = math.inf
+    trace, outputs = record(module, x)
+    assert trace.to_json()["version"] == TRACE.version == 3
+    assert len(trace.digests) == len(trace.ops)
+    last = trace.digests[-1][0]  # the module's output, as the recorder saw it
+    assert last == digest(outputs) and last["dtype"] == "bfloat16" and last["shape"] == [6, 8]
+    values = outputs.detach()
+    assert last["nonfinite"] > 0 and last["abs_max"] == float(values[torch.isfinite(values)].abs().max())
+    again = replay(trace, device="cpu", digests=True).digests
+    assert again == trace.digests
+    widened = replay(trace, dtype=torch.float32, device="cpu", digests=True).digests
+    assert widened[-1][0]["hash"] != last["hash"] and widened[-1][0]["dtype"] == "float32"
+
+
+def test_a_digest_tells_apart_one_bit_and_nan_from_inf():
+    x = torch.tensor([1.0, 2.0, math.nan], dtype=torch.float16)
+    flipped = x.clone()
+    flipped.view(torch.int16)[0] ^= 1
+    assert digest(x)["hash"] != digest(flipped)["hash"]
+    assert digest(x)["nonfinite"] == digest(flipped)["nonfinite"] == 1
+    assert digest(x)["hash"] != digest(torch.tensor([1.0, 2.0, math.inf], dtype=torch.float16))["hash"]
+    assert digest(x[:2])["abs_max"] == 2.0 and digest(torch.arange(3))["abs_max"] is None
+
+
+def test_a_trace_recorded_without_digests_is_still_version_1_or_2(tmp_path):
+    recorder = OpRecorder(digests=False)
+    module, x = nn.Linear(2, 2), torch.randn(1, 2)
+    recorder.mark_inputs([x], "args")
+    recorder.mark_inputs(dict(module.named_parameters()), "param")
+    with recorder:
+        out = module(x)
+    trace = recorder.result(out)
+    document, leaves = saved_and_loaded(trace, tmp_path)
+    assert document["version"] == 1 and "digests" not in document
+    assert Trace.from_json(document, leaves).digests is None
 
 
 def test_from_json_refuses_a_leaf_of_another_dtype(tmp_path):

@@ -243,6 +243,8 @@ class Action(str, enum.Enum):
     """Look at the failing micro-batch's tokens: ``gradnan batch``."""
     REPLAY = "replay"
     """Replay the captured call offline, in other dtypes or on another device: ``gradnan replay``."""
+    BISECT = "bisect"
+    """Replay the same bundle under the stack before and after a change: ``gradnan replay --against``."""
     CHECK_INTERCONNECT = "check_interconnect"
     """The interconnect and the communication library on the hosts that received corrupted values."""
     TUNE_NUMERICS = "tune_numerics"
@@ -270,6 +272,7 @@ _ACTION_WORDING = {
                      " divide by max(number of valid tokens, 1))",
     Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",
     Action.REPLAY: "replay the captured call in its dtype, fp32 and fp64, or on another device ({subject}):",
+    Action.BISECT: "if it began with a new stack ({subject}), name the first operator that differs:",
     Action.CHECK_INTERCONNECT: "check the interconnect and the communication library of {subject}"
                                " (NCCL_DEBUG=INFO, the fabric's error counters), then self-test there",
     Action.TUNE_NUMERICS: "change the numerics, not the data: {subject}",

@@ -32,3 +32,8 @@ class ReplayVerdict(str, enum.Enum):
     """From the same inputs the module computes finite values: what training saw came from elsewhere."""
     HEALTHY = "healthy"
     """Nothing non-finite was captured, and the replay agrees."""
+
+
+COMPARISON = Schema("gradnan.comparison", 1)
+"""What ``gradnan replay BUNDLE --against PYTHON --json`` prints: one bundle replayed under other stacks,
+op by op against the capture's digests and against each other (``gradnan.offline.comparison``)."""

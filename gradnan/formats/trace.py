@@ -13,9 +13,10 @@ talk to another process or reach the allocator's settings (``aten.from_file``, `
 of a storage, collectives): such an entry is refused before any op runs.
 """
 
+import hashlib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -25,10 +26,12 @@ from ..errors import InputError
 from .magnitude import entries_growth
 from .schema import Schema
 
-SCHEMA = Schema("gradnan.trace", 2)
+SCHEMA = Schema("gradnan.trace", 3)
 # Version 2 added ``fused`` entries; a trace without one is still written as version 1, which older
-# gradnan reads (it refuses a version 2 trace in one line, as newer than it reads).
+# gradnan reads (it refuses a version 2 trace in one line, as newer than it reads). Version 3 added
+# ``digests`` (what each op's outputs were at capture); a trace without them keeps its version 1 or 2.
 FUSED_VERSION = 2
+DIGEST_VERSION = 3
 
 # The aten operators a replay may execute (by packet name, every overload): pure computation on the
 # replay's own tensors. docs/guarantees.md lists them (tests/test_untrusted.py checks the two agree).
@@ -84,6 +87,8 @@ _OP_KEYS = frozenset({"op", "collective", "external", "opaque", "fused", "args",
 _FUSED_KEYS = frozenset({"class", "class_module", "module"})
 _FUSED_NAME = re.compile(r"[\w.<>]{1,300}")
 _DOCUMENT_KEYS = frozenset({"schema", "version", "ops", "outputs", "first_nonfinite", "leaves"})
+_DIGEST_KEYS = frozenset({"hash", "shape", "dtype", "abs_max", "abs_sum", "nonfinite"})
+_HASH = re.compile(r"[0-9a-f]{32}")
 
 
 class TraceError(InputError, ValueError):
@@ -317,21 +322,82 @@ class FirstGrowth:
             self.found = {"index": index, "op": name, **growth.to_json(), **self._extra}
 
 
+# --- digests: what an op's outputs were ---------------------------------------------------------
+
+
+def digest(tensor: torch.Tensor) -> Dict[str, Any]:
+    """What a tensor holds, in a few numbers that any later replay can be compared with: ``hash``, a
+    BLAKE2b (128 bits) of its bytes in C order; its ``shape`` and ``dtype``; ``abs_max`` and ``abs_sum``,
+    the largest and the float64 sum of its finite magnitudes (null where it has none, or is not
+    floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one copy of the tensor."""
+    host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    raw = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+    found: Dict[str, Any] = {
+        "hash": hashlib.blake2b(raw, digest_size=16).hexdigest(),
+        "shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch."),
+        "abs_max": None, "abs_sum": None, "nonfinite": 0}
+    if not host.is_floating_point() or host.numel() == 0:
+        return found
+    magnitudes = host.abs()
+    total = float(magnitudes.sum(dtype=torch.float64))
+    if not math.isfinite(total):  # the slow path only where something is NaN or Inf
+        finite = torch.isfinite(host)
+        found["nonfinite"] = int(host.numel() - int(finite.sum()))
+        magnitudes = torch.where(finite, magnitudes, 0)
+        total = float(magnitudes.sum(dtype=torch.float64))
+        if found["nonfinite"] == host.numel():
+            return found
+    found["abs_max"], found["abs_sum"] = float(magnitudes.max()), total if math.isfinite(total) else None
+    return found
+
+
+def digests_of(tree: Any) -> List[Dict[str, Any]]:
+    """The digest of every tensor of an op's output tree, in the order its encoding names them."""
+    return [digest(tensor) for tensor in tensors_in(tree)]
+
+
+def _checked_digests(digests: Any, ops: List[Any]) -> None:
+    """``digests``: one list per op, one digest per tensor the op's ``out`` names."""
+    if not (isinstance(digests, list) and len(digests) == len(ops)):
+        raise TraceError("'digests' must be a list with one entry per op")
+    for index, (entry, op) in enumerate(zip(digests, ops)):
+        if not (isinstance(entry, list) and len(entry) == len(refs(op["out"]))
+                and all(_digest_valid(item) for item in entry)):
+            raise TraceError(f"digests of op {index}: one {{{', '.join(sorted(_DIGEST_KEYS))}}} per output"
+                             " tensor")
+
+
+def _digest_valid(item: Any) -> bool:
+    def magnitude(value: Any) -> bool:
+        return value is None or (isinstance(value, float) and math.isfinite(value) and value >= 0)
+
+    return (isinstance(item, dict) and set(item) == _DIGEST_KEYS and isinstance(item["hash"], str)
+            and bool(_HASH.fullmatch(item["hash"])) and isinstance(item["shape"], list)
+            and all(type(size) is int and size >= 0 for size in item["shape"])
+            and isinstance(item["dtype"], str)
+            and isinstance(getattr(torch, item["dtype"], None), torch.dtype)
+            and magnitude(item["abs_max"]) and magnitude(item["abs_sum"])
+            and type(item["nonfinite"]) is int and item["nonfinite"] >= 0)
+
+
 # --- the trace ------------------------------------------------------------------------------
 
 
 @dataclass
 class Trace:
     """One module call: ``ops`` (JSON, in execution order), the tensors they started from, the
-    encoded return tree and the first op that turned finite inputs into a NaN/Inf at record time."""
+    encoded return tree, the first op that turned finite inputs into a NaN/Inf at record time and, where
+    they were taken, the ``digests`` of each op's outputs at record time (one list per op)."""
 
     ops: List[Dict[str, Any]]
     leaves: Dict[str, torch.Tensor]
     outputs: Any
     first_nonfinite: Optional[Dict[str, Any]]
+    digests: Optional[List[List[Dict[str, Any]]]] = field(default=None)
 
     def to_json(self) -> Dict[str, Any]:
-        version = FUSED_VERSION if any(is_fused(op) for op in self.ops) else 1
+        version = (DIGEST_VERSION if self.digests is not None
+                   else FUSED_VERSION if any(is_fused(op) for op in self.ops) else 1)
         return {
             "schema": SCHEMA.name, "version": version,
             "ops": self.ops,
@@ -339,6 +405,7 @@ class Trace:
             "first_nonfinite": self.first_nonfinite,
             "leaves": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                        for name, t in self.leaves.items()},
+            **({} if self.digests is None else {"digests": self.digests}),
         }
 
     @staticmethod
@@ -359,8 +426,9 @@ class Trace:
             newer = isinstance(version, int) and version > SCHEMA.version
             raise TraceError(f"trace version {version!r} is {'newer than' if newer else 'not'} the one "
                              f"this gradnan reads ({SCHEMA.version})")
-        if set(document) != _DOCUMENT_KEYS:
-            raise TraceError(f"a trace has exactly the keys {sorted(_DOCUMENT_KEYS)}")
+        keys = _DOCUMENT_KEYS | ({"digests"} if version >= DIGEST_VERSION else set())
+        if set(document) != keys:
+            raise TraceError(f"a version {version} trace has exactly the keys {sorted(keys)}")
         taken = _checked_leaves(document["leaves"], leaves)
         ops = document["ops"]
         if not isinstance(ops, list):
@@ -373,7 +441,11 @@ class Trace:
         if first is not None and not (isinstance(first, dict) and set(first) == {"index", "op"}
                                       and isinstance(first["index"], int) and isinstance(first["op"], str)):
             raise TraceError("'first_nonfinite' must be null or {\"index\": int, \"op\": str}")
-        return Trace(ops=ops, leaves=taken, outputs=document["outputs"], first_nonfinite=first)
+        digests = document.get("digests")
+        if digests is not None:
+            _checked_digests(digests, ops)
+        return Trace(ops=ops, leaves=taken, outputs=document["outputs"], first_nonfinite=first,
+                     digests=digests)
 
 
 def _checked_leaves(meta: Any, leaves: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

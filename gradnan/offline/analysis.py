@@ -818,6 +818,9 @@ def _next_steps(decision: Decision, e: Evidence, rerun: Optional[RerunFinding], 
                                                 if reading.rank.get("host") == host)))
     if cause is Cause.UNDETERMINED:
         steps.append(NextStep(Action.DECIDE, Action.DECIDE.wording(_DECIDERS.get(decision.rule, _DECIDER))))
+    steps += [NextStep(Action.BISECT, Action.BISECT.wording("torch, megatron-core, TE"), (
+        *step.command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"))
+        for step in list(steps) if step.action is Action.REPLAY and step.command]
     return steps
 
 

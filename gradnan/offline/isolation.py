@@ -17,14 +17,23 @@ the child before it reads anything of the bundle:
 Children come from a fork server (``multiprocessing``'s ``forkserver``: a clean process that has imported
 this module, torch included, once): each replay forks from it, not from the command's own process,
 whose state the child therefore never shares.
+
+``replay_under`` runs the same child under another interpreter (``gradnan replay --against PYTHON``: another
+virtual environment, another torch, megatron-core or Transformer Engine): a plain process started from
+that interpreter (``python -m gradnan.offline.replay_child``) with this gradnan's own package on its
+``PYTHONPATH`` (a directory holding only a link to it, so nothing else of this environment leaks in),
+the same limits set the same way, its outcome sent back as JSON through a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import os
 import resource
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -32,10 +41,12 @@ from typing import Any, Dict, Optional, Tuple
 from ..errors import GradnanError, InputError
 from ..formats import bundle
 from ..formats.layout import MANIFEST
-from .replay import replay_bundle, replay_device
+from .replay import checked_device_name, replay_bundle, replay_device
 from .replay_limits import ReplayLimits, trace_too_long
 
 _STDERR_TAIL = 4096
+_PACKAGE = Path(__file__).resolve().parent.parent  # this gradnan, put on another interpreter's path
+MAX_RESULT_BYTES = 1 << 30  # a result document larger than 1 GiB is no replay's
 
 
 def _trace_length(path: Path) -> int:
@@ -47,14 +58,18 @@ def _trace_length(path: Path) -> int:
     return len(ops) if isinstance(ops, list) else 0
 
 
+def _refuse_too_long(path: Path, limits: ReplayLimits) -> None:
+    refusal = trace_too_long(_trace_length(path), limits.max_ops)
+    if refusal is not None:
+        raise InputError(f"{path}: {refusal}")
+
+
 def replay_isolated(path: Path, device: Optional[str], limits: ReplayLimits) -> Dict[str, Any]:
     """``replay_bundle`` in a child process under ``limits``; InputError (one line) for anything that
     ends it without a result."""
     path = Path(path)
     replay_device(device)  # a device that is not here: the usage error, before a process starts
-    refusal = trace_too_long(_trace_length(path), limits.max_ops)
-    if refusal is not None:
-        raise InputError(f"{path}: {refusal}")
+    _refuse_too_long(path, limits)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory(prefix="gradnan-replay-") as scratch:
@@ -144,18 +159,75 @@ def _mapped_bytes(field: str) -> int:
     return 0
 
 
+def replay_outcome(path: str, device: Optional[str], limits: ReplayLimits,
+                   digests: bool = False) -> Tuple[str, Any]:
+    """In a child: the limits, then the replay; ``("result", document)`` or ``("error", one line)``."""
+    try:
+        _limit(limits, device)
+        return "result", replay_bundle(Path(path), device, max_ops=limits.max_ops, digests=digests)
+    except GradnanError as error:
+        return "error", str(error)
+    except MemoryError:
+        return "error", (f"{path}: cannot replay: out of memory within its limit of {limits.max_memory}"
+                         " bytes (--max-memory)")
+
+
 def _child(path: str, device: Optional[str], limits: ReplayLimits, sender: Any, stderr: str) -> None:
     """In the child: output to ``stderr`` (a file), limits, the replay; its outcome sent back."""
     descriptor = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     for stream in (1, 2):
         os.dup2(descriptor, stream)
     os.close(descriptor)
+    sender.send(replay_outcome(path, device, limits))
+
+
+def replay_under(python: str, path: Path, device: Optional[str], limits: ReplayLimits) -> Dict[str, Any]:
+    """``replay_bundle`` with digests (and the child's ``environment``) in a child process started from
+    the interpreter ``python``, under ``limits``; InputError (one line) for anything that ends it without
+    a result, an interpreter that cannot run it (no torch there, not a Python) included."""
+    path = Path(path).absolute()
+    checked_device_name(device)  # whether it is there is for the other interpreter's torch to say
+    _refuse_too_long(path, limits)
+    with tempfile.TemporaryDirectory(prefix="gradnan-against-") as scratch:
+        folder = Path(scratch)
+        (folder / "path").mkdir()
+        (folder / "path" / "gradnan").symlink_to(_PACKAGE, target_is_directory=True)
+        inherited = os.environ.get("PYTHONPATH")
+        search = os.pathsep.join(filter(None, [str(folder / "path"), inherited]))
+        environ = {**os.environ, "PYTHONPATH": search}
+        settings = {"bundle": str(path), "device": device, "limits": dataclasses.asdict(limits),
+                    "result": str(folder / "result.json")}
+        stderr = folder / "stderr"
+        with open(stderr, "wb") as output:
+            try:
+                child = subprocess.Popen([python, "-m", "gradnan.offline.replay_child", json.dumps(settings)],
+                                         cwd=folder, env=environ, stdin=subprocess.DEVNULL, stdout=output,
+                                         stderr=output)
+            except OSError as error:
+                raise InputError(f"--against {python}: cannot run it ({error.strerror or error})") from None
+            try:
+                child.wait(timeout=limits.wall_seconds)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                timed_out = True
+        outcome = _result_file(folder / "result.json") if child.returncode == 0 else None
+        if outcome is None:
+            raise InputError(f"{path}: cannot replay under {python}:"
+                             f" {_death(child.returncode, limits, timed_out, stderr)}")
+    kind, value = outcome
+    if kind == "error":
+        raise InputError(f"under {python}: {value}")
+    return value
+
+
+def _result_file(path: Path) -> Optional[Tuple[str, Any]]:
+    """What a ``replay_child`` wrote: ``[kind, value]``; None where it wrote nothing usable."""
     try:
-        _limit(limits, device)
-        outcome: Tuple[str, Any] = ("result", replay_bundle(Path(path), device, max_ops=limits.max_ops))
-    except GradnanError as error:
-        outcome = ("error", str(error))
-    except MemoryError:
-        outcome = ("error", f"{path}: cannot replay: out of memory within its limit of {limits.max_memory}"
-                            " bytes (--max-memory)")
-    sender.send(outcome)
+        if path.stat().st_size > MAX_RESULT_BYTES:
+            return None
+        kind, value = json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return (kind, value) if kind in ("result", "error") else None

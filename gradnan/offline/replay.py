@@ -45,7 +45,16 @@ from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_li
 from ..formats.records import is_growth
 from ..formats.replay import SCHEMA, ReplayVerdict
 from ..formats.text import printable_lines, shell_word
-from ..formats.trace import REPLAY_PRECISIONS, Trace, TraceError, has_nonfinite, same_values, tensors_in
+from ..formats.trace import (
+    REPLAY_PRECISIONS,
+    Trace,
+    TraceError,
+    has_nonfinite,
+    is_fused,
+    returns_uninitialized,
+    same_values,
+    tensors_in,
+)
 from .trace_replay import output_tree, replay
 
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
@@ -55,14 +64,14 @@ MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
 
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
          grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor],
-         max_ops: Optional[int]) -> Dict[str, Any]:
+         max_ops: Optional[int], digests: bool = False) -> Dict[str, Any]:
     """Forward and backward with the captured incoming gradients, the capture's RNG state restored
-    first so dropout draws the same."""
+    first so dropout draws the same; ``digests``: with the digests of the forward's ops."""
     grad_outputs = output_tree(trace, grads.get) if grads else None
     if rng is not None:
         torch.set_rng_state(rng)
     result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device,
-                    max_ops=max_ops)
+                    max_ops=max_ops, digests=digests)
     outputs = tensors_in(result.outputs)
     return {
         "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
@@ -72,13 +81,21 @@ def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tens
         "first_growth": result.first_growth,
         "_outputs": outputs,
         "_grads": result.grads,
+        "_digests": result.digests,
+        "_references": result.reference_digests,
     }
+
+
+def checked_device_name(name: Optional[str]) -> Optional[str]:
+    """``--device`` as written: cpu, cuda or cuda:N (or None: the default)."""
+    if name is not None and not re.fullmatch(r"cpu|cuda(:\d{1,4})?", name):
+        raise UsageError(f"--device {name!r}: replay runs on cpu, cuda or cuda:N")
+    return name
 
 
 def replay_device(name: Optional[str]) -> torch.device:
     """The device ``--device`` names: the CPU or a CUDA device present here (default: cuda if any)."""
-    if name is not None and not re.fullmatch(r"cpu|cuda(:\d{1,4})?", name):
-        raise UsageError(f"--device {name!r}: replay runs on cpu, cuda or cuda:N")
+    checked_device_name(name)
     target = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if target.type == "cuda" and (not torch.cuda.is_available()
                                   or (target.index or 0) >= torch.cuda.device_count()):
@@ -86,10 +103,14 @@ def replay_device(name: Optional[str]) -> torch.device:
     return target
 
 
-def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[int] = None) -> Dict[str, Any]:
+def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[int] = None,
+                  digests: bool = False) -> Dict[str, Any]:
     """Replay a bundle in three precisions and judge, in this process (``gradnan replay`` runs it in a
     child process with limits: ``isolation.replay_isolated``); raises InputError for an unusable bundle
-    or an op the checks refuse (``replay_checks``). ``max_ops``: see ``trace_replay.replay``."""
+    or an op the checks refuse (``replay_checks``). ``max_ops``: see ``trace_replay.replay``. ``digests``:
+    the result also holds ``digests``, what ``gradnan.offline.comparison`` compares: each op of the trace
+    with the digests of its outputs in the capture (where the bundle has them) and in this replay in the
+    captured dtype."""
     manifest, tensors = bundle.load(Path(path))
     bundle.check_replayable(manifest, tensors, str(Path(path) / MANIFEST))
     leaf_names = list(manifest["trace"].get("leaves", {}))
@@ -106,7 +127,8 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
     grad_leaves = [name for name in leaf_names
                    if name.startswith(("param.", "args.", "kwargs.")) and tensors[name].is_floating_point()]
     try:
-        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"), max_ops)
+        runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"), max_ops,
+                            digests and label == "captured")
                 for label, dtype in REPLAY_PRECISIONS}
     except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
         raise InputError(f"{path}: cannot replay:"
@@ -128,6 +150,7 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                                  " all-reduce)")
     return {
         **SCHEMA.header(),
+        **({"digests": op_digests(trace, captured["_digests"], captured["_references"])} if digests else {}),
         "bundle": str(path),
         "module": manifest["module"],
         "step": manifest.get("step"),
@@ -141,6 +164,22 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                  for label, run in runs.items()},
         **judgement,
     }
+
+
+def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]],
+               references: Dict[int, Optional[List[Dict[str, Any]]]]) -> Dict[str, Any]:
+    """What a comparison needs of one replay: the capture's first non-finite op (as validated with the
+    trace), and each op of the trace with its name, whether it is a collective (identity at replay) or
+    returns uninitialized memory (NaN at replay), the digests of its outputs at capture (null where the
+    bundle has none) and at this replay, and, for a fused entry, its class and its reference math's
+    digests in the captured dtype here (null without a reference)."""
+    captured = trace.digests or [None] * len(trace.ops)
+    return {"first_nonfinite": trace.first_nonfinite,
+            "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
+                     "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),
+                     "fused": op["fused"]["class"] if is_fused(op) else None,
+                     "captured": taken, "replayed": again, "reference": references.get(index)}
+                    for index, (op, taken, again) in enumerate(zip(trace.ops, captured, replayed))]}
 
 
 def _largest_input(tensors: Dict[str, torch.Tensor], leaf_names: List[str]) -> Optional[Dict[str, Any]]:
@@ -326,13 +365,18 @@ def fused_text(fused: Dict[str, Any]) -> str:
     return f"Fused kernel {fused['class']}: output NON-FINITE; {reference}: {fused['finding']}"
 
 
-def format_text(result: Dict[str, Any]) -> str:
+def module_line(result: Dict[str, Any]) -> str:
+    """``Module decoder.layers.1.mlp.linear_fc1 (ColumnParallelLinear), step 4, rank 1 (tp1 pp0 dp0, vm
+    cpu)``: which call a replay (or a comparison of replays) is about."""
     rank = result["rank"]
+    return (f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
+            f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
+            f" {rank['host']} {rank['device']})")
+
+
+def format_text(result: Dict[str, Any]) -> str:
     lines = [f"gradnan replay of {shell_word(result['bundle'])}",
-             f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
-             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
-             f" {rank['host']} {rank['device']})"
-             + (", recompute pass" if result["recompute"] else ""),
+             module_line(result) + (", recompute pass" if result["recompute"] else ""),
              f"Verdict: {result['verdict']}: {result['summary']}"]
     for label, run in result["runs"].items():
         operator = run["first_nonfinite"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,6 +42,8 @@ from ..formats.trace import (
     cast_dtype,
     child_encodings,
     decode,
+    digest,
+    digests_of,
     is_fused,
     op_inputs,
     op_name,
@@ -85,12 +87,16 @@ class _Watch(TorchDispatchMode):
 class ReplayResult:
     """The replayed output tree, the first non-finite op (forward, then backward: ``index`` into the
     trace's ops, or into the ops the backward dispatched), the requested leaf gradients, and the first
-    forward op that grew a value out of line before any went non-finite."""
+    forward op that grew a value out of line before any went non-finite; where asked for, the digests
+    of every forward op's outputs (``gradnan.formats.trace.digest``), as the capture took them, and, in the
+    captured dtype, those of each fused entry's reference math (by op index; null without a reference)."""
 
     outputs: Any
     first_nonfinite: Optional[Dict[str, Any]]
     grads: Dict[str, Optional[torch.Tensor]]
     first_growth: Optional[Dict[str, Any]] = None
+    digests: Optional[List[List[Dict[str, Any]]]] = None
+    reference_digests: Optional[Dict[int, Optional[List[Dict[str, Any]]]]] = None
 
 
 def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype], device: torch.device,
@@ -153,9 +159,12 @@ def _replay_collective(op: Dict[str, Any], env: Dict[str, torch.Tensor]) -> None
 
 
 def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
-                  dtype: Optional[torch.dtype], device: torch.device, leaf_names: Set[str]) -> None:
+                  dtype: Optional[torch.dtype], device: torch.device, leaf_names: Set[str],
+                  references: Optional[Dict[int, Any]] = None) -> None:
     """A fused entry: its saved outputs (leaves) stand in the captured dtype, its reference math's replace
-    them in a cast run where there is one; named where its inputs are finite and its outputs not."""
+    them in a cast run where there is one; named where its inputs are finite and its outputs not.
+    ``references``: in the captured dtype, the digests of its reference math's outputs go there (by op
+    index; null where no reference covers the call), to compare the kernel with them."""
     lookup = _from_env(env)
     args = decode(op["args"], lookup, dtype, device)
     kwargs = {key: decode(value, lookup, dtype, device) for key, value in op["kwargs"].items()}
@@ -165,6 +174,10 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
         computed = compute(op, args, kwargs, saved, dtype)
         if computed is not None:
             _bind(op["out"], computed, env, leaf_names)
+    elif references is not None:
+        with torch.no_grad():
+            computed = compute(op, args, kwargs, saved)
+        references[index] = None if computed is None else digests_of(computed)
     found = first.found
     first.check(index, op["op"], finite, decode(op["out"], lookup))
     if first.found is not found:
@@ -175,9 +188,9 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
                growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device,
-               leaf_names: Set[str]) -> None:
+               leaf_names: Set[str], references: Optional[Dict[int, Any]] = None) -> None:
     if is_fused(op):
-        _replay_fused(index, op, env, first, dtype, device, leaf_names)
+        _replay_fused(index, op, env, first, dtype, device, leaf_names, references)
         return
     if op.get("collective"):
         _replay_collective(op, env)
@@ -256,7 +269,7 @@ def output_tree(trace: Trace, values: Callable[[int], Any]) -> Any:
 
 def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any = None,
            grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None,
-           max_ops: Optional[int] = None) -> ReplayResult:
+           max_ops: Optional[int] = None, digests: bool = False) -> ReplayResult:
     """Re-execute ``trace.ops`` on copies of ``trace.leaves``.
 
     ``dtype``: every floating leaf and floating dtype argument becomes it (an fp16 computation becomes an
@@ -266,7 +279,9 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     leaves' device by default); every device argument maps to it. Autocast is off: its casts are
     recorded ops already. ``max_ops``: the most ops the forward (the trace, checked before anything runs)
     and the backward (counted as it runs) may each run. Every op is checked before it runs
-    (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op."""
+    (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op. ``digests``:
+    take the digest of every forward op's outputs as it runs, to compare with the capture's (and, in the
+    captured dtype, of each fused entry's reference math)."""
     refusal = None if max_ops is None else trace_too_long(len(trace.ops), max_ops)
     if refusal is not None:
         raise TraceError(refusal)
@@ -279,15 +294,19 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     forward = FirstNonFinite(phase="forward")
     growth = FirstGrowth(forward, phase="forward")
     leaf_names = set(trace.leaves)
+    taken: Optional[List[List[Dict[str, Any]]]] = [] if digests else None
+    references: Optional[Dict[int, Any]] = {} if digests and dtype is None else None
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
         for index, op in enumerate(trace.ops):
             try:
-                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names)
+                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names, references)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
             except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:
                 first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 raise TraceError(f"op {index} ({op.get('op')}) failed at replay: {first_line}") from error
+            if taken is not None:
+                taken.append([digest(env[name]) for name in refs(op["out"])])
         outputs = decode(trace.outputs, _from_env(env))
         grads: Dict[str, Optional[torch.Tensor]] = {}
         backward = None
@@ -295,4 +314,4 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
             grads, backward = _backward(trace.outputs, env, grad_outputs, graph_leaves, dtype, device,
                                         max_ops)
     return ReplayResult(outputs=outputs, first_nonfinite=forward.found or backward, grads=grads,
-                        first_growth=growth.found)
+                        first_growth=growth.found, digests=taken, reference_digests=references)

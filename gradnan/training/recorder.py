@@ -28,6 +28,7 @@ from ..formats.trace import (
     Trace,
     TraceError,
     allowed_in_replay,
+    digests_of,
     encode,
     fused_name,
     nodes,
@@ -43,9 +44,12 @@ class OpRecorder(TorchDispatchMode):
     """While active, records every op dispatched:
     ``with OpRecorder() as recorder: out = module(*args, **kwargs)``."""
 
-    def __init__(self, module_names: Callable[[], Dict[int, str]] = dict) -> None:
-        """``module_names()``: module id -> global name, to say which module a fused Function ran in."""
+    def __init__(self, module_names: Callable[[], Dict[int, str]] = dict, digests: bool = True) -> None:
+        """``module_names()``: module id -> global name, to say which module a fused Function ran in.
+        ``digests``: take the digest of every op's outputs as it runs (``gradnan.formats.trace.digest``:
+        one host copy of each), so that a later replay can be compared with the capture op by op."""
         super().__init__()
+        self._digests: Optional[List[List[Dict[str, Any]]]] = [] if digests else None
         self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # never keeps an activation alive
         self._marked: Set[str] = set()
         self._produced: Dict[str, int] = {}  # name -> index of the entry that produced it
@@ -92,7 +96,8 @@ class OpRecorder(TorchDispatchMode):
             raise TraceError(f"recording stopped: {self.broken}")
         encoded = encode(outputs, self._input_name)
         return Trace(ops=list(self._ops), leaves=dict(self._leaves), outputs=encoded,
-                     first_nonfinite=self._first.found)
+                     first_nonfinite=self._first.found,
+                     digests=None if self._digests is None else list(self._digests))
 
     def _fresh(self, tensor: torch.Tensor, prefix: str) -> str:
         name = f"{prefix}{self._count}"
@@ -164,6 +169,12 @@ class OpRecorder(TorchDispatchMode):
             return
         entry["out"] = encode(out, lambda t: self._names[t] if explained(t) else self._external_output(t))
         self._first.check(len(self._ops), entry["op"], finite, out)
+        self._append(entry, out)
+
+    def _append(self, entry: Dict[str, Any], out: Any) -> None:
+        """An entry of the trace, with the digests of what it returned (taken before anything changes it)."""
+        if self._digests is not None:
+            self._digests.append(digests_of(out))
         self._ops.append(entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -179,7 +190,7 @@ class OpRecorder(TorchDispatchMode):
         try:
             self._first.check(len(self._ops), entry["op"], finite, out)
             entry["out"] = encode(out, self._external_output if entry.get("external") else self._output_name)
-            self._ops.append(entry)
+            self._append(entry, out)
         except Exception as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
         return out

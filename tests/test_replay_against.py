@@ -1,0 +1,208 @@
+"""Issue 41: which change broke numerics. One real bundle (the tiny Megatron GPT's MLP, bf16, with the
+digests of every op's outputs) replayed with ``gradnan replay --against PYTHON`` under real virtual
+environments made in ``tmp_path``: this project's interpreter, and second ones that see the same packages
+but load a ``torch.library`` registration changing ``aten::gelu`` on the CPU (a kernel regression: its
+result scaled by 1 + 2^-6; made Inf for large inputs; or computed in bf16 throughout instead of in float32,
+a different dtype path). The comparison names ``aten.gelu.default`` and nothing before it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradnan.formats import bundle as bundle_format
+from gradnan.formats.layout import MANIFEST
+from gradnan.offline.comparison import format_comparison
+
+from .test_replay_safety import X, hostile_bundle, op, t
+
+pytestmark = pytest.mark.slow  # real subprocesses and a real Megatron capture
+
+ROOT = Path(__file__).resolve().parent.parent
+GELU = 6  # the index of aten.gelu.default in the MLP's trace
+KERNEL = '''
+import torch
+_library = torch.library.Library("aten", "IMPL")
+def _gelu(x, approximate="none"):
+    {body}
+_library.impl("gelu", _gelu, "CPU")
+'''
+SCALED = KERNEL.format(body="return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476)) * (1 + 2 ** -6)")
+INFINITE = KERNEL.format(body="y = x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))\n"
+                              "    return torch.where(x > 0.3, float('inf'), y)")
+# the same formula in the input's own dtype (bf16 here): each step rounded, where torch computes in float32
+IN_BF16 = KERNEL.format(body="return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))")
+
+
+def gradnan_replay(bundle: Path, *options: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "gradnan", "replay", str(bundle), "--device", "cpu", *options]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def compared(bundle: Path, *options: str) -> dict:
+    result = gradnan_replay(bundle, "--json", *options)
+    assert result.returncode == 0, result.stderr[-2000:]
+    document = json.loads(result.stdout)
+    assert document["schema"] == "gradnan.comparison" and document["version"] == 1
+    return document
+
+
+def differences(document: dict) -> dict:
+    return {f"{pair['left']} vs {pair['right']}": (pair["first_difference"] or {}).get("index")
+            for pair in document["pairs"]}
+
+
+def test_the_bundle_holds_a_digest_of_every_ops_outputs(mlp_bundle):
+    trace = bundle_format.load_manifest(mlp_bundle / MANIFEST)["trace"]
+    assert trace["version"] == 3 and len(trace["digests"]) == len(trace["ops"])
+    assert trace["ops"][GELU]["op"] == "aten.gelu.default"
+    assert trace["digests"][GELU][0]["dtype"] == "bfloat16" and trace["digests"][GELU][0]["nonfinite"] == 0
+
+
+def test_a_kernel_regression_in_one_operator_is_named_and_nothing_before_it(mlp_bundle, python_environment):
+    regressed = python_environment("regressed", SCALED)
+    document = compared(mlp_bundle, "--against", sys.executable, "--against", str(regressed))
+    assert differences(document) == {"capture vs A": None, "capture vs B": GELU, "A vs B": GELU}
+    assert document["first_difference"] == {"index": GELU, "op": "aten.gelu.default",
+                                            "pairs": ["capture vs B", "A vs B"]}
+    names = [environment["name"] for environment in document["environments"]]
+    assert names == ["capture", "A", "B"] and document["environments"][2]["python"] == str(regressed)
+    versions = [environment["versions"] for environment in document["environments"]]
+    assert versions[2]["torch"] == versions[1]["torch"]  # one torch: only the kernel differs
+    operators = document["operators"]
+    assert all(op["digests"]["capture"] == op["digests"]["A"] == op["digests"]["B"]
+               for op in operators[:GELU])
+    assert operators[GELU]["digests"]["B"][0]["abs_max"] > operators[GELU]["digests"]["A"][0]["abs_max"]
+    text = format_comparison(document)
+    assert ("First operator that differs: op #6 aten.gelu.default (capture vs B, A vs B); nothing before"
+            in text)
+    assert "capture vs A: no operator differs" in text
+    gelu_row = next(line for line in text.splitlines() if line.lstrip().startswith("6  aten.gelu.default"))
+    assert gelu_row.count("*") == 1  # B differs from the capture; A does not
+
+
+def test_an_operator_made_non_finite_is_the_first_non_finite_in_that_environment_only(mlp_bundle,
+                                                                                      python_environment):
+    broken = python_environment("broken", INFINITE)
+    document = compared(mlp_bundle, "--against", str(broken), "--ulps", "1")
+    capture, replayed = document["environments"]
+    assert capture["first_nonfinite"] is None
+    assert replayed["first_nonfinite"] == {"index": GELU, "op": "aten.gelu.default", "phase": "forward"}
+    assert replayed["verdict"] == "bad_operator_or_input"
+    difference = document["pairs"][0]["first_difference"]
+    assert difference["index"] == GELU and "non-finite against" in difference["why"]
+    text = format_comparison(document)
+    assert "First non-finite: capture none; A op #6 aten.gelu.default (forward)" in text
+
+
+def test_a_different_dtype_path_differs_bitwise_and_within_one_ulp_it_does_not(mlp_bundle,
+                                                                               python_environment):
+    in_bf16 = python_environment("in_bf16", IN_BF16)
+    bitwise = compared(mlp_bundle, "--against", str(in_bf16))
+    assert differences(bitwise) == {"capture vs A": GELU}
+    assert bitwise["pairs"][0]["first_difference"]["why"] == "output 0: its bytes differ"
+    within = compared(mlp_bundle, "--against", str(in_bf16), "--ulps", "1")
+    assert differences(within) == {"capture vs A": None} and within["tolerance"] == {"ulps": 1}
+    # the same tolerance still tells the scaled kernel (2 ulps of bf16 everywhere) from the capture
+    scaled = compared(mlp_bundle, "--against", str(python_environment("scaled", SCALED)), "--ulps", "1")
+    assert differences(scaled) == {"capture vs A": GELU}
+
+
+def test_a_bundle_without_digests_compares_two_environments_only(mlp_bundle, python_environment,
+                                                                  tmp_path):
+    old = tmp_path / "old_bundle"
+    shutil.copytree(mlp_bundle, old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["trace"]["digests"]
+    manifest["trace"]["version"] = 1
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    regressed = python_environment("regressed", SCALED)
+    document = compared(old, "--against", sys.executable, "--against", str(regressed))
+    assert not document["capture_has_digests"] and document["columns"] == ["A", "B"]
+    assert differences(document) == {"A vs B": GELU}
+    assert "no digests in this bundle" in format_comparison(document)
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--against", "/nonexistent/python"], "argument --against: not an executable file"),
+    (["--against", "/bin/true"], "cannot replay under /bin/true: the replay process ended with exit code 0"),
+    (["--ulps", "2"], "--ulps compares replays: give it with --against PYTHON"),
+    (["--against", sys.executable, "--ulps", "-1"], "argument --ulps: must be a whole number"),
+    (["--against", sys.executable, "--ulps", "x"], "argument --ulps: must be a whole number"),
+    (["--against", sys.executable, "--device", "tpu"], "--device 'tpu': replay runs on cpu, cuda or cuda:N"),
+    (["--against", sys.executable] * 9, "--against: at most 8 environments"),
+])
+def test_bad_options_and_interpreters_are_one_line_and_exit_2(mlp_bundle, options, said):
+    result = subprocess.run([sys.executable, "-m", "gradnan", "replay", str(mlp_bundle), *options],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+
+
+def test_an_interpreter_without_torch_is_one_line_naming_what_it_lacks(mlp_bundle, python_environment,
+                                                                       tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    result = gradnan_replay(mlp_bundle, "--against", str(bare / "bin" / "python"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "No module named 'torch'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_replay_limits_hold_in_the_other_interpreters_child(tmp_path):
+    """The hostile bundles of tests/test_replay_safety.py, replayed with --against: the child started from
+    that interpreter sets the same limits on itself (CPU time, address space) and ends in one line."""
+    import torch
+
+    leaves = {"args.0": torch.ones(2048, 2048), "param.0": torch.ones(2048, 2048)}
+    endless = [op("aten.mm.default", t("args.0"), t("param.0"), out=t(f"%{i}")) for i in range(3000)]
+    result = gradnan_replay(hostile_bundle(tmp_path / "endless", endless, leaves, t("%0")),
+                            "--against", sys.executable, "--max-cpu-seconds", "1")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot replay under {sys.executable}: it ran past its CPU-time limit of 1 s" in result.stderr
+    zeros = [op("aten.zeros.default", [2**28], out=t(f"%{i}"), dtype={"dtype": "float32"},
+                device={"device": "cpu"}) for i in range(20)]
+    result = gradnan_replay(hostile_bundle(tmp_path / "bomb", zeros, X, [t(f"%{i}") for i in range(20)]),
+                            "--against", sys.executable, "--max-memory", "2G")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "allocate" in result.stderr or "memory" in result.stderr, result.stderr
+
+
+SOFTMAX_SCALED = '''
+import torch
+_library = torch.library.Library("aten", "IMPL")
+def _softmax(x, dim, half_to_float):
+    e = (x - x.amax(dim, keepdim=True)).exp()
+    return e / e.sum(dim, keepdim=True) * (1 + 2 ** -6)
+_library.impl("_softmax", _softmax, "CPU")
+'''
+
+
+def test_a_fused_kernel_is_compared_with_each_environments_reference_math(tmp_path, monkeypatch,
+                                                                          python_environment):
+    """megatron-core's ScaledSoftmax behind the numpy stand-in of tests/test_fused.py: at its boundary its
+    output is the saved one everywhere; against the reference math (softmax in fp16) this stack's agrees
+    within 2 ulps and the one whose aten::_softmax is scaled by 1 + 2^-6 (16 ulps of fp16) does not."""
+    import torch
+
+    from .test_fused import _large_scores_module, capture_bundle, softmax_extension
+
+    monkeypatch.setitem(sys.modules, "scaled_softmax_cuda", softmax_extension(True, "float32"))
+    scores = torch.linspace(-0.05, 0.05, 32).view(4, 8).to(torch.float16)
+    written, call = capture_bundle(tmp_path / "bundle", _large_scores_module(), scores)
+    kernel = next(index for index, op in enumerate(call.trace.ops) if "fused" in op)
+    document = compared(written, "--against", sys.executable, "--against",
+                        str(python_environment("softmax", SOFTMAX_SCALED)), "--ulps", "2")
+    assert document["first_difference"] is None  # the kernel's own output is the saved one in both
+    [fused] = document["fused"]
+    assert fused["index"] == kernel and fused["class"] == "ScaledSoftmax"
+    assert fused["against_reference"]["A"] == {"reference": True, "difference": None}
+    assert fused["against_reference"]["B"]["reference"]
+    assert "more than 2 ulps of float16 apart" in fused["against_reference"]["B"]["difference"]
+    text = format_comparison(document)
+    assert f"  op #{kernel} ScaledSoftmax: A the same; B output 0: abs_" in text
