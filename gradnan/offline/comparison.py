@@ -33,7 +33,7 @@ from ..formats import bundle
 from ..formats.layout import MANIFEST
 from ..formats.magnitude import magnitude_text
 from ..formats.replay import COMPARISON
-from ..formats.text import printable_lines, shell_word
+from ..formats.text import listing, printable_lines, shell_word, untrusted
 from .replay import module_line, operator_text
 
 CAPTURE = "capture"
@@ -227,7 +227,7 @@ def _fused_lines(document: Dict[str, Any], how: str) -> List[str]:
         said = [f"{name} " + ("no reference math" if not found["reference"]
                               else found["difference"] or "the same")
                 for name, found in kernel["against_reference"].items()]
-        lines.append(f"  op #{kernel['index']} {kernel['class']}: {'; '.join(said)}")
+        lines.append(f"  op #{kernel['index']} {untrusted(kernel['class'])}: {'; '.join(said)}")
     if not lines:
         return []
     return [f"Fused kernels against their reference math ({how}), in each environment:", *lines]
@@ -236,8 +236,8 @@ def _fused_lines(document: Dict[str, Any], how: str) -> List[str]:
 def _versions_text(versions: Any) -> str:
     if not isinstance(versions, dict):
         return "versions not recorded"
-    return ", ".join(f"{name} {value}" for name, value in versions.items() if isinstance(value, str)
-                     and name != "python") or "versions not recorded"
+    return listing(f"{name} {value}" for name, value in versions.items() if isinstance(value, str)
+                   and name != "python") or "versions not recorded"
 
 
 def format_comparison(document: Dict[str, Any]) -> str:

@@ -40,11 +40,11 @@ import torch
 
 from ..errors import InputError, UsageError
 from ..formats import bundle
-from ..formats.layout import MANIFEST
+from ..formats.layout import MANIFEST, host_device
 from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
 from ..formats.records import is_growth
 from ..formats.replay import SCHEMA, ReplayVerdict
-from ..formats.text import printable_lines, shell_word
+from ..formats.text import printable_lines, shell_word, untrusted
 from ..formats.trace import (
     REPLAY_PRECISIONS,
     Trace,
@@ -232,11 +232,12 @@ def growth_text(growth: Dict[str, Any]) -> str:
     magnitudes = (f"({magnitude_text(growth['inputs_abs_max'])} ->"
                   f" {magnitude_text(growth['output_abs_max'])})")
     if growth["where"] == "operator":
-        return f"grew out of line at {growth['op']} {magnitudes}"
+        return f"grew out of line at {untrusted(growth['op'])} {magnitudes}"
     inputs = growth["inputs"]
-    text = (f"the module's inputs were already out of line ({inputs['leaf']} abs-max"
+    text = (f"the module's inputs were already out of line ({untrusted(inputs['leaf'])} abs-max"
             f" {magnitude_text(inputs['abs_max'])}): the value grew before this module")
-    return text + (f", in {growth['module']} ({growth['class']}) {magnitudes}" if growth["module"] else "")
+    return text + (f", in {untrusted(growth['module'])} ({untrusted(growth['class'])}) {magnitudes}"
+                   if growth["module"] else "")
 
 
 def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor],
@@ -319,9 +320,9 @@ def operator_text(operator: Dict[str, Any]) -> str:
     decoder.layers.0.self_attention.core_attention)``."""
     fused = operator.get("fused")
     if not fused:
-        return operator["op"]
-    return (f"the fused kernel {fused['class']} ({fused['class_module']}"
-            f"{', in ' + fused['module'] if fused.get('module') else ''})")
+        return untrusted(operator["op"])
+    where = f", in {untrusted(fused['module'])}" if fused.get("module") else ""
+    return f"the fused kernel {untrusted(fused['class'])} ({untrusted(fused['class_module'])}{where})"
 
 
 _FINDINGS = {
@@ -362,16 +363,17 @@ def fused_text(fused: Dict[str, Any]) -> str:
     nonfinite = fused["reference_nonfinite"]
     reference = ("no reference math (opaque)" if nonfinite is None else "reference math " + ", ".join(
         f"{label} {'NON-FINITE' if bad else 'finite'}" for label, bad in nonfinite.items()))
-    return f"Fused kernel {fused['class']}: output NON-FINITE; {reference}: {fused['finding']}"
+    return f"Fused kernel {untrusted(fused['class'])}: output NON-FINITE; {reference}: {fused['finding']}"
 
 
 def module_line(result: Dict[str, Any]) -> str:
     """``Module decoder.layers.1.mlp.linear_fc1 (ColumnParallelLinear), step 4, rank 1 (tp1 pp0 dp0, vm
     cpu)``: which call a replay (or a comparison of replays) is about."""
     rank = result["rank"]
-    return (f"Module {result['module']['path']} ({result['module']['class']}), step {result['step']},"
+    module = result["module"]
+    return (f"Module {untrusted(module['path'])} ({untrusted(module['class'])}), step {result['step']},"
             f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
-            f" {rank['host']} {rank['device']})")
+            f" {host_device(rank)})")
 
 
 def format_text(result: Dict[str, Any]) -> str:
