@@ -250,9 +250,36 @@ def test_a_runup_of_another_launch_or_step_is_not_this_incidents(tmp_path):
     assert analyze(files).incident.runup is None
 
 
-def test_read_without_params_keeps_the_groups_out_of_memory_and_reads_them_back(tmp_path):
+def test_read_without_params_lists_the_runups_and_reads_them_when_the_report_needs_them(tmp_path):
     files = read_run(_run_dir(tmp_path, {"a.json": GOOD}), params=False)
-    (path, document), = files.runups.items()
-    assert "groups" not in document
+    [path] = files.runups_unread
+    assert files.runups == {}
     assert files.runup_groups(path) == GOOD["groups"]
     assert analyze(files).incident.runup.finding is RunUpFinding.SUDDEN
+
+
+def test_read_without_params_parses_only_the_runups_that_name_the_culprit(tmp_path, monkeypatch):
+    """A run-up whose bytes cannot name the culprit parameter is never parsed, and the finding is the same
+    as where every file was read whole."""
+    elsewhere = {**GOOD, "groups": [{**GOOD["groups"][0], "buckets": [
+        {**bucket, "params": [name.replace(CULPRIT, "other.weight") for name in bucket["params"]]}
+        for bucket in BUCKETS]}]}
+    other_rank = {**elsewhere, "rank": {**GOOD["rank"], "global_rank": 1}}
+    run_dir = _run_dir(tmp_path, {"a.json": GOOD, "b.json": other_rank})
+    parsed = []
+    monkeypatch.setattr(runup, "from_json", lambda document, where: parsed.append(where) or document)
+    lean = build_report(read_run(run_dir, params=False))
+    assert parsed == [str(run_dir / RUNUP_DIR / "a.json")] * 2  # chosen, then its groups read again
+    monkeypatch.undo()
+    assert lean == build_report(read_run(run_dir))
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_runup_read_lean_gives_the_report_read_whole(tmp_path, name):
+    """``gradnan report`` reads run-ups lean (``params=False``): a hostile file is still one problem (read
+    where none names the culprit, to say whether any rank wrote one), and the report is the one read
+    whole."""
+    run_dir = _run_dir(tmp_path, {f"rank00000_tp0_pp0_dp0_step0000010_{name}.json": HOSTILE[name]})
+    report = build_report(read_run(run_dir, params=False))
+    assert len(report["problems"]) == 1 and name in report["problems"][0]
+    assert report == build_report(read_run(run_dir))

@@ -10,11 +10,23 @@ problem naming the file, never an exception out of the report.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import InputError
-from .schema import Schema, check_rank, check_run, is_finite, is_int, is_text, optional, read_document
+from .schema import (
+    Schema,
+    check_rank,
+    check_run,
+    is_finite,
+    is_int,
+    is_text,
+    optional,
+    parse_json,
+    read_bytes,
+    read_document,
+)
 
 SCHEMA = Schema("gradnan.runup", 1)
 STATISTIC = "abs_max"  # each bucket's largest |gradient| before the collective (the pre-reduction check's)
@@ -39,6 +51,11 @@ def to_json(coords: Mapping[str, Any], run: Mapping[str, Any], step: int, iterat
             "statistic": STATISTIC, "groups": [dict(group) for group in groups]}
 
 
+def _all_text(names: List[Any]) -> bool:
+    """Every item a string ``is_text`` accepts, checked at once: a bucket lists thousands of names."""
+    return all(type(name) is str for name in names) and is_text("".join(names))
+
+
 def _check_buckets(buckets: Any, where: str) -> int:
     """The parameter names the buckets list; InputError for a malformed entry."""
     if not isinstance(buckets, list) or not buckets:
@@ -48,7 +65,7 @@ def _check_buckets(buckets: Any, where: str) -> int:
         params = bucket.get("params") if isinstance(bucket, dict) else None
         if not (isinstance(bucket, dict) and is_int(bucket.get("bucket")) and bucket["bucket"] >= 0
                 and is_int(bucket.get("numel")) and bucket["numel"] >= 0 and isinstance(params, list)
-                and all(is_text(name) for name in params)):
+                and _all_text(params)):
             raise InputError(f"{where}: buckets[{position}] needs integers 'bucket'/'numel' >= 0 and a"
                              " 'params' list of names")
         names += len(params)
@@ -70,7 +87,7 @@ def _check_group(group: Any, where: str) -> List[int]:
     if not (isinstance(values, list) and len(values) == len(steps)):
         raise InputError(f"{where}: 'values' needs one row per step ({len(steps)})")
     for position, row in enumerate(values):
-        if not (isinstance(row, list) and len(row) == width and all(is_magnitude(v) for v in row)):
+        if not (isinstance(row, list) and len(row) == width and all(map(is_magnitude, row))):
             raise InputError(f"{where}: values[{position}] needs {width} magnitudes (numbers >= 0, \"nan\""
                              " or \"inf\")")
     return [width, width * len(steps), names]
@@ -103,3 +120,18 @@ def from_json(document: Any, where: str) -> Dict[str, Any]:
 
 def load(path: Path) -> Dict[str, Any]:
     return from_json(read_document(path, SCHEMA, MAX_RUNUP_BYTES), str(path))
+
+
+def load_naming(path: Path, parameter: str) -> Optional[Dict[str, Any]]:
+    """The run-up at ``path`` (``load``) where its bytes can name ``parameter``, else None without parsing
+    it: a file without a backslash writes every string as its own UTF-8 bytes, so a bucket listing the
+    parameter holds its JSON string as is (one of 131,072 ranks' files costs a read and a search)."""
+    data = read_bytes(path, MAX_RUNUP_BYTES)
+    if json.dumps(parameter, ensure_ascii=False).encode("utf-8", "surrogatepass") not in data \
+            and b"\\" not in data:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.incident import (
@@ -45,7 +45,7 @@ from .causes import BadWeight, Decision, Evidence, StateFault, decide
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
-from .runup import RunUp
+from .runup import RunUp, culprit_bucket
 from .runup import decide as runup_finding
 
 SCHEMA = Schema("gradnan.report", 2)
@@ -923,19 +923,33 @@ def _run_key(document: Dict[str, Any]) -> str:
 def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
            parameter: Optional[str]) -> Optional[RunUp]:
     """The run-up finding from this launch's run-up files (a file names its launch as every record does):
-    each rank's first at or after the failing ``step`` (a run of fp16 skips writes it where the run became
-    an incident, a few steps after the one the report starts from; the rule reads the rows up to
-    ``step``); None where no rank wrote one."""
+    each rank's first at or after the failing ``step`` of those whose buckets hold ``parameter`` (a run of
+    fp16 skips writes it where the run became an incident, a few steps after the one the report starts
+    from; the rule reads the rows up to ``step``); None where no rank wrote one. Only the files that can
+    name the parameter are parsed (``RunFiles.runups_naming``); every one only where none holds it."""
     launches = {_run_key(record) for record in launch}
-    first: Dict[Any, Tuple[int, str, Any]] = {}
-    for path, doc in files.runups.items():
-        if doc["step"] >= step and _run_key(doc) in launches:
-            rank, candidate = doc["rank"]["global_rank"], (doc["step"], str(path), path)
-            first[rank] = min(first.get(rank, candidate), candidate)
-    if not first:
-        return None
-    chosen = [path for _, _, path in sorted(first.values(), key=lambda item: item[1])]
-    return runup_finding(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
+
+    def first_per_rank(documents: Iterable[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Dict[str, Any], Any]]:
+        """Each rank's first run-up at or after ``step`` in this launch: its header (without its groups)
+        and its path, in the order of the paths' names."""
+        first: Dict[Any, Tuple[int, str, Any, Dict[str, Any]]] = {}
+        for path, doc in documents:
+            if doc["step"] >= step and _run_key(doc) in launches:
+                rank = doc["rank"]["global_rank"]
+                if rank not in first or (doc["step"], str(path)) < first[rank][:2]:
+                    header = {key: value for key, value in doc.items() if key != "groups"}
+                    first[rank] = (doc["step"], str(path), path, header)
+        return [(header, path) for _, _, path, header in sorted(first.values(), key=lambda item: item[1])]
+
+    if parameter is not None:
+        chosen = first_per_rank((path, doc) for path, doc in files.runups_naming(parameter)
+                                if culprit_bucket(doc["groups"], parameter))
+        if chosen:  # their groups read again one at a time: 8,192 ranks' are never held at once
+            return runup_finding(((header, files.runup_groups(path)) for header, path in chosen), parameter,
+                                 step)
+    written = first_per_rank(files.all_runups())
+    # none names the parameter (or none is named): the finding says so; None where no rank wrote one
+    return runup_finding(((header, []) for header, _ in written), parameter, step) if written else None
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

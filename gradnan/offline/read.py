@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ..errors import InputError
 from ..formats import bundle, maps, records, runup, selftest
@@ -56,9 +56,12 @@ class RunFiles:
     records: Dict[Path, List[Dict[str, Any]]] = field(default_factory=dict)
     selftests: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     bundles: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
-    # ``runup/``: the gradient buckets' run-up at an incident; with params=False without its groups
+    # ``runup/``: the gradient buckets' run-up at an incident, read whole; with params=False only listed
+    # (``runups_unread``) and read where the report needs them (``runups_naming``)
     runups: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
+    runups_unread: List[Path] = field(default_factory=list)
+    unreadable: Set[Path] = field(default_factory=set)  # listed files found bad: one problem, not read again
 
     def all_records(self) -> List[Dict[str, Any]]:
         return [record for records in self.records.values() for record in records]
@@ -71,8 +74,35 @@ class RunFiles:
         return records.load_at(path, number, offset)
 
     def runup_groups(self, path: Path) -> List[Dict[str, Any]]:
-        """A run-up's groups (read back from its file where it was read without them)."""
-        return _whole(self.runups[path], "groups", runup.load, path)
+        """A run-up's groups (read from its file where it was only listed); none where it can no longer
+        be read."""
+        return _whole(self.runups.get(path, {}), "groups", runup.load, path)
+
+    def runups_naming(self, parameter: str) -> Iterator[Tuple[Path, Dict[str, Any]]]:
+        """The run-ups, whole, that can hold ``parameter`` in a bucket: every one read, and of those only
+        listed the files whose bytes can name it (``runup.load_naming``), each read now (a bad one is a
+        problem); the others are not parsed at all. The caller checks the buckets."""
+        yield from self.runups.items()
+        yield from self._unread_runups(lambda path: runup.load_naming(path, parameter))
+
+    def all_runups(self) -> Iterator[Tuple[Path, Dict[str, Any]]]:
+        """Every run-up, whole (those only listed are read now, a bad one is a problem)."""
+        yield from self.runups.items()
+        yield from self._unread_runups(runup.load)
+
+    def _unread_runups(self, load: Callable[[Path], Optional[Dict[str, Any]]]
+                       ) -> Iterator[Tuple[Path, Dict[str, Any]]]:
+        for path in self.runups_unread:
+            if path in self.unreadable:
+                continue
+            try:
+                document = load(path)
+            except InputError as exc:
+                self.problems.append(str(exc))
+                self.unreadable.add(path)
+                continue
+            if document is not None:
+                yield path, document
 
     def params_of_map(self, path: Path) -> List[Dict[str, Any]]:
         """A map's parameters (read back from its file where it was read without them)."""
@@ -203,12 +233,10 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             files.bundles[path.parent] = bundle.load_manifest(path)
         except InputError as exc:
             files.problems.append(str(exc))
-    for path in _listed(run_dir / RUNUP_DIR, ".json", files.problems):
-        try:
-            document = runup.load(path)
-            files.runups[path] = document if params else {k: v for k, v in document.items() if k != "groups"}
-        except InputError as exc:
-            files.problems.append(str(exc))
+    files.runups_unread = _listed(run_dir / RUNUP_DIR, ".json", files.problems)
+    if params:
+        files.runups = dict(files.all_runups())
+        files.runups_unread = []
     budget = [KEPT_PARAMS]
     for path in record_files:
         problems = Problems()

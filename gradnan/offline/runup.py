@@ -130,9 +130,13 @@ def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]],
            step: int) -> RunUp:
     """The finding over every rank's run-up at the failing ``step``: ``documents`` as (document, its
     groups)."""
-    documents = list(documents)
-    ranks = [] if parameter is None else [
-        found for found in (rank_runup(doc, groups, parameter, step) for doc, groups in documents) if found]
+    ranks: List[RankRunUp] = []
+    written = 0  # streamed: one rank's groups at a time
+    for doc, groups in documents:
+        written += 1
+        found = None if parameter is None else rank_runup(doc, groups, parameter, step)
+        if found:
+            ranks.append(found)
     ranks.sort(key=lambda rank: rank.global_rank)
     grown = [rank for rank in ranks if rank.grew]
     decided = [rank for rank in ranks if rank.grew is not None]
@@ -146,7 +150,7 @@ def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]],
         finding, onset, ratio = RunUpFinding.SUDDEN, None, max(rank.ratio for rank in decided)
     else:
         finding, onset, ratio = RunUpFinding.UNDECIDED, None, None
-    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, len(documents), step)
+    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, written, step)
     where = " and ".join(rank.label for rank in first[:MAX_NAMED])
     if len(first) > MAX_NAMED:
         where += f" and {len(first) - MAX_NAMED} more rank(s) at the same step"
