@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import InputError
 from .schema import (
@@ -23,7 +23,7 @@ from .schema import (
     is_int,
     is_text,
     optional,
-    parse_json,
+    parse_document,
     read_bytes,
     read_document,
 )
@@ -122,16 +122,16 @@ def load(path: Path) -> Dict[str, Any]:
     return from_json(read_document(path, SCHEMA, MAX_RUNUP_BYTES), str(path))
 
 
-def load_naming(path: Path, parameter: str) -> Optional[Dict[str, Any]]:
-    """The run-up at ``path`` (``load``) where its bytes can name ``parameter``, else None without parsing
-    it: a file without a backslash writes every string as its own UTF-8 bytes, so a bucket listing the
-    parameter holds its JSON string as is (one of 131,072 ranks' files costs a read and a search)."""
-    data = read_bytes(path, MAX_RUNUP_BYTES)
-    if json.dumps(parameter, ensure_ascii=False).encode("utf-8", "surrogatepass") not in data \
-            and b"\\" not in data:
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not UTF-8 text") from None
-    return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path))
+def loader_naming(parameter: str) -> Callable[[Path], Optional[Dict[str, Any]]]:
+    """``load`` for a file whose bytes can name ``parameter``; None for another, without parsing it: a file
+    without a backslash writes every string as its own UTF-8 bytes, so a bucket listing the parameter
+    holds its JSON string as is (one of 131,072 ranks' files costs a read and a search)."""
+    needle = json.dumps(parameter, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+    def load_naming(path: Path) -> Optional[Dict[str, Any]]:
+        data = read_bytes(path, MAX_RUNUP_BYTES)
+        if needle not in data and b"\\" not in data:
+            return None
+        return from_json(parse_document(data, path, SCHEMA), str(path))
+
+    return load_naming

@@ -100,8 +100,10 @@ def check_rank(rank: Any, where: str) -> None:
     """The rank object every reader and the report rely on: integers where integers go, text for host."""
     if not isinstance(rank, dict) or not is_int(rank.get("global_rank")):
         raise InputError(f"{where}: needs a 'rank' object with an integer 'global_rank'")
-    for key in _RANK_INTS:
-        if not optional(rank.get(key), is_int):
+    for key in _RANK_INTS:  # inline: every record of 131,072 ranks holds one
+        value = rank.get(key)
+        if value is not None and (type(value) is not int or not -INT_BOUND <= value < INT_BOUND) \
+                and not is_int(value):
             raise InputError(f"{where}: rank.{key} must be an integer")
     for key in ("host", "device"):
         if not optional(rank.get(key), is_text):
@@ -171,8 +173,11 @@ def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
     even from a file that grows while it is read."""
     with open_regular(path, max_bytes, follow) as stream:
-        try:
-            data = stream.read(max_bytes + 1)
+        try:  # the size it has now, and more only if it grew since (no buffer of max_bytes per file)
+            size = os.fstat(stream.fileno()).st_size
+            data = stream.read(min(size, max_bytes) + 1)
+            if len(data) > size:
+                data += stream.read(max_bytes + 1 - len(data))
         except OSError as exc:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
@@ -200,7 +205,16 @@ def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False)
 def read_document(path: Path, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
     """A JSON file of ``schema`` of at most ``max_bytes``, checked for its name and version (the caller
     checks its fields)."""
-    return schema.check(parse_json(read_text(path, max_bytes), str(path)), str(path))
+    return parse_document(read_bytes(path, max_bytes), path, schema)
+
+
+def parse_document(data: bytes, path: Path, schema: Schema) -> Dict[str, Any]:
+    """``read_document`` of bytes already read from ``path``."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    return schema.check(parse_json(text, str(path)), str(path))
 
 
 def nonfinite_counts(entry: Mapping[str, Any]) -> str:

@@ -266,9 +266,10 @@ def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
     return ranks
 
 
-def _params_per_rank(files: RunFiles) -> Dict[int, int]:
+def _params_per_rank(files: RunFiles, ranks: Collection[Any]) -> Dict[int, int]:
+    """The parameters these ranks' maps list (every optimizer's), by global rank."""
     counts: Dict[int, int] = {}
-    for document in files.maps.values():
+    for _, document in files.maps_of(ranks):
         rank = document["rank"]["global_rank"]
         counts[rank] = counts.get(rank, 0) + document["params_count"]
     return counts
@@ -290,11 +291,10 @@ def _param_dtypes(files: RunFiles, ranks: Collection[Any]) -> Dict[Tuple[Any, st
     """The model dtype of every parameter of these ranks' maps, by (global rank, name): the dtype whose
     limit a gradient's largest finite magnitude is measured against (``near_limit``; the plot's line)."""
     dtypes: Dict[Tuple[Any, str], str] = {}
-    for path, document in files.maps.items():
+    for path, document in files.maps_of(ranks):
         rank = document["rank"]["global_rank"]
-        if rank in ranks:
-            dtypes.update(((rank, param["name"]), param["dtype"]) for param in files.params_of_map(path)
-                          if isinstance(param.get("dtype"), str))
+        dtypes.update(((rank, param["name"]), param["dtype"])
+                      for param in files.params_of_map(path, document) if isinstance(param.get("dtype"), str))
     return dtypes
 
 
@@ -847,7 +847,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     states = _state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [_rank_entry(r, dtypes) for r in origin_records]
-    pattern = _pattern(gradient_origin, _params_per_rank(files))
+    pattern = _pattern(gradient_origin,
+                       _params_per_rank(files, {entry["global_rank"] for entry in gradient_origin}))
     rerun = _rerun_finding(launch)
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
     iteration = next((r.get("iteration") for r in at_step if isinstance(r.get("iteration"), int)),

@@ -12,9 +12,10 @@ parameters only while ``KEPT_PARAMS`` entries in all are kept, the others withou
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ..errors import InputError
 from ..formats import bundle, maps, records, runup, selftest
@@ -61,6 +62,9 @@ class RunFiles:
     runups: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
     runups_unread: List[Path] = field(default_factory=list)
+    # with params=False, the maps of ranks that wrote records (``rank_tag_of_map``): read where the report
+    # needs them (``maps_of``)
+    maps_unread: List[Path] = field(default_factory=list)
     unreadable: Set[Path] = field(default_factory=set)  # listed files found bad: one problem, not read again
 
     def all_records(self) -> List[Dict[str, Any]]:
@@ -83,7 +87,7 @@ class RunFiles:
         listed the files whose bytes can name it (``runup.load_naming``), each read now (a bad one is a
         problem); the others are not parsed at all. The caller checks the buckets."""
         yield from self.runups.items()
-        yield from self._unread_runups(lambda path: runup.load_naming(path, parameter))
+        yield from self._unread_runups(runup.loader_naming(parameter))
 
     def all_runups(self) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """Every run-up, whole (those only listed are read now, a bad one is a problem)."""
@@ -104,9 +108,28 @@ class RunFiles:
             if document is not None:
                 yield path, document
 
-    def params_of_map(self, path: Path) -> List[Dict[str, Any]]:
-        """A map's parameters (read back from its file where it was read without them)."""
-        return _whole(self.maps[path], "params", maps.load, path)
+    def maps_of(self, ranks: Collection[Any]) -> Iterator[Tuple[Path, Dict[str, Any]]]:
+        """The maps of these global ranks: of those read, and of those only listed the ones named after
+        these ranks' records files, each read now (a bad one is a problem)."""
+        yield from ((path, doc) for path, doc in self.maps.items() if doc["rank"]["global_rank"] in ranks)
+        tags = {path.stem for path, found in self.records.items()
+                if any(record["rank"].get("global_rank") in ranks for record in found)}
+        for path in self.maps_unread:
+            if rank_tag_of_map(path.name) not in tags or path in self.unreadable:
+                continue
+            try:
+                document = maps.load(path, params=False)
+            except InputError as exc:
+                self.problems.append(str(exc))
+                self.unreadable.add(path)
+                continue
+            if document["rank"]["global_rank"] in ranks:
+                yield path, document
+
+    def params_of_map(self, path: Path, document: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """A map's parameters (read back from its file where ``document``, the map, was read without
+        them)."""
+        return _whole(document, "params", maps.load, path)
 
 
 def _whole(document: Dict[str, Any], key: str, load: Callable[[Path], Dict[str, Any]],
@@ -161,7 +184,7 @@ def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
     except OSError as exc:
         problems.append(f"{directory}: cannot list it ({exc.strerror or exc})")
         return []
-    return sorted(directory / name for name in names if name.endswith(suffix) and not name.startswith("."))
+    return [directory / name for name in sorted(names) if name.endswith(suffix) and not name.startswith(".")]
 
 
 def _bundle_manifests(run_dir: Path, problems: List[str]) -> List[Path]:
@@ -218,7 +241,23 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     run_dir = Path(run_dir)
     map_files, record_files, selftest_files, listing = _listing(run_dir)
     files = RunFiles(run_dir, problems=Problems(listing))
+    budget, record_problems = [KEPT_PARAMS], Problems()
+    for path in record_files:
+        problems = Problems()
+        try:
+            found = _read_records(path, params, budget, problems)
+        except InputError as exc:
+            record_problems.append(str(exc))
+            continue
+        files.records[path] = found
+        record_problems += problems
+        record_problems.total += problems.total - len(problems)
+    # lean: a map is read where its rank wrote no records (to know the rank), else when the report needs it
+    known = {path.stem for path, found in files.records.items() if found} if not params else set()
     for path in map_files:
+        if rank_tag_of_map(path.name) in known:
+            files.maps_unread.append(path)
+            continue
         try:
             files.maps[path] = maps.load(path, params)
         except InputError as exc:
@@ -237,15 +276,12 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     if params:
         files.runups = dict(files.all_runups())
         files.runups_unread = []
-    budget = [KEPT_PARAMS]
-    for path in record_files:
-        problems = Problems()
-        try:
-            found = _read_records(path, params, budget, problems)
-        except InputError as exc:
-            files.problems.append(str(exc))
-            continue
-        files.records[path] = found
-        files.problems += problems
-        files.problems.total += problems.total - len(problems)
+    files.problems += record_problems
+    files.problems.total += record_problems.total - len(record_problems)
     return files
+
+
+def rank_tag_of_map(name: str) -> str:
+    """The rank tag a map's file name starts with (``layout.map_path``: ``<rank tag>[_opt<k>][.<launch>]
+    .json``), as its rank's records file is named (``<rank tag>.jsonl``)."""
+    return re.sub(r"_opt[0-9]+$", "", name.split(".", 1)[0])
