@@ -143,6 +143,17 @@ def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = Fal
     the name, so a directory swapped in after a check is refused too. A symbolic link is refused unless
     ``follow`` (a user's own config file): a member of a run directory or bundle that points elsewhere
     (``manifest.json -> /etc/...``) is not read, so nothing of another file reaches a message."""
+    descriptor, _ = _open_checked(path, max_bytes, follow)
+    try:
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _open_checked(path: Path, max_bytes: int, follow: bool) -> Tuple[int, int]:
+    """``open_regular``'s descriptor (still non-blocking) and the file's size."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
     except OSError as exc:
@@ -156,8 +167,7 @@ def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = Fal
         if status.st_size > max_bytes:
             raise InputError(f"{path}: {status.st_size} bytes, more than the {max_bytes} gradnan reads:"
                              " refused")
-        os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "rb")
+        return descriptor, status.st_size
     except BaseException:
         os.close(descriptor)
         raise
@@ -171,15 +181,23 @@ def _file_kind(mode: int) -> str:
 
 def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
-    even from a file that grows while it is read."""
-    with open_regular(path, max_bytes, follow) as stream:
-        try:  # the size it has now, and more only if it grew since (no buffer of max_bytes per file)
-            size = os.fstat(stream.fileno()).st_size
-            data = stream.read(min(size, max_bytes) + 1)
-            if len(data) > size:
-                data += stream.read(max_bytes + 1 - len(data))
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    even from a file that grows while it is read. Read at its size with plain reads (one of 131,072
+    ranks' files costs an open, a read and a close)."""
+    descriptor, size = _open_checked(path, max_bytes, follow)
+    chunks, total, wanted = [], 0, min(size, max_bytes) + 1  # a byte more: a file that grew reads on
+    try:
+        while wanted > 0:
+            chunk = os.read(descriptor, wanted)
+            chunks.append(chunk)
+            total += len(chunk)
+            if len(chunk) < wanted:  # its end
+                break
+            wanted = max_bytes + 1 - total
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(descriptor)
+    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise InputError(f"{path}: more than the {max_bytes} bytes gradnan reads: refused")
     return data
