@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from ..formats.incident import (
@@ -45,8 +46,8 @@ from .causes import BadWeight, Decision, Evidence, StateFault, decide
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
-from .runup import RunUp, culprit_bucket
-from .runup import decide as runup_finding
+from .runup import RankRunUp, RunUp, culprit_bucket, rank_runup
+from .runup import decide_ranks as runup_finding
 
 SCHEMA = Schema("gradnan.report", 2)
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
@@ -930,27 +931,24 @@ def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
     name the parameter are parsed (``RunFiles.runups_naming``); every one only where none holds it."""
     launches = {_run_key(record) for record in launch}
 
-    def first_per_rank(documents: Iterable[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Dict[str, Any], Any]]:
-        """Each rank's first run-up at or after ``step`` in this launch: its header (without its groups)
-        and its path, in the order of the paths' names."""
-        first: Dict[Any, Tuple[int, str, Any, Dict[str, Any]]] = {}
+    def first_per_rank(documents: Iterator[Tuple[Path, Dict[str, Any]]]) -> List[Optional[RankRunUp]]:
+        """The rule on each rank's first run-up at or after ``step`` in this launch, in one pass: a
+        rank's groups are not kept."""
+        first: Dict[Any, Tuple[int, str, Optional[RankRunUp]]] = {}
         for path, doc in documents:
-            if doc["step"] >= step and _run_key(doc) in launches:
-                rank = doc["rank"]["global_rank"]
-                if rank not in first or (doc["step"], str(path)) < first[rank][:2]:
-                    header = {key: value for key, value in doc.items() if key != "groups"}
-                    first[rank] = (doc["step"], str(path), path, header)
-        return [(header, path) for _, _, path, header in sorted(first.values(), key=lambda item: item[1])]
+            rank = doc["rank"]["global_rank"]
+            if doc["step"] >= step and _run_key(doc) in launches and (
+                    rank not in first or (doc["step"], str(path)) < first[rank][:2]):
+                found = None if parameter is None else rank_runup(doc, doc["groups"], parameter, step)
+                first[rank] = (doc["step"], str(path), found)
+        return [found for _, _, found in first.values()]
 
-    if parameter is not None:
-        chosen = first_per_rank((path, doc) for path, doc in files.runups_naming(parameter)
-                                if culprit_bucket(doc["groups"], parameter))
-        if chosen:  # their groups read again one at a time: 8,192 ranks' are never held at once
-            return runup_finding(((header, files.runup_groups(path)) for header, path in chosen), parameter,
-                                 step)
-    written = first_per_rank(files.all_runups())
-    # none names the parameter (or none is named): the finding says so; None where no rank wrote one
-    return runup_finding(((header, []) for header, _ in written), parameter, step) if written else None
+    found = [] if parameter is None else first_per_rank(
+        (path, doc) for path, doc in files.runups_naming(parameter)
+        if culprit_bucket(doc["groups"], parameter))
+    if not found:  # none names the parameter (or none is named): did any rank write one, to say so?
+        found = first_per_rank(files.all_runups())
+    return runup_finding(found, parameter, step) if found else None
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:

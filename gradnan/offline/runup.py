@@ -129,15 +129,18 @@ def _reason(ranks: Sequence[RankRunUp], documents: int, step: int) -> str:
 def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]], parameter: Optional[str],
            step: int) -> RunUp:
     """The finding over every rank's run-up at the failing ``step``: ``documents`` as (document, its
-    groups)."""
-    ranks: List[RankRunUp] = []
-    written = 0  # streamed: one rank's groups at a time
+    groups), streamed (one rank's groups at a time)."""
+    ranks: List[Optional[RankRunUp]] = []
     for doc, groups in documents:
-        written += 1
-        found = None if parameter is None else rank_runup(doc, groups, parameter, step)
-        if found:
-            ranks.append(found)
-    ranks.sort(key=lambda rank: rank.global_rank)
+        ranks.append(None if parameter is None else rank_runup(doc, groups, parameter, step))
+    return decide_ranks(ranks, parameter, step)
+
+
+def decide_ranks(found: Sequence[Optional[RankRunUp]], parameter: Optional[str], step: int) -> RunUp:
+    """``decide`` from the rule's result on each rank's run-up (``rank_runup``; None where no bucket holds
+    the parameter, or none is named)."""
+    ranks = sorted((rank for rank in found if rank), key=lambda rank: rank.global_rank)
+    written = len(found)
     grown = [rank for rank in ranks if rank.grew]
     decided = [rank for rank in ranks if rank.grew is not None]
     first: List[RankRunUp] = []
