@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
@@ -27,6 +27,7 @@ from .schema import (
     open_regular,
     optional,
     parse_json,
+    read_if_small,
 )
 
 SCHEMA = Schema("gradnan.record", 1)
@@ -295,26 +296,47 @@ def _parse_line(text: str, path: Path, number: int) -> Dict[str, Any]:
     return from_json(parse_json(text, where), where)
 
 
+SMALL_FILE = 1 << 20  # a records file up to this size is read at once, a larger one line by line
+
+
 def stream(path: Path) -> Iterator[Line]:
-    """The lines of one rank's file, read one at a time (a file of any size in the memory of one line).
+    """The lines of one rank's file, read one at a time (a file of any size in the memory of one line;
+    one of at most ``SMALL_FILE`` bytes read at once: 131,072 ranks' files cost a read each).
 
     A last line without its newline is a record cut short (the process died while writing it). Bytes
     that are not UTF-8 raise InputError for the whole file."""
+    data = read_if_small(path, SMALL_FILE)
+    if data is not None:
+        yield from _lines(path, _split_lines(data))
+        return
     with open_regular(path) as handle:
-        offset = 0
-        for number, raw in enumerate(handle, start=1):
-            start, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue
-            text = _decode(raw, path)
-            cut_short = not raw.endswith(b"\n")
-            try:
-                if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
-                    raise InputError(f"{path}:{number}: not a JSON object")
-                yield Line(number, start, _parse_line(text, path, number), None)
-            except InputError as exc:
-                yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
-                                                " writing it)" if cut_short else str(exc))
+        yield from _lines(path, handle)
+
+
+def _split_lines(data: bytes) -> Iterator[bytes]:
+    """The lines of ``data`` as a file yields them: each with its newline, the last perhaps without."""
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start) + 1 or len(data)
+        yield data[start:end]
+        start = end
+
+
+def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
+    offset = 0
+    for number, raw in enumerate(raws, start=1):
+        start, offset = offset, offset + len(raw)
+        if not raw.strip():
+            continue
+        text = _decode(raw, path)
+        cut_short = not raw.endswith(b"\n")
+        try:
+            if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
+                raise InputError(f"{path}:{number}: not a JSON object")
+            yield Line(number, start, _parse_line(text, path, number), None)
+        except InputError as exc:
+            yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
+                                            " writing it)" if cut_short else str(exc))
 
 
 def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:

@@ -183,7 +183,24 @@ def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
     even from a file that grows while it is read. Read at its size with plain reads (one of 131,072
     ranks' files costs an open, a read and a close)."""
-    descriptor, size = _open_checked(path, max_bytes, follow)
+    data = _read_open(path, *_open_checked(path, max_bytes, follow), max_bytes)
+    if len(data) > max_bytes:
+        raise InputError(f"{path}: more than the {max_bytes} bytes gradnan reads: refused")
+    return data
+
+
+def read_if_small(path: Path, small: int) -> Optional[bytes]:
+    """``read_bytes`` of a file of at most ``small`` bytes; None for a larger one (read it as a stream)."""
+    descriptor, size = _open_checked(path, MAX_READ_BYTES, False)
+    if size > small:
+        os.close(descriptor)
+        return None
+    data = _read_open(path, descriptor, size, small)
+    return data if len(data) <= small else None
+
+
+def _read_open(path: Path, descriptor: int, size: int, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` + 1 bytes of an open file of ``size`` bytes (more if it grew), and closes it."""
     chunks, total, wanted = [], 0, min(size, max_bytes) + 1  # a byte more: a file that grew reads on
     try:
         while wanted > 0:
@@ -197,10 +214,7 @@ def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     finally:
         os.close(descriptor)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        raise InputError(f"{path}: more than the {max_bytes} bytes gradnan reads: refused")
-    return data
+    return b"".join(chunks)
 
 
 def read_prefix(path: Path, count: int) -> bytes:
