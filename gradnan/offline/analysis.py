@@ -971,7 +971,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
     launch = runs.get(chosen, []) if chosen is not None else []
     incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
     in_launch = (split_runs(list(files.bundles.values()) + launch).get(chosen, [])
-                 if chosen is not None else [])
+                 if chosen is not None and files.bundles else [])
     bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
                     for path, doc in sorted(files.bundles.items())

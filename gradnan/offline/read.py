@@ -64,7 +64,7 @@ class RunFiles:
     runups_unread: List[Path] = field(default_factory=list)
     # with params=False, the maps of ranks that wrote records (``rank_tag_of_map``): read where the report
     # needs them (``maps_of``)
-    maps_unread: List[Path] = field(default_factory=list)
+    maps_unread: Dict[str, List[Path]] = field(default_factory=dict)  # by rank tag
     unreadable: Set[Path] = field(default_factory=set)  # listed files found bad: one problem, not read again
 
     def all_records(self) -> List[Dict[str, Any]]:
@@ -114,8 +114,8 @@ class RunFiles:
         yield from ((path, doc) for path, doc in self.maps.items() if doc["rank"]["global_rank"] in ranks)
         tags = {path.stem for path, found in self.records.items()
                 if any(record["rank"].get("global_rank") in ranks for record in found)}
-        for path in self.maps_unread:
-            if rank_tag_of_map(path.name) not in tags or path in self.unreadable:
+        for path in (path for tag in sorted(tags) for path in self.maps_unread.get(tag, ())):
+            if path in self.unreadable:
                 continue
             try:
                 document = maps.load(path, params=False)
@@ -255,8 +255,9 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     # lean: a map is read where its rank wrote no records (to know the rank), else when the report needs it
     known = {path.stem for path, found in files.records.items() if found} if not params else set()
     for path in map_files:
-        if rank_tag_of_map(path.name) in known:
-            files.maps_unread.append(path)
+        tag = rank_tag_of_map(path.name)
+        if tag in known:
+            files.maps_unread.setdefault(tag, []).append(path)
             continue
         try:
             files.maps[path] = maps.load(path, params)
