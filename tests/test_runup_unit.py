@@ -252,9 +252,9 @@ def test_a_runup_of_another_launch_or_step_is_not_this_incidents(tmp_path):
 
 def test_read_without_params_lists_the_runups_and_reads_them_when_the_report_needs_them(tmp_path):
     files = read_run(_run_dir(tmp_path, {"a.json": GOOD}), params=False)
-    [path] = files.runups_unread
-    assert files.runups == {}
-    assert files.runup_groups(path) == GOOD["groups"]
+    assert files.runups == {} and files.runups_unread == ["a.json"]
+    [(path, document)] = files.all_runups()
+    assert path == tmp_path / RUNUP_DIR / "a.json" and document["groups"] == GOOD["groups"]
     assert analyze(files).incident.runup.finding is RunUpFinding.SUDDEN
 
 

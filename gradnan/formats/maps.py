@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optio
 
 from ..errors import InputError
 from .schema import (
+    FilePath,
     Schema,
     check_rank,
     is_int,
@@ -146,7 +147,7 @@ def _header(head: bytes, where: str) -> Optional[Dict[str, Any]]:
 FIRST_BYTES = 1 << 12  # a header as gradnan writes it (a rank object, counts, the columns) fits in these
 
 
-def _head(path: Path) -> bytes:
+def _head(path: FilePath) -> bytes:
     """The file's first bytes up to its table's rows: ``FIRST_BYTES`` where those hold the header and the
     columns (16,000 maps of 50 KB read 4 KB each), else ``HEADER_BYTES``."""
     head = read_prefix(path, FIRST_BYTES)
@@ -155,7 +156,7 @@ def _head(path: Path) -> bytes:
     return read_prefix(path, HEADER_BYTES)
 
 
-def load(path: Path, params: bool = True) -> Dict[str, Any]:
+def load(path: FilePath, params: bool = True) -> Dict[str, Any]:
     """``params=False``: the map without its parameters, for a reader of thousands of maps that needs
     each rank's coordinates and ``params_count`` (a version 2 map's table is not even read)."""
     header = None if params else _header(_head(path), str(path))

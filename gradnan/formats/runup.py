@@ -11,11 +11,11 @@ problem naming the file, never an exception out of the report.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import InputError
 from .schema import (
+    FilePath,
     Schema,
     check_rank,
     check_run,
@@ -118,17 +118,17 @@ def from_json(document: Any, where: str) -> Dict[str, Any]:
     return document
 
 
-def load(path: Path) -> Dict[str, Any]:
+def load(path: FilePath) -> Dict[str, Any]:
     return from_json(read_document(path, SCHEMA, MAX_RUNUP_BYTES), str(path))
 
 
-def loader_naming(parameter: str) -> Callable[[Path], Optional[Dict[str, Any]]]:
+def loader_naming(parameter: str) -> Callable[[FilePath], Optional[Dict[str, Any]]]:
     """``load`` for a file whose bytes can name ``parameter``; None for another, without parsing it: a file
     without a backslash writes every string as its own UTF-8 bytes, so a bucket listing the parameter
     holds its JSON string as is (one of 131,072 ranks' files costs a read and a search)."""
     needle = json.dumps(parameter, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
-    def load_naming(path: Path) -> Optional[Dict[str, Any]]:
+    def load_naming(path: FilePath) -> Optional[Dict[str, Any]]:
         data = read_bytes(path, MAX_RUNUP_BYTES)
         if needle not in data and b"\\" not in data:
             return None

@@ -17,7 +17,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 from ..errors import InputError
 
@@ -131,12 +131,13 @@ def parse_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
+FilePath = Union[str, Path]  # a file to read: a Path, or its name as text (listed files cost no Paths)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_READ_BYTES = 1 << 30  # above any file gradnan writes (records stop at max_records_bytes, 64 MiB)
 
 
-def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
+def open_regular(path: FilePath, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
     """``path`` opened for reading if it is a regular file of at most ``max_bytes``; InputError otherwise.
 
     Opened without blocking (a FIFO would wait forever for a writer) and checked on the open file, not
@@ -152,7 +153,7 @@ def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = Fal
         raise
 
 
-def _open_checked(path: Path, max_bytes: int, follow: bool) -> Tuple[int, int]:
+def _open_checked(path: FilePath, max_bytes: int, follow: bool) -> Tuple[int, int]:
     """``open_regular``'s descriptor (still non-blocking) and the file's size."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
@@ -179,7 +180,7 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
-def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
+def read_bytes(path: FilePath, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
     even from a file that grows while it is read. Read at its size with plain reads (one of 131,072
     ranks' files costs an open, a read and a close)."""
@@ -189,7 +190,7 @@ def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False
     return data
 
 
-def read_if_small(path: Path, small: int) -> Optional[bytes]:
+def read_if_small(path: FilePath, small: int) -> Optional[bytes]:
     """``read_bytes`` of a file of at most ``small`` bytes; None for a larger one (read it as a stream)."""
     descriptor, size = _open_checked(path, MAX_READ_BYTES, False)
     if size > small:
@@ -199,7 +200,7 @@ def read_if_small(path: Path, small: int) -> Optional[bytes]:
     return data if len(data) <= small else None
 
 
-def _read_open(path: Path, descriptor: int, size: int, max_bytes: int) -> bytes:
+def _read_open(path: FilePath, descriptor: int, size: int, max_bytes: int) -> bytes:
     """At most ``max_bytes`` + 1 bytes of an open file of ``size`` bytes (more if it grew), and closes it."""
     chunks, total, wanted = [], 0, min(size, max_bytes) + 1  # a byte more: a file that grew reads on
     try:
@@ -217,7 +218,7 @@ def _read_open(path: Path, descriptor: int, size: int, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_prefix(path: Path, count: int) -> bytes:
+def read_prefix(path: FilePath, count: int) -> bytes:
     """At most the first ``count`` bytes of a regular file (``open_regular``)."""
     with open_regular(path) as stream:
         try:
@@ -234,13 +235,13 @@ def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False)
         raise InputError(f"{path}: not UTF-8 text") from None
 
 
-def read_document(path: Path, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
+def read_document(path: FilePath, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
     """A JSON file of ``schema`` of at most ``max_bytes``, checked for its name and version (the caller
     checks its fields)."""
     return parse_document(read_bytes(path, max_bytes), path, schema)
 
 
-def parse_document(data: bytes, path: Path, schema: Schema) -> Dict[str, Any]:
+def parse_document(data: bytes, path: FilePath, schema: Schema) -> Dict[str, Any]:
     """``read_document`` of bytes already read from ``path``."""
     try:
         text = data.decode("utf-8")

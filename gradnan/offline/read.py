@@ -20,7 +20,9 @@ from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Op
 from ..errors import InputError
 from ..formats import bundle, maps, records, runup, selftest
 from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, RUNUP_DIR, SELFTEST_DIR
+from ..formats.schema import FilePath
 
+Document = Dict[str, Any]
 KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)
 MAX_PROBLEMS = 1000  # problems kept as text; past them only counted (a file of 50 M junk lines)
 
@@ -61,11 +63,11 @@ class RunFiles:
     # (``runups_unread``) and read where the report needs them (``runups_naming``)
     runups: Dict[Path, Dict[str, Any]] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
-    runups_unread: List[Path] = field(default_factory=list)
-    # with params=False, the maps of ranks that wrote records (``rank_tag_of_map``): read where the report
-    # needs them (``maps_of``)
-    maps_unread: Dict[str, List[Path]] = field(default_factory=dict)  # by rank tag
-    unreadable: Set[Path] = field(default_factory=set)  # listed files found bad: one problem, not read again
+    runups_unread: List[str] = field(default_factory=list)  # names in runup/
+    # with params=False, the maps of ranks that wrote records (``rank_tag_of_map``): names in maps/ by rank
+    # tag, read where the report needs them (``maps_of``)
+    maps_unread: Dict[str, List[str]] = field(default_factory=dict)
+    unreadable: Set[str] = field(default_factory=set)  # listed files found bad: one problem, not read again
 
     def all_records(self) -> List[Dict[str, Any]]:
         return [record for records in self.records.values() for record in records]
@@ -77,36 +79,17 @@ class RunFiles:
         path, number, offset = record.location
         return records.load_at(path, number, offset)
 
-    def runup_groups(self, path: Path) -> List[Dict[str, Any]]:
-        """A run-up's groups (read from its file where it was only listed); none where it can no longer
-        be read."""
-        return _whole(self.runups.get(path, {}), "groups", runup.load, path)
-
     def runups_naming(self, parameter: str) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """The run-ups, whole, that can hold ``parameter`` in a bucket: every one read, and of those only
         listed the files whose bytes can name it (``runup.load_naming``), each read now (a bad one is a
         problem); the others are not parsed at all. The caller checks the buckets."""
         yield from self.runups.items()
-        yield from self._unread_runups(runup.loader_naming(parameter))
+        yield from self._read_listed(RUNUP_DIR, self.runups_unread, runup.loader_naming(parameter))
 
     def all_runups(self) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """Every run-up, whole (those only listed are read now, a bad one is a problem)."""
         yield from self.runups.items()
-        yield from self._unread_runups(runup.load)
-
-    def _unread_runups(self, load: Callable[[Path], Optional[Dict[str, Any]]]
-                       ) -> Iterator[Tuple[Path, Dict[str, Any]]]:
-        for path in self.runups_unread:
-            if path in self.unreadable:
-                continue
-            try:
-                document = load(path)
-            except InputError as exc:
-                self.problems.append(str(exc))
-                self.unreadable.add(path)
-                continue
-            if document is not None:
-                yield path, document
+        yield from self._read_listed(RUNUP_DIR, self.runups_unread, runup.load)
 
     def maps_of(self, ranks: Collection[Any]) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """The maps of these global ranks: of those read, and of those only listed the ones named after
@@ -114,17 +97,28 @@ class RunFiles:
         yield from ((path, doc) for path, doc in self.maps.items() if doc["rank"]["global_rank"] in ranks)
         tags = {path.stem for path, found in self.records.items()
                 if any(record["rank"].get("global_rank") in ranks for record in found)}
-        for path in (path for tag in sorted(tags) for path in self.maps_unread.get(tag, ())):
-            if path in self.unreadable:
+        names = [name for tag in sorted(tags) for name in self.maps_unread.get(tag, ())]
+        yield from ((path, doc) for path, doc in self._read_listed(MAPS_DIR, names, maps.load)
+                    if doc["rank"]["global_rank"] in ranks)
+
+    def _read_listed(self, folder: str, names: Iterable[str],
+                     load: Callable[[FilePath], Optional[Document]]) -> Iterator[Tuple[Path, Document]]:
+        """``load`` of each named file of the run's ``folder`` that it returns a document for (a Path made
+        for those alone); a bad one is a problem once, and not read again."""
+        directory = self.run_dir / folder
+        prefix = os.path.join(directory, "")
+        for name in names:
+            where = prefix + name
+            if where in self.unreadable:
                 continue
             try:
-                document = maps.load(path, params=False)
+                document = load(where)
             except InputError as exc:
                 self.problems.append(str(exc))
-                self.unreadable.add(path)
+                self.unreadable.add(where)
                 continue
-            if document["rank"]["global_rank"] in ranks:
-                yield path, document
+            if document is not None:
+                yield directory / name, document
 
     def params_of_map(self, path: Path, document: Dict[str, Any]) -> List[Dict[str, Any]]:
         """A map's parameters (read back from its file where ``document``, the map, was read without
@@ -177,6 +171,11 @@ def _read_records(path: Path, params: bool, budget: List[int], problems: Problem
 def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
     """The ``*suffix`` entries of ``directory`` (none if it does not exist); one that cannot be listed
     is a problem, not an empty directory."""
+    return [directory / name for name in _listed_names(directory, suffix, problems)]
+
+
+def _listed_names(directory: Path, suffix: str, problems: List[str]) -> List[str]:
+    """``_listed``, the names alone, sorted."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -184,7 +183,7 @@ def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
     except OSError as exc:
         problems.append(f"{directory}: cannot list it ({exc.strerror or exc})")
         return []
-    return [directory / name for name in sorted(names) if name.endswith(suffix) and not name.startswith(".")]
+    return [name for name in sorted(names) if name.endswith(suffix) and not name.startswith(".")]
 
 
 def _bundle_manifests(run_dir: Path, problems: List[str]) -> List[Path]:
@@ -194,15 +193,15 @@ def _bundle_manifests(run_dir: Path, problems: List[str]) -> List[Path]:
             for bundle in _listed(rank, "", problems) if (bundle / MANIFEST).exists()]
 
 
-def _listing(run_dir: Path) -> Tuple[List[Path], List[Path], List[Path], List[str]]:
-    """The map, records and self-test files of a run directory, and what could not be listed; InputError
-    for a directory that is missing or holds none of them."""
+def _listing(run_dir: Path) -> Tuple[List[str], List[Path], List[Path], List[str]]:
+    """The map names, records and self-test files of a run directory, and what could not be listed;
+    InputError for a directory that is missing or holds none of them."""
     if not run_dir.exists():
         raise InputError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: not a directory")
     listing: List[str] = []
-    map_files = _listed(run_dir / MAPS_DIR, ".json", listing)
+    map_files = _listed_names(run_dir / MAPS_DIR, ".json", listing)
     record_files = _listed(run_dir / RECORDS_DIR, ".jsonl", listing)
     selftest_files = _listed(run_dir / SELFTEST_DIR, ".json", listing)
     if listing and not map_files and not record_files and not selftest_files:
@@ -221,7 +220,8 @@ def map_params(run_dir: Path, wanted: Callable[[Dict[str, Any]], bool],
     tables are streamed (``maps.stream_params``): ``gradnan maps --id 5`` of a map of a million
     parameters holds one of them, not the million. A map that cannot be read is left out whole."""
     chosen, rows = 0, []
-    for path in _listing(Path(run_dir))[0]:
+    for name in _listing(Path(run_dir))[0]:
+        path = Path(run_dir) / MAPS_DIR / name
         try:
             chosen_map = maps.stream_params(path, wanted)
             if chosen_map is None:
@@ -254,13 +254,13 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
         record_problems.total += problems.total - len(problems)
     # lean: a map is read where its rank wrote no records (to know the rank), else when the report needs it
     known = {path.stem for path, found in files.records.items() if found} if not params else set()
-    for path in map_files:
-        tag = rank_tag_of_map(path.name)
+    for name in map_files:
+        tag = rank_tag_of_map(name)
         if tag in known:
-            files.maps_unread.setdefault(tag, []).append(path)
+            files.maps_unread.setdefault(tag, []).append(name)
             continue
         try:
-            files.maps[path] = maps.load(path, params)
+            files.maps[run_dir / MAPS_DIR / name] = maps.load(run_dir / MAPS_DIR / name, params)
         except InputError as exc:
             files.problems.append(str(exc))
     for path in selftest_files:
@@ -273,7 +273,7 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             files.bundles[path.parent] = bundle.load_manifest(path)
         except InputError as exc:
             files.problems.append(str(exc))
-    files.runups_unread = _listed(run_dir / RUNUP_DIR, ".json", files.problems)
+    files.runups_unread = _listed_names(run_dir / RUNUP_DIR, ".json", files.problems)
     if params:
         files.runups = dict(files.all_runups())
         files.runups_unread = []
