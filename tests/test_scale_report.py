@@ -4,6 +4,8 @@ directory of 512 ranks (TP=8, PP=8, DP=8), written with the kit's own writers. b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gradnan.cli import main
@@ -144,7 +146,7 @@ def test_the_report_reads_only_the_origin_map(large_job, monkeypatch):
     loaded, load = [], maps.load
     monkeypatch.setattr(maps, "load", lambda path, params=True: loaded.append(path) or load(path, params))
     assert build_report(read_run(run_dir, params=False)) == report
-    assert {path.name for path in loaded} == {map_path("", coords_of(origin, WORLD), 0).name}
+    assert {Path(path).name for path in loaded} == {map_path("", coords_of(origin, WORLD), 0).name}
 
 
 def test_a_rank_that_wrote_no_records_is_known_by_its_map(tmp_path):
