@@ -12,7 +12,8 @@
    megatron-core imported first (as the command ran while the package imported the training side), and
    the targets (at 16,384 ranks at most 3 s CPU and 300 MB; at 131,072 at most 10 s and 1 GB:
    ``--ranks 16384,131072 --parts runs --records-mb 0``, about 30 minutes on 2 cores, nearly all of it
-   writing 131,072 ranks' files, 7 GB); ``gradnan maps`` on the same
+   writing 131,072 ranks' files, 7.6 GB: ``--keep DIR`` keeps them for the next run); ``gradnan maps`` on
+   the same
    directory as the report sends a user to it (the origin's whole map with ``--rank``; one parameter with
    ``--rank --id``), CPU time and peak RSS; then one rank whose records file holds ``--records-mb`` MB.
    Each run directory is deleted after it is measured.
@@ -46,6 +47,7 @@ from gradnan.testing.synthetic import (
     TorchOptimizer,
     coords_of,
     many_tensor_model,
+    origin_rank,
     stage_slots,
     write_long_records,
     write_run_dir,
@@ -109,10 +111,19 @@ def names_the_origin(text: str, origin: int) -> bool:
                for number, line in enumerate(lines[:-1]))
 
 
-def report_at(root: Path, world_size: int) -> Dict[str, float]:
+WRITTEN = "written"  # in a kept run directory (--keep): every rank's files are there
+
+
+def report_at(root: Path, world_size: int, keep: bool = False) -> Dict[str, float]:
+    """``keep``: the run directory stays under ``root`` and is measured as it is where an earlier run with
+    ``--keep`` wrote it whole (131,072 ranks' files take most of half an hour to write)."""
     run_dir = root / f"ranks{world_size}"
     started = time.perf_counter()
-    origin = write_run_dir(run_dir, world_size)
+    origin = origin_rank(world_size)
+    if not (keep and (run_dir / WRITTEN).exists()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        write_run_dir(run_dir, world_size)
+        (run_dir / WRITTEN).touch()
     written = time.perf_counter() - started
     try:
         figures = measure_report(run_dir)
@@ -122,7 +133,8 @@ def report_at(root: Path, world_size: int) -> Dict[str, float]:
                 "origin_named": names_the_origin(figures["text"], origin),
                 **measure_maps(run_dir, origin, world_size)}
     finally:
-        shutil.rmtree(run_dir)
+        if not keep:
+            shutil.rmtree(run_dir)
 
 
 def report_long_records(root: Path, megabytes: int) -> Dict[str, float]:
@@ -226,6 +238,9 @@ def main(argv: List[str] = None) -> None:
                         help="separate tensors x elements of each, comma-separated (default: %(default)s)")
     parser.add_argument("--locate-numel", type=int, default=100_000_000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="write the run directories here and keep them; one an earlier --keep run wrote"
+                             " whole is measured as it is (delete the folder when done)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if set(parts) - set(PARTS):
@@ -235,7 +250,8 @@ def main(argv: List[str] = None) -> None:
     try:
         if "runs" in parts:
             print("## gradnan report and gradnan maps over synthetic run directories\n")
-            reports = [report_at(root, int(size)) for size in args.ranks.split(",")]
+            reports = [report_at(args.keep or root, int(size), keep=args.keep is not None)
+                       for size in args.ranks.split(",")]
             print(table(reports), flush=True)
             print(target_lines(reports), flush=True)
             print(f"\nThe text at {reports[-1]['ranks']} ranks:\n\n{reports[-1]['text']}", flush=True)

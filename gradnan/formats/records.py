@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
@@ -74,14 +74,12 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
                 is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
             raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
                              " 'abs_max_finite'")
-    for key in ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
-        if not optional(record.get(key), is_int):
-            raise InputError(f"{where}: '{key}' must be an integer")
+    key = _bad_key(record, ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"), is_int)
+    if key is not None:
+        raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    flags = ("scale_collapsed", "warmup", "loss_finite")
-    if not optional(record.get("time"), is_number) or not all(
-            optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
+    if not optional(record.get("time"), is_number) or _bad_key(record, _FLAGS, _is_bool) is not None:
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
                          " booleans")
     check_run(record.get("run"), where)
@@ -89,9 +87,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
                          " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
-    for key in ("kind", "pre_reduction", "mode", "map", "runup"):
-        if not optional(record.get(key), is_text):
-            raise InputError(f"{where}: '{key}' must be text")
+    key = _bad_key(record, ("kind", "pre_reduction", "mode", "map", "runup"), is_text)
+    if key is not None:
+        raise InputError(f"{where}: '{key}' must be text")
     if record.get("kind") == "frames":
         _check_frames(record, where)
     elif record.get("kind") == "probe":
@@ -103,6 +101,23 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "state":
         _check_state(record, where)
     return record
+
+
+_FLAGS = ("scale_collapsed", "warmup", "loss_finite")
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _bad_key(record: Dict[str, Any], keys: Sequence[str], accepts: Callable[[Any], bool]) -> Optional[str]:
+    """The first of ``keys`` whose value is there, not null and not one ``accepts``; None where each is
+    (a loop over the values there: a record of each of 131,072 ranks is checked)."""
+    for key in keys:
+        value = record.get(key)
+        if value is not None and not accepts(value):
+            return key
+    return None
 
 
 WEIGHT_COPIES = ("model", "main")

@@ -52,8 +52,12 @@ def to_json(coords: Mapping[str, Any], run: Mapping[str, Any], step: int, iterat
 
 
 def _all_text(names: List[Any]) -> bool:
-    """Every item a string ``is_text`` accepts, checked at once: a bucket lists thousands of names."""
-    return all(type(name) is str for name in names) and is_text("".join(names))
+    """Every item a string ``is_text`` accepts, checked at once: a bucket lists thousands of names (a join
+    takes strings alone)."""
+    try:
+        return is_text("".join(names))
+    except TypeError:
+        return False
 
 
 def _check_buckets(buckets: Any, where: str) -> int:
