@@ -8,9 +8,20 @@ Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``fr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
@@ -289,9 +300,9 @@ def _check_probes(record: Dict[str, Any], where: str) -> None:
                          " 'nan'/'inf'")
 
 
-@dataclass(frozen=True)
-class Line:
-    """One non-empty line of a records file: where it starts (bytes), and its record or what is wrong."""
+class Line(NamedTuple):
+    """One non-empty line of a records file: where it starts (bytes), and its record or what is wrong (a
+    tuple: one is made for each line of 131,072 ranks' files)."""
 
     number: int
     offset: int
@@ -341,7 +352,7 @@ def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
     offset = 0
     for number, raw in enumerate(raws, start=1):
         start, offset = offset, offset + len(raw)
-        if not raw.strip():
+        if raw.isspace():  # never empty: a file's lines, or _split_lines'
             continue
         text = _decode(raw, path)
         cut_short = not raw.endswith(b"\n")
