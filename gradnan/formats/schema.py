@@ -200,21 +200,22 @@ def read_if_small(path: FilePath, small: int) -> Optional[bytes]:
 
 
 def _read_open(path: FilePath, descriptor: int, size: int, max_bytes: int) -> bytes:
-    """At most ``max_bytes`` + 1 bytes of an open file of ``size`` bytes (more if it grew), and closes it."""
-    chunks, total, wanted = [], 0, min(size, max_bytes) + 1  # a byte more: a file that grew reads on
+    """At most ``max_bytes`` + 1 bytes of an open file of ``size`` bytes, and closes it: one read where the
+    file is still that size, more where it grew or a read came short (read on to its end)."""
     try:
-        while wanted > 0:
-            chunk = os.read(descriptor, wanted)
-            chunks.append(chunk)
-            total += len(chunk)
-            if len(chunk) < wanted:  # its end
-                break
-            wanted = max_bytes + 1 - total
+        data = os.read(descriptor, min(size, max_bytes) + 1)
+        if len(data) != size:
+            chunks = [data]
+            total = len(data)
+            while chunks[-1] and total <= max_bytes:
+                chunks.append(os.read(descriptor, max_bytes + 1 - total))
+                total += len(chunks[-1])
+            data = b"".join(chunks)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
     finally:
         os.close(descriptor)
-    return b"".join(chunks)
+    return data
 
 
 def read_prefix(path: FilePath, count: int) -> bytes:
