@@ -100,9 +100,10 @@ def check_rank(rank: Any, where: str) -> None:
     """The rank object every reader and the report rely on: integers where integers go, text for host."""
     if not isinstance(rank, dict) or not is_int(rank.get("global_rank")):
         raise InputError(f"{where}: needs a 'rank' object with an integer 'global_rank'")
-    for key, value in zip(_RANK_INTS, map(rank.get, _RANK_INTS)):  # inline: a record of each of 131,072 ranks
+    for value in map(rank.get, _RANK_INTS):  # inline: a record of each of 131,072 ranks has one
         if value is not None and (type(value) is not int or not -INT_BOUND <= value < INT_BOUND) \
                 and not is_int(value):
+            key = next(key for key in _RANK_INTS if rank.get(key) is value)
             raise InputError(f"{where}: rank.{key} must be an integer")
     for key in ("host", "device"):
         if not optional(rank.get(key), is_text):
