@@ -115,9 +115,13 @@ def check_run(run: Any, where: str) -> None:
     if run is not None and not (isinstance(run, dict) and optional(run.get("started"), is_number)
                                 and optional(run.get("id"), is_text)
                                 and optional(run.get("rendezvous"), is_text)
-                                and optional(run.get("attempt"), lambda v: is_int(v) or is_text(v))):
+                                and optional(run.get("attempt"), _is_attempt)):
         raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and 'rendezvous' and an"
                          " 'attempt'")
+
+
+def _is_attempt(value: Any) -> bool:
+    return is_int(value) or is_text(value)
 
 
 def parse_json(text: str, where: str) -> Any:
