@@ -191,6 +191,9 @@ def _with(document: Dict[str, Any], **group_changes: Any) -> Dict[str, Any]:
 
 
 GOOD = a_runup(0, STEADY + ["inf"])
+ELSEWHERE = {**GOOD, "groups": [{**GOOD["groups"][0], "buckets": [  # the same, not naming the culprit
+    {**bucket, "params": [name.replace(CULPRIT, "other.weight") for name in bucket["params"]]}
+    for bucket in BUCKETS]}]}
 HOSTILE = {
     "not_json": "{\"schema\": ",
     "not_an_object": "[1, 2, 3]",
@@ -261,10 +264,7 @@ def test_read_without_params_lists_the_runups_and_reads_them_when_the_report_nee
 def test_read_without_params_parses_only_the_runups_that_name_the_culprit(tmp_path, monkeypatch):
     """A run-up whose bytes cannot name the culprit parameter is never parsed, and the finding is the same
     as where every file was read whole."""
-    elsewhere = {**GOOD, "groups": [{**GOOD["groups"][0], "buckets": [
-        {**bucket, "params": [name.replace(CULPRIT, "other.weight") for name in bucket["params"]]}
-        for bucket in BUCKETS]}]}
-    other_rank = {**elsewhere, "rank": {**GOOD["rank"], "global_rank": 1}}
+    other_rank = {**ELSEWHERE, "rank": {**GOOD["rank"], "global_rank": 1}}
     run_dir = _run_dir(tmp_path, {"a.json": GOOD, "b.json": other_rank})
     parsed = []
     monkeypatch.setattr(runup, "from_json", lambda document, where: parsed.append(where) or document)
@@ -283,3 +283,23 @@ def test_a_hostile_runup_read_lean_gives_the_report_read_whole(tmp_path, name):
     report = build_report(read_run(run_dir, params=False))
     assert len(report["problems"]) == 1 and name in report["problems"][0]
     assert report == build_report(read_run(run_dir))
+
+
+def test_a_position_whose_first_replica_cannot_name_the_culprit_is_searched_no_further(tmp_path,
+                                                                                       monkeypatch):
+    """Data-parallel replicas step the same parameters: where the first replica's run-up of a model-parallel
+    position cannot name the culprit, its other replicas' files are not read; where it can, each is."""
+    names = {f"rank0000{dp}_tp0_pp0_dp{dp}_step0000010.json": {**GOOD, "rank": {**GOOD["rank"], "dp": dp,
+                                                                               "global_rank": dp}}
+             for dp in range(2)}
+    names.update({f"rank0000{2 + dp}_tp0_pp1_dp{dp}_step0000010.json": {
+        **ELSEWHERE, "rank": {**GOOD["rank"], "pp": 1, "dp": dp, "global_rank": 2 + dp}} for dp in range(2)})
+    run_dir = _run_dir(tmp_path, names)
+    read, real = [], runup.read_bytes
+    monkeypatch.setattr(runup, "read_bytes",
+                        lambda path, *bound: read.append(Path(path).name) or real(path, *bound))
+    lean = build_report(read_run(run_dir, params=False))
+    assert sorted(read) == sorted(names)[:3]  # pp1's second replica: not read
+    assert [rank["global_rank"] for rank in lean["incident"]["runup"]["ranks"]] == [0, 1]
+    monkeypatch.undo()
+    assert lean == build_report(read_run(run_dir))

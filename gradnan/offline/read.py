@@ -84,10 +84,18 @@ class RunFiles:
 
     def runups_naming(self, parameter: str) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """The run-ups, whole, that can hold ``parameter`` in a bucket: every one read, and of those only
-        listed the files whose bytes can name it (``runup.load_naming``), each read now (a bad one is a
-        problem); the others are not parsed at all. The caller checks the buckets."""
+        listed the files whose bytes can name it (``runup.loader_naming``), each read now (a bad one is a
+        problem); the others are not parsed at all. Data-parallel replicas step the same parameters: of
+        the files of one model-parallel position and step (``_replica_groups``) the others are searched
+        only where the first can name it (131,072 ranks' run-ups cost the 128 positions' and the 8,192
+        that name it). The caller checks the buckets."""
         yield from self.runups.items()
-        yield from self._read_listed(RUNUP_DIR, self.runups_unread, runup.loader_naming(parameter))
+        load = runup.loader_naming(parameter)
+        for replicas in _replica_groups(self.runups_unread).values():
+            first = list(self._read_listed(RUNUP_DIR, replicas[:1], load))
+            if first or os.path.join(self.run_dir, RUNUP_DIR, replicas[0]) in self.unreadable:
+                yield from first
+                yield from self._read_listed(RUNUP_DIR, replicas[1:], load)
 
     def all_runups(self) -> Iterator[Tuple[Path, Dict[str, Any]]]:
         """Every run-up, whole (those only listed are read now, a bad one is a problem)."""
@@ -173,6 +181,20 @@ def _read_records(path: Path, params: bool, budget: List[int], problems: Problem
             budget[0] = 0  # spent: from here only records without offenders stay whole
             found.append(LeanRecord(line.record, (path, line.number, line.offset)))
     return found
+
+
+_REPLICA = re.compile(r"rank[0-9]+_(.*)_dp[0-9]+(_.*)")  # a run-up's name less its global rank and dp
+
+
+def _replica_groups(names: Iterable[str]) -> Dict[str, List[str]]:
+    """Run-up file names by their name less the global rank and data-parallel coordinate
+    (``layout.runup_path``): the data-parallel replicas of one model-parallel position at one step; a
+    name not laid out so is a group of its own."""
+    groups: Dict[str, List[str]] = {}
+    for name in names:
+        match = _REPLICA.fullmatch(name)
+        groups.setdefault("".join(match.groups()) if match else "/" + name, []).append(name)
+    return groups
 
 
 def _listed(directory: Path, suffix: str, problems: List[str]) -> List[Path]:
