@@ -59,7 +59,7 @@ from gradnan.training.scan import find_nonfinite, locate
 WITH_TRAINING_SIDE = ("-c", "import sys, torch, megatron.core; from gradnan.cli import main;"
                             " sys.exit(main(sys.argv[1:]))")
 # the report's targets, each for world sizes from its own up: issue 28 (5.9 s, 446 MB at commit bcdcb09);
-# issue 39 (run-ups in every rank's files: 59 s and 4.5 GB at commit a6a1731)
+# issue 39 (every rank's files with a run-up: 71 s and 6.2 GB at commit a6a1731)
 REPORT_TARGETS = ({"ranks": 16384, "cpu_s": 3.0, "peak_mb": 300.0},
                   {"ranks": 131072, "cpu_s": 10.0, "peak_mb": 1000.0})
 

@@ -12,6 +12,7 @@ parameters only while ``KEPT_PARAMS`` entries in all are kept, the others withou
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -113,8 +114,8 @@ class RunFiles:
                     tags.add(path.stem)
                     break
         names = [name for tag in sorted(tags) for name in self.maps_unread.get(tag, ())]
-        yield from ((path, doc) for path, doc in self._read_listed(MAPS_DIR, names, maps.load)
-                    if doc["rank"]["global_rank"] in ranks)
+        headers = self._read_listed(MAPS_DIR, names, functools.partial(maps.load, params=False))
+        yield from ((path, doc) for path, doc in headers if doc["rank"]["global_rank"] in ranks)
 
     def _read_listed(self, folder: str, names: Iterable[str],
                      load: Callable[[FilePath], Optional[Document]]) -> Iterator[Tuple[Path, Document]]:
