@@ -3,10 +3,13 @@
 Each problem becomes a one-line message naming the file and what is wrong. A run directory in which
 some files are bad is still read: the good files are returned and the bad ones listed in ``problems``.
 
-``params=False`` reads what the report needs of 16,000 ranks in the memory of a few: maps without their
-parameter lists (``params_count`` only), records streamed line by line and kept with their offending
-parameters only while ``KEPT_PARAMS`` entries in all are kept, the others without (a ``LeanRecord``, whose
-``location`` says where it is; ``RunFiles.full`` reads one back whole).
+``params=False`` reads only what the report needs of 131,072 ranks: every records file, streamed line by
+line and kept with their offending parameters only while ``KEPT_PARAMS`` entries in all are kept, the
+others without (a ``LeanRecord``, whose ``location`` says where it is; ``RunFiles.full`` reads one back
+whole); the maps (without their parameter lists, ``params_count`` only) of ranks that wrote no records,
+the others only listed and read when the report asks for a rank's (``RunFiles.maps_of``); the run-ups
+only listed, and read when the report asks for those that can name its culprit parameter
+(``RunFiles.runups_naming``). A file read then that is bad is a problem then.
 """
 
 from __future__ import annotations
