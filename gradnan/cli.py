@@ -16,7 +16,7 @@ from .commandline import OneLineParser, bad_input, positive, printable, say, she
 from .errors import GradnanError, InputError, UsageError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
-from .offline.read import map_params, read_run
+from .offline.read import collector_paused, map_params, read_run
 from .offline.replay_limits import (
     DEFAULT_MAX_CPU_SECONDS,
     DEFAULT_MAX_OPS,
@@ -205,8 +205,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             say(run_demo(Path(args.out)))
         elif args.command == "report":
-            report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips,
-                             run=args.run)
+            with collector_paused():
+                report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips,
+                                 run=args.run)
             if args.plot and report.incident is not None:
                 from .offline.plot import plot_incident
 

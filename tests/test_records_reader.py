@@ -429,6 +429,19 @@ def test_load_records_complete_last_line_without_newline_is_kept(tmp_path):
     assert problems == []
 
 
+@pytest.mark.parametrize("last", ["\n", "", "\n{cut"])
+def test_a_file_read_at_once_gives_the_lines_of_one_streamed(tmp_path, monkeypatch, last):
+    """A records file of up to ``SMALL_FILE`` bytes is read at once and split: the same lines, numbers,
+    byte offsets and problems as a larger one read line by line (``\r`` is no line end in either)."""
+    path = write_text(tmp_path / "r.jsonl", "\n" + json.dumps(a_record(1)) + "\r\n  \n{not json\n"
+                      + json.dumps(a_record(2)) + last)
+    at_once = list(records.stream(path))
+    monkeypatch.setattr(records, "SMALL_FILE", 0)
+    assert at_once == list(records.stream(path))
+    assert [(line.number, line.offset) for line in at_once if line.record] == [(2, 1), (5, len(
+        path.read_bytes()) - len(json.dumps(a_record(2)) + last))]
+
+
 def test_load_records_bad_middle_line_is_reported_not_as_truncated(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(a_record(1)) + "\n{not json\n" + json.dumps(a_record(3)) + "\n")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import pytest
+
 from gradnan.offline.analysis import analyze
-from gradnan.offline.read import RunFiles
+from gradnan.offline.read import RunFiles, collector_paused
 from gradnan.offline.report import build_report, format_text
 
 
@@ -232,3 +235,12 @@ def test_a_run_up_file_naming_its_launch_with_any_json_value_is_compared_not_a_c
     files.runups[Path("/run/runup/r.json")] = {"step": 1, "rank": record["rank"], "run": {"": []},
                                                "groups": []}
     assert analyze(files).incident.step == 1
+
+
+def test_the_collector_is_paused_while_a_run_is_read_and_back_after_even_on_an_error():
+    seen = []
+    with collector_paused():
+        seen.append(gc.isenabled())
+    with pytest.raises(ValueError), collector_paused():
+        raise ValueError("a bad file")
+    assert seen == [False] and gc.isenabled()

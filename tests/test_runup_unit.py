@@ -191,6 +191,9 @@ def _with(document: Dict[str, Any], **group_changes: Any) -> Dict[str, Any]:
 
 
 GOOD = a_runup(0, STEADY + ["inf"])
+ELSEWHERE = {**GOOD, "groups": [{**GOOD["groups"][0], "buckets": [  # the same, not naming the culprit
+    {**bucket, "params": [name.replace(CULPRIT, "other.weight") for name in bucket["params"]]}
+    for bucket in BUCKETS]}]}
 HOSTILE = {
     "not_json": "{\"schema\": ",
     "not_an_object": "[1, 2, 3]",
@@ -250,9 +253,53 @@ def test_a_runup_of_another_launch_or_step_is_not_this_incidents(tmp_path):
     assert analyze(files).incident.runup is None
 
 
-def test_read_without_params_keeps_the_groups_out_of_memory_and_reads_them_back(tmp_path):
+def test_read_without_params_lists_the_runups_and_reads_them_when_the_report_needs_them(tmp_path):
     files = read_run(_run_dir(tmp_path, {"a.json": GOOD}), params=False)
-    (path, document), = files.runups.items()
-    assert "groups" not in document
-    assert files.runup_groups(path) == GOOD["groups"]
+    assert files.runups == {} and files.runups_unread == ["a.json"]
+    [(path, document)] = files.all_runups()
+    assert path == tmp_path / RUNUP_DIR / "a.json" and document["groups"] == GOOD["groups"]
     assert analyze(files).incident.runup.finding is RunUpFinding.SUDDEN
+
+
+def test_read_without_params_parses_only_the_runups_that_name_the_culprit(tmp_path, monkeypatch):
+    """A run-up whose bytes cannot name the culprit parameter is never parsed, and the finding is the same
+    as where every file was read whole."""
+    other_rank = {**ELSEWHERE, "rank": {**GOOD["rank"], "global_rank": 1}}
+    run_dir = _run_dir(tmp_path, {"a.json": GOOD, "b.json": other_rank})
+    parsed = []
+    monkeypatch.setattr(runup, "from_json", lambda document, where: parsed.append(where) or document)
+    lean = build_report(read_run(run_dir, params=False))
+    assert parsed == [str(run_dir / RUNUP_DIR / "a.json")]  # once
+    monkeypatch.undo()
+    assert lean == build_report(read_run(run_dir))
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_runup_read_lean_gives_the_report_read_whole(tmp_path, name):
+    """``gradnan report`` reads run-ups lean (``params=False``): a hostile file is still one problem (read
+    where none names the culprit, to say whether any rank wrote one), and the report is the one read
+    whole."""
+    run_dir = _run_dir(tmp_path, {f"rank00000_tp0_pp0_dp0_step0000010_{name}.json": HOSTILE[name]})
+    report = build_report(read_run(run_dir, params=False))
+    assert len(report["problems"]) == 1 and name in report["problems"][0]
+    assert report == build_report(read_run(run_dir))
+
+
+def test_a_position_whose_first_replica_cannot_name_the_culprit_is_searched_no_further(tmp_path,
+                                                                                       monkeypatch):
+    """Data-parallel replicas step the same parameters: where the first replica's run-up of a model-parallel
+    position cannot name the culprit, its other replicas' files are not read; where it can, each is."""
+    names = {f"rank0000{dp}_tp0_pp0_dp{dp}_step0000010.json": {**GOOD, "rank": {**GOOD["rank"], "dp": dp,
+                                                                               "global_rank": dp}}
+             for dp in range(2)}
+    names.update({f"rank0000{2 + dp}_tp0_pp1_dp{dp}_step0000010.json": {
+        **ELSEWHERE, "rank": {**GOOD["rank"], "pp": 1, "dp": dp, "global_rank": 2 + dp}} for dp in range(2)})
+    run_dir = _run_dir(tmp_path, names)
+    read, real = [], runup.read_bytes
+    monkeypatch.setattr(runup, "read_bytes",
+                        lambda path, *bound: read.append(Path(path).name) or real(path, *bound))
+    lean = build_report(read_run(run_dir, params=False))
+    assert sorted(read) == sorted(names)[:3]  # pp1's second replica: not read
+    assert [rank["global_rank"] for rank in lean["incident"]["runup"]["ranks"]] == [0, 1]
+    monkeypatch.undo()
+    assert lean == build_report(read_run(run_dir))

@@ -4,9 +4,13 @@ directory of 512 ranks (TP=8, PP=8, DP=8), written with the kit's own writers. b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gradnan.cli import main
+from gradnan.formats import maps
+from gradnan.formats.layout import map_path, records_path
 from gradnan.offline import read
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import KEPT_PARAMS, map_params, read_run
@@ -101,15 +105,19 @@ def test_rank_ranges_are_cut_with_a_count():
 @pytest.mark.parametrize("kept", [0, 40, KEPT_PARAMS])
 def test_the_report_reads_maps_and_records_without_their_lists(large_job, monkeypatch, kept):
     """Lean reading keeps each rank's coordinates and counts, and a record's offenders while ``kept`` entries
-    in all are kept; the others are read back on demand. The report is the same whichever it is."""
+    in all are kept; the others are read back on demand, as are the maps of ranks that wrote records. The
+    report is the same whichever it is."""
     run_dir, origin, report = large_job
     monkeypatch.setattr(read, "KEPT_PARAMS", kept)
     lean, full = read_run(run_dir, params=False), read_run(run_dir)
-    assert all("params" not in document for document in lean.maps.values())
-    assert [document["params_count"] for document in lean.maps.values()] == [
+    # every rank wrote records: no map is read up front, each only where the report asks for its rank's
+    assert not lean.maps and sum(map(len, lean.maps_unread.values())) == WORLD
+    lean_maps = dict(lean.maps_of(range(WORLD)))
+    assert all("params" not in document for document in lean_maps.values())
+    assert [document["params_count"] for document in lean_maps.values()] == [
         len(document["params"]) for document in full.maps.values()]
     # the first stage embeds
-    assert {document["params_count"] for document in lean.maps.values()} == {290, 288}
+    assert {document["params_count"] for document in lean_maps.values()} == {290, 288}
     lean_records, full_records = lean.all_records(), full.all_records()
     inline = sum(len(record["params"]) for record in lean_records if "params" in record)
     assert inline <= kept and (inline > 0) == (kept > 0)
@@ -130,3 +138,21 @@ def test_the_text_table_shares_its_columns_between_holders_and_peers(large_job):
     peers = [rank for rank in ranks
              if coords_of(rank, WORLD)["dp"] == coords_of(origin, WORLD)["dp"] and rank != origin]
     assert origin in ranks and len(holders) == 7 and len(peers) == 8, (holders, peers)
+
+
+def test_the_report_reads_only_the_origin_map(large_job, monkeypatch):
+    """Every rank wrote records: of 512 maps the report reads the origin's alone (its counts and dtypes)."""
+    run_dir, origin, report = large_job
+    loaded, load = [], maps.load
+    monkeypatch.setattr(maps, "load", lambda path, params=True: loaded.append(path) or load(path, params))
+    assert build_report(read_run(run_dir, params=False)) == report
+    assert {Path(path).name for path in loaded} == {map_path("", coords_of(origin, WORLD), 0).name}
+
+
+def test_a_rank_that_wrote_no_records_is_known_by_its_map(tmp_path):
+    """A rank that died before its first record: read lean, its map still names it, as read whole."""
+    write_run_dir(tmp_path, 8)
+    records_path(str(tmp_path), coords_of(5, 8)).unlink()
+    lean = build_report(read_run(tmp_path, params=False))
+    assert 5 in lean["ranks_seen"] and 5 in [view["global_rank"] for view in lean["incident"]["silent"]]
+    assert lean == build_report(read_run(tmp_path))

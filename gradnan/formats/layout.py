@@ -38,8 +38,14 @@ AXES = ("tp", "pp", "dp", "cp", "ep")
 
 
 def shown_axes(coords: Mapping[str, Any]) -> List[str]:
-    """The parallel axes worth naming for a rank: tp, pp and dp always, cp and ep where used (size > 1)."""
-    return [axis for axis in AXES if axis in ("tp", "pp", "dp") or (coords.get(f"{axis}_size") or 1) > 1]
+    """The parallel axes worth naming for a rank: tp, pp and dp always, cp and ep where used (size > 1),
+    in ``AXES`` order (spelt out: it is asked of each of 131,072 ranks)."""
+    axes = ["tp", "pp", "dp"]
+    if (coords.get("cp_size") or 1) > 1:
+        axes.append("cp")
+    if (coords.get("ep_size") or 1) > 1:
+        axes.append("ep")
+    return axes
 
 
 def rank_label(coords: Mapping[str, Any], place: str = "", axes: Optional[Sequence[str]] = None) -> str:

@@ -8,9 +8,20 @@ Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``fr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
@@ -27,6 +38,7 @@ from .schema import (
     open_regular,
     optional,
     parse_json,
+    read_if_small,
 )
 
 SCHEMA = Schema("gradnan.record", 1)
@@ -73,14 +85,12 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
                 is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
             raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
                              " 'abs_max_finite'")
-    for key in ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"):
-        if not optional(record.get(key), is_int):
-            raise InputError(f"{where}: '{key}' must be an integer")
+    key = _bad_key(record, ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"), is_int)
+    if key is not None:
+        raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    flags = ("scale_collapsed", "warmup", "loss_finite")
-    if not optional(record.get("time"), is_number) or not all(
-            optional(record.get(key), lambda v: isinstance(v, bool)) for key in flags):
+    if not optional(record.get("time"), is_number) or _bad_key(record, _FLAGS, _is_bool) is not None:
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
                          " booleans")
     check_run(record.get("run"), where)
@@ -88,9 +98,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
                          " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
-    for key in ("kind", "pre_reduction", "mode", "map", "runup"):
-        if not optional(record.get(key), is_text):
-            raise InputError(f"{where}: '{key}' must be text")
+    key = _bad_key(record, ("kind", "pre_reduction", "mode", "map", "runup"), is_text)
+    if key is not None:
+        raise InputError(f"{where}: '{key}' must be text")
     if record.get("kind") == "frames":
         _check_frames(record, where)
     elif record.get("kind") == "probe":
@@ -102,6 +112,23 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "state":
         _check_state(record, where)
     return record
+
+
+_FLAGS = ("scale_collapsed", "warmup", "loss_finite")
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _bad_key(record: Dict[str, Any], keys: Sequence[str], accepts: Callable[[Any], bool]) -> Optional[str]:
+    """The first of ``keys`` whose value is there, not null and not one ``accepts``; None where each is
+    (a loop over the values there: a record of each of 131,072 ranks is checked)."""
+    for key in keys:
+        value = record.get(key)
+        if value is not None and not accepts(value):
+            return key
+    return None
 
 
 WEIGHT_COPIES = ("model", "main")
@@ -273,9 +300,9 @@ def _check_probes(record: Dict[str, Any], where: str) -> None:
                          " 'nan'/'inf'")
 
 
-@dataclass(frozen=True)
-class Line:
-    """One non-empty line of a records file: where it starts (bytes), and its record or what is wrong."""
+class Line(NamedTuple):
+    """One non-empty line of a records file: where it starts (bytes), and its record or what is wrong (a
+    tuple: one is made for each line of 131,072 ranks' files)."""
 
     number: int
     offset: int
@@ -295,26 +322,47 @@ def _parse_line(text: str, path: Path, number: int) -> Dict[str, Any]:
     return from_json(parse_json(text, where), where)
 
 
+SMALL_FILE = 1 << 20  # a records file up to this size is read at once, a larger one line by line
+
+
 def stream(path: Path) -> Iterator[Line]:
-    """The lines of one rank's file, read one at a time (a file of any size in the memory of one line).
+    """The lines of one rank's file, read one at a time (a file of any size in the memory of one line;
+    one of at most ``SMALL_FILE`` bytes read at once: 131,072 ranks' files cost a read each).
 
     A last line without its newline is a record cut short (the process died while writing it). Bytes
     that are not UTF-8 raise InputError for the whole file."""
+    data = read_if_small(path, SMALL_FILE)
+    if data is not None:
+        yield from _lines(path, _split_lines(data))
+        return
     with open_regular(path) as handle:
-        offset = 0
-        for number, raw in enumerate(handle, start=1):
-            start, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue
-            text = _decode(raw, path)
-            cut_short = not raw.endswith(b"\n")
-            try:
-                if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
-                    raise InputError(f"{path}:{number}: not a JSON object")
-                yield Line(number, start, _parse_line(text, path, number), None)
-            except InputError as exc:
-                yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
-                                                " writing it)" if cut_short else str(exc))
+        yield from _lines(path, handle)
+
+
+def _split_lines(data: bytes) -> Iterator[bytes]:
+    """The lines of ``data`` as a file yields them: each with its newline, the last perhaps without."""
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start) + 1 or len(data)
+        yield data[start:end]
+        start = end
+
+
+def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
+    offset = 0
+    for number, raw in enumerate(raws, start=1):
+        start, offset = offset, offset + len(raw)
+        if raw.isspace():  # never empty: a file's lines, or _split_lines'
+            continue
+        text = _decode(raw, path)
+        cut_short = not raw.endswith(b"\n")
+        try:
+            if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
+                raise InputError(f"{path}:{number}: not a JSON object")
+            yield Line(number, start, _parse_line(text, path, number), None)
+        except InputError as exc:
+            yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
+                                            " writing it)" if cut_short else str(exc))
 
 
 def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:

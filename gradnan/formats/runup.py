@@ -10,11 +10,23 @@ problem naming the file, never an exception out of the report.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+import json
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import InputError
-from .schema import Schema, check_rank, check_run, is_finite, is_int, is_text, optional, read_document
+from .schema import (
+    FilePath,
+    Schema,
+    check_rank,
+    check_run,
+    is_finite,
+    is_int,
+    is_text,
+    optional,
+    parse_document,
+    read_bytes,
+    read_document,
+)
 
 SCHEMA = Schema("gradnan.runup", 1)
 STATISTIC = "abs_max"  # each bucket's largest |gradient| before the collective (the pre-reduction check's)
@@ -39,6 +51,15 @@ def to_json(coords: Mapping[str, Any], run: Mapping[str, Any], step: int, iterat
             "statistic": STATISTIC, "groups": [dict(group) for group in groups]}
 
 
+def _all_text(names: List[Any]) -> bool:
+    """Every item a string ``is_text`` accepts, checked at once: a bucket lists thousands of names (a join
+    takes strings alone)."""
+    try:
+        return is_text("".join(names))
+    except TypeError:
+        return False
+
+
 def _check_buckets(buckets: Any, where: str) -> int:
     """The parameter names the buckets list; InputError for a malformed entry."""
     if not isinstance(buckets, list) or not buckets:
@@ -48,7 +69,7 @@ def _check_buckets(buckets: Any, where: str) -> int:
         params = bucket.get("params") if isinstance(bucket, dict) else None
         if not (isinstance(bucket, dict) and is_int(bucket.get("bucket")) and bucket["bucket"] >= 0
                 and is_int(bucket.get("numel")) and bucket["numel"] >= 0 and isinstance(params, list)
-                and all(is_text(name) for name in params)):
+                and _all_text(params)):
             raise InputError(f"{where}: buckets[{position}] needs integers 'bucket'/'numel' >= 0 and a"
                              " 'params' list of names")
         names += len(params)
@@ -70,7 +91,7 @@ def _check_group(group: Any, where: str) -> List[int]:
     if not (isinstance(values, list) and len(values) == len(steps)):
         raise InputError(f"{where}: 'values' needs one row per step ({len(steps)})")
     for position, row in enumerate(values):
-        if not (isinstance(row, list) and len(row) == width and all(is_magnitude(v) for v in row)):
+        if not (isinstance(row, list) and len(row) == width and all(map(is_magnitude, row))):
             raise InputError(f"{where}: values[{position}] needs {width} magnitudes (numbers >= 0, \"nan\""
                              " or \"inf\")")
     return [width, width * len(steps), names]
@@ -101,5 +122,20 @@ def from_json(document: Any, where: str) -> Dict[str, Any]:
     return document
 
 
-def load(path: Path) -> Dict[str, Any]:
+def load(path: FilePath) -> Dict[str, Any]:
     return from_json(read_document(path, SCHEMA, MAX_RUNUP_BYTES), str(path))
+
+
+def loader_naming(parameter: str) -> Callable[[FilePath], Optional[Dict[str, Any]]]:
+    """``load`` for a file whose bytes can name ``parameter``; None for another, without parsing it: a file
+    without a backslash writes every string as its own UTF-8 bytes, so a bucket listing the parameter
+    holds its JSON string as is (one of 131,072 ranks' files costs a read and a search)."""
+    needle = json.dumps(parameter, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+    def load_naming(path: FilePath) -> Optional[Dict[str, Any]]:
+        data = read_bytes(path, MAX_RUNUP_BYTES)
+        if needle not in data and b"\\" not in data:
+            return None
+        return from_json(parse_document(data, path, SCHEMA), str(path))
+
+    return load_naming

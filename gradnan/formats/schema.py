@@ -17,7 +17,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 from ..errors import InputError
 
@@ -100,8 +100,10 @@ def check_rank(rank: Any, where: str) -> None:
     """The rank object every reader and the report rely on: integers where integers go, text for host."""
     if not isinstance(rank, dict) or not is_int(rank.get("global_rank")):
         raise InputError(f"{where}: needs a 'rank' object with an integer 'global_rank'")
-    for key in _RANK_INTS:
-        if not optional(rank.get(key), is_int):
+    for value in map(rank.get, _RANK_INTS):  # inline: a record of each of 131,072 ranks has one
+        if value is not None and (type(value) is not int or not -INT_BOUND <= value < INT_BOUND) \
+                and not is_int(value):
+            key = next(key for key in _RANK_INTS if rank.get(key) is value)
             raise InputError(f"{where}: rank.{key} must be an integer")
     for key in ("host", "device"):
         if not optional(rank.get(key), is_text):
@@ -113,9 +115,13 @@ def check_run(run: Any, where: str) -> None:
     if run is not None and not (isinstance(run, dict) and optional(run.get("started"), is_number)
                                 and optional(run.get("id"), is_text)
                                 and optional(run.get("rendezvous"), is_text)
-                                and optional(run.get("attempt"), lambda v: is_int(v) or is_text(v))):
+                                and optional(run.get("attempt"), _is_attempt)):
         raise InputError(f"{where}: 'run' needs a numeric 'started', a text 'id' and 'rendezvous' and an"
                          " 'attempt'")
+
+
+def _is_attempt(value: Any) -> bool:
+    return is_int(value) or is_text(value)
 
 
 def parse_json(text: str, where: str) -> Any:
@@ -129,18 +135,30 @@ def parse_json(text: str, where: str) -> Any:
         raise InputError(f"{where}: invalid JSON ({str(exc).splitlines()[0][:80]})") from None
 
 
+FilePath = Union[str, Path]  # a file to read: a Path, or its name as text (listed files cost no Paths)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_READ_BYTES = 1 << 30  # above any file gradnan writes (records stop at max_records_bytes, 64 MiB)
 
 
-def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
+def open_regular(path: FilePath, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> BinaryIO:
     """``path`` opened for reading if it is a regular file of at most ``max_bytes``; InputError otherwise.
 
     Opened without blocking (a FIFO would wait forever for a writer) and checked on the open file, not
     the name, so a directory swapped in after a check is refused too. A symbolic link is refused unless
     ``follow`` (a user's own config file): a member of a run directory or bundle that points elsewhere
     (``manifest.json -> /etc/...``) is not read, so nothing of another file reaches a message."""
+    descriptor, _ = _open_checked(path, max_bytes, follow)
+    try:
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _open_checked(path: FilePath, max_bytes: int, follow: bool) -> Tuple[int, int]:
+    """``open_regular``'s descriptor (still non-blocking) and the file's size."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC | (0 if follow else _NOFOLLOW))
     except OSError as exc:
@@ -154,8 +172,7 @@ def open_regular(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = Fal
         if status.st_size > max_bytes:
             raise InputError(f"{path}: {status.st_size} bytes, more than the {max_bytes} gradnan reads:"
                              " refused")
-        os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "rb")
+        return descriptor, status.st_size
     except BaseException:
         os.close(descriptor)
         raise
@@ -167,20 +184,46 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
-def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
+def read_bytes(path: FilePath, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> bytes:
     """The content of a regular file of at most ``max_bytes`` (``open_regular``); never more is read,
-    even from a file that grows while it is read."""
-    with open_regular(path, max_bytes, follow) as stream:
-        try:
-            data = stream.read(max_bytes + 1)
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    even from a file that grows while it is read. Read at its size with plain reads (one of 131,072
+    ranks' files costs an open, a read and a close)."""
+    data = _read_open(path, *_open_checked(path, max_bytes, follow), max_bytes)
     if len(data) > max_bytes:
         raise InputError(f"{path}: more than the {max_bytes} bytes gradnan reads: refused")
     return data
 
 
-def read_prefix(path: Path, count: int) -> bytes:
+def read_if_small(path: FilePath, small: int) -> Optional[bytes]:
+    """``read_bytes`` of a file of at most ``small`` bytes; None for a larger one (read it as a stream)."""
+    descriptor, size = _open_checked(path, MAX_READ_BYTES, False)
+    if size > small:
+        os.close(descriptor)
+        return None
+    data = _read_open(path, descriptor, size, small)
+    return data if len(data) <= small else None
+
+
+def _read_open(path: FilePath, descriptor: int, size: int, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` + 1 bytes of an open file of ``size`` bytes, and closes it: one read where the
+    file is still that size, more where it grew or a read came short (read on to its end)."""
+    try:
+        data = os.read(descriptor, min(size, max_bytes) + 1)
+        if len(data) != size:
+            chunks = [data]
+            total = len(data)
+            while chunks[-1] and total <= max_bytes:
+                chunks.append(os.read(descriptor, max_bytes + 1 - total))
+                total += len(chunks[-1])
+            data = b"".join(chunks)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(descriptor)
+    return data
+
+
+def read_prefix(path: FilePath, count: int) -> bytes:
     """At most the first ``count`` bytes of a regular file (``open_regular``)."""
     with open_regular(path) as stream:
         try:
@@ -197,10 +240,19 @@ def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False)
         raise InputError(f"{path}: not UTF-8 text") from None
 
 
-def read_document(path: Path, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
+def read_document(path: FilePath, schema: Schema, max_bytes: int = MAX_READ_BYTES) -> Dict[str, Any]:
     """A JSON file of ``schema`` of at most ``max_bytes``, checked for its name and version (the caller
     checks its fields)."""
-    return schema.check(parse_json(read_text(path, max_bytes), str(path)), str(path))
+    return parse_document(read_bytes(path, max_bytes), path, schema)
+
+
+def parse_document(data: bytes, path: FilePath, schema: Schema) -> Dict[str, Any]:
+    """``read_document`` of bytes already read from ``path``."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    return schema.check(parse_json(text, str(path)), str(path))
 
 
 def nonfinite_counts(entry: Mapping[str, Any]) -> str:

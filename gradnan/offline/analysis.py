@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
@@ -46,8 +47,8 @@ from .causes import BadWeight, Decision, Evidence, StateFault, decide
 from .frames_view import frames_summary, probes_summary
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
-from .runup import RunUp
-from .runup import decide as runup_finding
+from .runup import RankRunUp, RunUp, culprit_bucket, rank_runup
+from .runup import decide_ranks as runup_finding
 
 SCHEMA = Schema("gradnan.report", 2)
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
@@ -267,9 +268,10 @@ def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
     return ranks
 
 
-def _params_per_rank(files: RunFiles) -> Dict[int, int]:
+def _params_per_rank(files: RunFiles, ranks: Collection[Any]) -> Dict[int, int]:
+    """The parameters these ranks' maps list (every optimizer's), by global rank."""
     counts: Dict[int, int] = {}
-    for document in files.maps.values():
+    for _, document in files.maps_of(ranks):
         rank = document["rank"]["global_rank"]
         counts[rank] = counts.get(rank, 0) + document["params_count"]
     return counts
@@ -291,11 +293,10 @@ def _param_dtypes(files: RunFiles, ranks: Collection[Any]) -> Dict[Tuple[Any, st
     """The model dtype of every parameter of these ranks' maps, by (global rank, name): the dtype whose
     limit a gradient's largest finite magnitude is measured against (``near_limit``; the plot's line)."""
     dtypes: Dict[Tuple[Any, str], str] = {}
-    for path, document in files.maps.items():
+    for path, document in files.maps_of(ranks):
         rank = document["rank"]["global_rank"]
-        if rank in ranks:
-            dtypes.update(((rank, param["name"]), param["dtype"]) for param in files.params_of_map(path)
-                          if isinstance(param.get("dtype"), str))
+        dtypes.update(((rank, param["name"]), param["dtype"])
+                      for param in files.params_of_map(path, document) if isinstance(param.get("dtype"), str))
     return dtypes
 
 
@@ -313,9 +314,11 @@ def _rank_entry(record: Dict[str, Any], dtypes: Dict[Tuple[Any, str], str]) -> V
 
 
 def _receiver(view: View, params: Sequence[Dict[str, Any]]) -> View:
-    """A rank that received the value: its coordinates, and the modules its own gradients went bad in."""
-    return {**view, "holds_nonfinite": bool(params),
-            "modules": sorted({module_of(param["name"]) for param in params})}
+    """A rank that received the value: its coordinates (``view``, a new one: added to, not copied, for
+    each of 131,072 ranks), and the modules its own gradients went bad in."""
+    view["holds_nonfinite"] = bool(params)
+    view["modules"] = sorted({module_of(param["name"]) for param in params})
+    return view
 
 
 def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
@@ -880,7 +883,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     states = _state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [_rank_entry(r, dtypes) for r in origin_records]
-    pattern = _pattern(gradient_origin, _params_per_rank(files))
+    pattern = _pattern(gradient_origin,
+                       _params_per_rank(files, {entry["global_rank"] for entry in gradient_origin}))
     rerun = _rerun_finding(launch)
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
     iterations = _iterations(list(at_step) + reruns_here, rerun, step)
@@ -957,19 +961,30 @@ def _run_key(document: Dict[str, Any]) -> str:
 def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
            parameter: Optional[str]) -> Optional[RunUp]:
     """The run-up finding from this launch's run-up files (a file names its launch as every record does):
-    each rank's first at or after the failing ``step`` (a run of fp16 skips writes it where the run became
-    an incident, a few steps after the one the report starts from; the rule reads the rows up to
-    ``step``); None where no rank wrote one."""
+    each rank's first at or after the failing ``step`` of those whose buckets hold ``parameter`` (a run of
+    fp16 skips writes it where the run became an incident, a few steps after the one the report starts
+    from; the rule reads the rows up to ``step``); None where no rank wrote one. Only the files that can
+    name the parameter are parsed (``RunFiles.runups_naming``); every one only where none holds it."""
     launches = {_run_key(record) for record in launch}
-    first: Dict[Any, Tuple[int, str, Any]] = {}
-    for path, doc in files.runups.items():
-        if doc["step"] >= step and _run_key(doc) in launches:
-            rank, candidate = doc["rank"]["global_rank"], (doc["step"], str(path), path)
-            first[rank] = min(first.get(rank, candidate), candidate)
-    if not first:
-        return None
-    chosen = [path for _, _, path in sorted(first.values(), key=lambda item: item[1])]
-    return runup_finding(((files.runups[path], files.runup_groups(path)) for path in chosen), parameter, step)
+
+    def first_per_rank(documents: Iterator[Tuple[Path, Dict[str, Any]]]) -> List[Optional[RankRunUp]]:
+        """The rule on each rank's first run-up at or after ``step`` in this launch, in one pass: a
+        rank's groups are not kept."""
+        first: Dict[Any, Tuple[int, str, Optional[RankRunUp]]] = {}
+        for path, doc in documents:
+            rank = doc["rank"]["global_rank"]
+            if doc["step"] >= step and _run_key(doc) in launches and (
+                    rank not in first or (doc["step"], str(path)) < first[rank][:2]):
+                found = None if parameter is None else rank_runup(doc, doc["groups"], parameter, step)
+                first[rank] = (doc["step"], str(path), found)
+        return [found for _, _, found in first.values()]
+
+    found = [] if parameter is None else first_per_rank(
+        (path, doc) for path, doc in files.runups_naming(parameter)
+        if culprit_bucket(doc["groups"], parameter))
+    if not found:  # none names the parameter (or none is named): did any rank write one, to say so?
+        found = first_per_rank(files.all_runups())
+    return runup_finding(found, parameter, step) if found else None
 
 
 def _marks_failure(record: Dict[str, Any]) -> bool:
@@ -992,7 +1007,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
     launch = runs.get(chosen, []) if chosen is not None else []
     incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
     in_launch = (split_runs(list(files.bundles.values()) + launch).get(chosen, [])
-                 if chosen is not None else [])
+                 if chosen is not None and files.bundles else [])
     bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
                     for path, doc in sorted(files.bundles.items())

@@ -47,7 +47,10 @@ _POSITION = ("tp", "pp", "cp", "ep")
 
 
 def _same(view: Dict[str, Any], other: Dict[str, Any], axes: Sequence[str]) -> bool:
-    return all(view.get(axis) == other.get(axis) for axis in axes)
+    for axis in axes:  # a loop, not all(...): called for each of 131,072 ranks
+        if view.get(axis) != other.get(axis):
+            return False
+    return True
 
 
 def rank_role(view: Dict[str, Any], origin: Sequence[Dict[str, Any]]) -> str:

@@ -16,8 +16,8 @@ RUN_GAP_SECONDS = 300.0
 
 
 def _started(record: Dict[str, Any]) -> float:
-    run = record.get("run") if isinstance(record.get("run"), dict) else {}
-    value = run.get("started", record.get("time", 0.0))
+    run = record.get("run")
+    value = run.get("started", record.get("time", 0.0)) if isinstance(run, dict) else record.get("time", 0.0)
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
@@ -28,7 +28,9 @@ def split_runs(records: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]
     runs: Dict[str, List[Dict[str, Any]]] = {}
     anonymous: Dict[Any, List[Dict[str, Any]]] = {}
     for record in records:
-        run = record.get("run") if isinstance(record.get("run"), dict) else {}
+        run = record.get("run")
+        if not isinstance(run, dict):
+            run = {}
         if run.get("id"):
             runs.setdefault(f"{run['id']}#{run.get('attempt', 0)}", []).append(record)
         else:
@@ -37,7 +39,7 @@ def split_runs(records: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]
         for launch in _split_by_start(group):
             key = "started@" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(launch[0])))
             runs.setdefault(f"{key} via {rendezvous}" if key in runs else key, []).extend(launch)
-    return dict(sorted(runs.items(), key=lambda item: min(_started(r) for r in item[1])))
+    return dict(sorted(runs.items(), key=lambda item: min(map(_started, item[1]))))
 
 
 def _split_by_start(records: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:

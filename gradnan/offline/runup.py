@@ -129,11 +129,18 @@ def _reason(ranks: Sequence[RankRunUp], documents: int, step: int) -> str:
 def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]], parameter: Optional[str],
            step: int) -> RunUp:
     """The finding over every rank's run-up at the failing ``step``: ``documents`` as (document, its
-    groups)."""
-    documents = list(documents)
-    ranks = [] if parameter is None else [
-        found for found in (rank_runup(doc, groups, parameter, step) for doc, groups in documents) if found]
-    ranks.sort(key=lambda rank: rank.global_rank)
+    groups), streamed (one rank's groups at a time)."""
+    ranks: List[Optional[RankRunUp]] = []
+    for doc, groups in documents:
+        ranks.append(None if parameter is None else rank_runup(doc, groups, parameter, step))
+    return decide_ranks(ranks, parameter, step)
+
+
+def decide_ranks(found: Sequence[Optional[RankRunUp]], parameter: Optional[str], step: int) -> RunUp:
+    """``decide`` from the rule's result on each rank's run-up (``rank_runup``; None where no bucket holds
+    the parameter, or none is named)."""
+    ranks = sorted((rank for rank in found if rank), key=lambda rank: rank.global_rank)
+    written = len(found)
     grown = [rank for rank in ranks if rank.grew]
     decided = [rank for rank in ranks if rank.grew is not None]
     first: List[RankRunUp] = []
@@ -146,7 +153,7 @@ def decide(documents: Iterable[Tuple[Dict[str, Any], Sequence[Dict[str, Any]]]],
         finding, onset, ratio = RunUpFinding.SUDDEN, None, max(rank.ratio for rank in decided)
     else:
         finding, onset, ratio = RunUpFinding.UNDECIDED, None, None
-    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, len(documents), step)
+    reason = "no culprit parameter is named" if parameter is None else _reason(ranks, written, step)
     where = " and ".join(rank.label for rank in first[:MAX_NAMED])
     if len(first) > MAX_NAMED:
         where += f" and {len(first) - MAX_NAMED} more rank(s) at the same step"

@@ -142,9 +142,9 @@ def write_run_dir(out_dir: Path, world_size: int) -> int:
 
 
 def run_files(world_size: int, run_dir: Path = Path("synthetic")) -> RunFiles:
-    """What ``read_run(params=False)`` reads of the run directory ``write_run_dir`` writes, built in memory
-    (16,384 ranks in seconds, not the minute their files take): each map without its table, but the
-    origin's whole (the report looks up its parameters' dtypes), and every run-up whole."""
+    """The run directory ``write_run_dir`` writes as ``RunFiles``, built in memory (16,384 ranks in
+    seconds, not the minute their files take): each map without its table, but the origin's whole (the
+    report looks up its parameters' dtypes), and every run-up whole (as read with ``params=True``)."""
     origin = origin_rank(world_size)
     files = RunFiles(Path(run_dir))
     for rank in range(world_size):
