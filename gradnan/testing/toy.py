@@ -124,6 +124,9 @@ class TinyGPTJob:
     # a test puts in place there that a CI machine lacks (a stand-in for pynvml, Megatron-LM's TensorBoard
     # writer where Megatron-LM's loop would hold it)
     prepare: Optional[str] = None
+    # "module:function", called as function(job, rank) in each job process after its last step: what
+    # Megatron-LM's loop does at its end (it finishes its W&B run, whose records reach disk only then)
+    finish: Optional[str] = None
     # "random": random token batches; "mock_gpt": megatron-core's MockGPTDataset, read as Megatron-LM's
     # training loop reads it (``MegatronLMData``), with its arguments where Megatron-LM keeps them
     data: str = "random"
@@ -792,9 +795,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
 
-    if job.prepare:
-        module, _, function = job.prepare.partition(":")
-        getattr(importlib.import_module(module), function)(job, rank)
+    _call_hook(job.prepare, job, rank)
     with one_job(), ExitStack() as stack:
         if job.norm_as_tensor:
             stack.enter_context(_grad_norm_as_tensor())
@@ -811,7 +812,15 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
             if model.data is not None:
                 model.data.close()
         model.result.param_digest = model.param_digest()
-        return model.result
+    _call_hook(job.finish, job, rank)
+    return model.result
+
+
+def _call_hook(spec: Optional[str], job: TinyGPTJob, rank: int) -> None:
+    """A job's ``prepare`` or ``finish``: "module:function", called as function(job, rank)."""
+    if spec:
+        module, _, function = spec.partition(":")
+        getattr(importlib.import_module(module), function)(job, rank)
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:

@@ -1,15 +1,20 @@
-"""The incident where users already look: TensorBoard. At the run's first incident, once its rerun has
-concluded, the rank that holds a TensorBoard writer adds the incident at its iteration: the headline as
-text (``gradnan/incident``, the report's wording) and what it knows as scalars (``gradnan/origin_rank``,
-``gradnan/micro_batch``, ``gradnan/nonfinite_params``, ``gradnan/nan``, ``gradnan/inf``), then flushes.
+"""The incident where users already look: TensorBoard and Weights & Biases. At the run's first incident,
+once its rerun has concluded, the rank that holds a tracker adds the incident at its iteration: the
+headline as text (``gradnan/incident``, the report's wording) and what it knows as scalars
+(``gradnan/origin_rank``, ``gradnan/micro_batch``, ``gradnan/nonfinite_params``, ``gradnan/nan``,
+``gradnan/inf``); W&B also raises an alert with the same text.
 
-The writers: Megatron-LM's own (``--tensorboard-dir``; it holds one on the last rank), which the adapter
-finds without importing Megatron-LM (``ModelFacts.tensorboard``), and gradnan's own where
-``tensorboard_dir`` is set (on the last rank too, as Megatron-LM's). Nothing is written on a healthy step.
+The trackers: Megatron-LM's own (``--tensorboard-dir``, ``--wandb-project``; it holds them on the last
+rank), which the adapter finds without importing Megatron-LM (``ModelFacts.tensorboard``,
+``ModelFacts.wandb``), and gradnan's own where ``tensorboard_dir`` or ``wandb_project`` is set (on the last
+rank too, as Megatron-LM's, made at the incident). Nothing is written, or imported, on a healthy step. A
+tracker that fails (a full disk, W&B's service gone) costs its own write only: a WARNING, and training
+goes on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..config import GradnanConfig
@@ -38,17 +43,38 @@ def board_scalars(outcome: Optional[RerunOutcome], record: Optional[Dict[str, An
     return scalars
 
 
-class IncidentBoard:
-    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, facts: ModelFacts) -> None:
-        self.config, self._clock, self._writer, self._facts = config, clock, writer, facts
-        self.done = False
+@dataclass(frozen=True)
+class BoardIncident:
+    """The run's first incident as every tracker shows it: ``text`` (markdown), ``scalars``, and where:
+    ``at``, Megatron-LM's iteration where its loop runs (``unit`` "iteration"), else gradnan's step."""
+
+    text: str
+    scalars: Dict[str, float]
+    at: int
+    unit: str
+
+    def title(self) -> str:
+        """A one-line title (W&B refuses an alert's of 64 characters or more)."""
+        return f"gradnan: the incident at {self.unit} {self.at}"
+
+
+def on_last_rank(writer: Writer) -> bool:
+    """Where Megatron-LM holds its trackers, and gradnan makes its own."""
+    coords = writer.coords()
+    return coords.get("global_rank") == coords.get("world_size", 1) - 1
+
+
+class TensorBoard:
+    name = "TensorBoard"
+
+    def __init__(self, config: GradnanConfig, writer: Writer, facts: ModelFacts) -> None:
+        self.config, self._writer, self._facts = config, writer, facts
         self._own: Any = None
 
     def _own_writer(self) -> Any:
         """gradnan's own SummaryWriter (``tensorboard_dir``), on the last rank; None elsewhere, or without
         the tensorboard package (said once)."""
-        coords = self._writer.coords()
-        if not self.config.tensorboard_dir or coords.get("global_rank") != coords.get("world_size", 1) - 1:
+        if not self.config.tensorboard_dir or not on_last_rank(self._writer):
             return None
         if self._own is None:
             try:
@@ -63,6 +89,70 @@ class IncidentBoard:
     def writers(self) -> List[Any]:
         return [writer for writer in (self._facts.tensorboard(), self._own_writer()) if writer is not None]
 
+    def write(self, incident: BoardIncident) -> bool:
+        writers = self.writers()
+        for board in writers:
+            board.add_text(TEXT_TAG, incident.text, incident.at)
+            for tag, value in incident.scalars.items():
+                board.add_scalar(tag, value, incident.at)
+            board.flush()
+        return bool(writers)
+
+    def close(self) -> None:
+        if self._own is not None:
+            self._own.close()
+
+
+class WeightsAndBiases:
+    """Megatron-LM's W&B run and gradnan's own: the scalars logged at the incident's iteration (a step W&B
+    has not passed: Megatron-LM logs an iteration once it is done), the text in the run's summary, and an
+    alert (W&B sends it where the project's alerts go, once the run syncs)."""
+
+    name = "W&B"
+
+    def __init__(self, config: GradnanConfig, writer: Writer, facts: ModelFacts) -> None:
+        self.config, self._writer, self._facts = config, writer, facts
+        self._own: Any = None
+
+    def _own_run(self) -> Any:
+        """gradnan's own W&B run (``wandb_project``), on the last rank, made at the incident beside any run
+        the process already has (``reinit="create_new"``); None elsewhere, or without the wandb package
+        (said once)."""
+        if not self.config.wandb_project or not on_last_rank(self._writer):
+            return None
+        if self._own is None:
+            try:
+                import wandb
+            except ImportError as error:
+                logger.warning("wandb_project is set but W&B cannot be written (%s): pip install wandb",
+                               error)
+                return None
+            self._own = wandb.init(project=self.config.wandb_project, job_type="gradnan",
+                                   reinit="create_new")
+        return self._own
+
+    def runs(self) -> List[Any]:
+        return [run for run in (self._facts.wandb(), self._own_run()) if run is not None]
+
+    def write(self, incident: BoardIncident) -> bool:
+        runs = self.runs()
+        for run in runs:
+            run.log(incident.scalars, step=incident.at)
+            run.summary[TEXT_TAG] = incident.text
+            run.alert(title=incident.title(), text=incident.text, level="ERROR")
+        return bool(runs)
+
+    def close(self) -> None:
+        if self._own is not None:
+            self._own.finish()
+
+
+class IncidentBoard:
+    def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, facts: ModelFacts) -> None:
+        self.config, self._clock, self._writer, self._facts = config, clock, writer, facts
+        self.done = False
+        self.trackers = (TensorBoard(config, writer, facts), WeightsAndBiases(config, writer, facts))
+
     def incident(self, outcome: Optional[RerunOutcome], record: Optional[Dict[str, Any]],
                  pre_reduction: Optional[str]) -> None:
         """The run's first incident (later ones are its aftermath): ``outcome``, what the rerun concluded
@@ -72,9 +162,17 @@ class IncidentBoard:
         if self.done:
             return
         self.done = True
-        writers = self.writers()
-        if not writers:
-            return
+        incident = self._incident(outcome, record, pre_reduction)
+        for tracker in self.trackers:
+            try:
+                if tracker.write(incident):
+                    logger.info("the incident is in %s at %s %d", tracker.name, incident.unit, incident.at)
+            except Exception as error:
+                logger.warning("the incident could not be written to %s (training goes on): %s: %s",
+                               tracker.name, type(error).__name__, error)
+
+    def _incident(self, outcome: Optional[RerunOutcome], record: Optional[Dict[str, Any]],
+                  pre_reduction: Optional[str]) -> BoardIncident:
         step = record["step"] if record is not None else self._clock.current()
         iteration = self._facts.iteration()
         kinds = {record["kind"]} if record is not None else set()
@@ -86,15 +184,13 @@ class IncidentBoard:
             else (outcome.conclusion, outcome.origin_rank, outcome.micro_batch))
         text = board_text(headline, step, iteration, conclusion, origin_rank, micro_batch,
                           self._writer.coords().get("global_rank"), record, self.config.out_dir)
-        at = iteration if iteration is not None else step
-        for board in writers:
-            board.add_text(TEXT_TAG, text, at)
-            for tag, value in board_scalars(outcome, record).items():
-                board.add_scalar(tag, value, at)
-            board.flush()
-        logger.info("the incident is in TensorBoard at %s %d",
-                    "iteration" if iteration is not None else "step", at)
+        return BoardIncident(text, board_scalars(outcome, record),
+                             iteration if iteration is not None else step,
+                             "iteration" if iteration is not None else "step")
 
     def close(self) -> None:
-        if self._own is not None:
-            self._own.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as error:
+                logger.warning("%s could not be closed: %s: %s", tracker.name, type(error).__name__, error)
