@@ -113,6 +113,13 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
     assert "MISSING: param-group builder (_get_param_groups) [param_groups]: " in caplog.text
 
 
+def test_the_dry_run_finds_every_surface_of_this_megatron_core_and_changes_nothing(make_runtime):
+    before, runtime = _megatron_attributes(), make_runtime()
+    assert {instrumentor.name: instrumentor.missing(runtime) for instrumentor in all_instrumentors()} == {
+        name: None for name in PATCH_NAMES}
+    assert _megatron_attributes() == before
+
+
 def test_a_missing_surface_is_reported_before_anything_is_patched(tmp_path, monkeypatch, caplog):
     """A dry run of every patch finds the surface a newer release lacks: it is logged before the first
     patch is applied, and its own patch is never tried."""
