@@ -231,5 +231,6 @@ class Events(Protocol):
 
     def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None: ...
 
-    def bucket_maxima(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each gradient's largest magnitude (NaN/Inf carried through), stacked, on the device."""
+    def bucket_maxima(self, buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Each bucket's largest local gradient magnitude over the tensors that hold them (NaN/Inf carried
+        through), stacked, on the device."""

@@ -110,6 +110,9 @@ class TinyGPTJob:
     ep: int = 1
     # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
     norm_as_tensor: bool = False
+    # core 0.19+: bf16 gradient buffers, every parameter's main_grad accumulated locally in fp32 and copied
+    # into the buffer inside start_grad_sync (``param_name_patterns_for_fp32_local_accumulation=("all",)``)
+    fp32_local_accumulation: bool = False
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
     # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
     dropout: float = 0.0
@@ -229,8 +232,10 @@ def _wrap_model(job: TinyGPTJob, config, model, bucketing: bool = True):
 
     if job.dtype != "fp32":
         model = Float16Module(config, model)
+    local_accumulation = {"param_name_patterns_for_fp32_local_accumulation": ("all",)} \
+        if job.fp32_local_accumulation else {}
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=job.dtype != "fp32",
+        grad_reduce_in_fp32=job.dtype != "fp32" and not job.fp32_local_accumulation, **local_accumulation,
         overlap_grad_reduce=job.overlap_grad_reduce,
         overlap_param_gather=job.overlap_param_gather,
         use_distributed_optimizer=job.distributed_optimizer,

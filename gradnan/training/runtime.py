@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from functools import partial
+from functools import partial, reduce
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -266,8 +266,8 @@ class Runtime:
         self.detections.keep_runup(group, maxima, contents)
 
     @staticmethod
-    def bucket_maxima(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([abs_max(grad) for grad in grads])
+    def bucket_maxima(buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([reduce(torch.maximum, map(abs_max, grads)) for grads in buckets])
 
     # -- the user's controls -------------------------------------------------------------------------
 
