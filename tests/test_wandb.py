@@ -7,6 +7,7 @@ that ``wandb sync`` would upload."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from pathlib import Path
@@ -122,3 +123,14 @@ def test_a_failing_wandb_costs_its_own_write_only(tmp_path, wandb_offline, capfd
     texts, _, _ = read_board(tmp_path / "megatron_lm_tensorboard")
     assert list(texts) == [2]
     assert all(len(result.steps) == REPRODUCIBLE.steps for result in outcome.values())
+
+
+def test_wandb_project_without_the_wandb_package_is_one_warning(make_runtime, monkeypatch, caplog):
+    """A machine without wandb (its import blocked): the incident goes on to the other trackers."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    runtime = make_runtime(wandb_project=PROJECT)
+    with caplog.at_level(logging.INFO, logger="gradnan"):
+        runtime.board.incident(None, None, None)
+    assert [record.getMessage() for record in caplog.records] == [
+        "wandb_project is set but W&B cannot be written (import of wandb halted; None in sys.modules):"
+        " pip install wandb"]

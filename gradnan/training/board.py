@@ -15,7 +15,7 @@ goes on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..config import GradnanConfig
 from ..events import ModelFacts
@@ -64,94 +64,100 @@ def on_last_rank(writer: Writer) -> bool:
     return coords.get("global_rank") == coords.get("world_size", 1) - 1
 
 
-class TensorBoard:
-    name = "TensorBoard"
+class Tracker:
+    """Where the incident goes in one tracker: the training loop's own (``loop``: Megatron-LM's, found by the
+    patch layer) and gradnan's own where ``setting`` names it, made once, at the incident, on the last rank
+    (without ``package`` installed: a WARNING, and none)."""
 
-    def __init__(self, config: GradnanConfig, writer: Writer, facts: ModelFacts) -> None:
-        self.config, self._writer, self._facts = config, writer, facts
+    name = "?"
+    setting = "?"
+    package = "?"
+
+    def __init__(self, config: GradnanConfig, writer: Writer, loop: Callable[[], Optional[Any]]) -> None:
+        self.config, self._writer, self._loop = config, writer, loop
         self._own: Any = None
 
-    def _own_writer(self) -> Any:
-        """gradnan's own SummaryWriter (``tensorboard_dir``), on the last rank; None elsewhere, or without
-        the tensorboard package (said once)."""
-        if not self.config.tensorboard_dir or not on_last_rank(self._writer):
+    def _make_own(self) -> Any:
+        raise NotImplementedError
+
+    def _write(self, target: Any, incident: BoardIncident) -> None:
+        raise NotImplementedError
+
+    def _finish(self, own: Any) -> None:
+        raise NotImplementedError
+
+    def _own_target(self) -> Any:
+        if not getattr(self.config, self.setting) or not on_last_rank(self._writer):
             return None
         if self._own is None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                self._own = self._make_own()
             except ImportError as error:
-                logger.warning("tensorboard_dir is set but TensorBoard cannot be written (%s): pip install"
-                               " tensorboard", error)
-                return None
-            self._own = SummaryWriter(log_dir=self.config.tensorboard_dir)
+                logger.warning("%s is set but %s cannot be written (%s): pip install %s", self.setting,
+                               self.name, error, self.package)
         return self._own
 
-    def writers(self) -> List[Any]:
-        return [writer for writer in (self._facts.tensorboard(), self._own_writer()) if writer is not None]
+    def targets(self) -> List[Any]:
+        return [target for target in (self._loop(), self._own_target()) if target is not None]
 
     def write(self, incident: BoardIncident) -> bool:
-        writers = self.writers()
-        for board in writers:
-            board.add_text(TEXT_TAG, incident.text, incident.at)
-            for tag, value in incident.scalars.items():
-                board.add_scalar(tag, value, incident.at)
-            board.flush()
-        return bool(writers)
+        """The incident in every target; False where there is none."""
+        targets = self.targets()
+        for target in targets:
+            self._write(target, incident)
+        return bool(targets)
 
     def close(self) -> None:
         if self._own is not None:
-            self._own.close()
+            self._finish(self._own)
 
 
-class WeightsAndBiases:
-    """Megatron-LM's W&B run and gradnan's own: the scalars logged at the incident's iteration (a step W&B
-    has not passed: Megatron-LM logs an iteration once it is done), the text in the run's summary, and an
-    alert (W&B sends it where the project's alerts go, once the run syncs)."""
+class TensorBoard(Tracker):
+    name, setting, package = "TensorBoard", "tensorboard_dir", "tensorboard"
 
-    name = "W&B"
+    def _make_own(self) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
 
-    def __init__(self, config: GradnanConfig, writer: Writer, facts: ModelFacts) -> None:
-        self.config, self._writer, self._facts = config, writer, facts
-        self._own: Any = None
+        return SummaryWriter(log_dir=self.config.tensorboard_dir)
 
-    def _own_run(self) -> Any:
-        """gradnan's own W&B run (``wandb_project``), on the last rank, made at the incident beside any run
-        the process already has (``reinit="create_new"``); None elsewhere, or without the wandb package
-        (said once)."""
-        if not self.config.wandb_project or not on_last_rank(self._writer):
-            return None
-        if self._own is None:
-            try:
-                import wandb
-            except ImportError as error:
-                logger.warning("wandb_project is set but W&B cannot be written (%s): pip install wandb",
-                               error)
-                return None
-            self._own = wandb.init(project=self.config.wandb_project, job_type="gradnan",
-                                   reinit="create_new")
-        return self._own
+    def _write(self, target: Any, incident: BoardIncident) -> None:
+        target.add_text(TEXT_TAG, incident.text, incident.at)
+        for tag, value in incident.scalars.items():
+            target.add_scalar(tag, value, incident.at)
+        target.flush()
 
-    def runs(self) -> List[Any]:
-        return [run for run in (self._facts.wandb(), self._own_run()) if run is not None]
+    def _finish(self, own: Any) -> None:
+        own.close()
 
-    def write(self, incident: BoardIncident) -> bool:
-        runs = self.runs()
-        for run in runs:
-            run.log(incident.scalars, step=incident.at)
-            run.summary[TEXT_TAG] = incident.text
-            run.alert(title=incident.title(), text=incident.text, level="ERROR")
-        return bool(runs)
 
-    def close(self) -> None:
-        if self._own is not None:
-            self._own.finish()
+class WeightsAndBiases(Tracker):
+    """The scalars logged at the incident's iteration (a step W&B has not passed: Megatron-LM logs an
+    iteration once it is done), the text in the run's summary, and an alert (W&B sends it where the
+    project's alerts go, once the run syncs). gradnan's own run goes beside any run the process already
+    has (``reinit="create_new"``)."""
+
+    name, setting, package = "W&B", "wandb_project", "wandb"
+
+    def _make_own(self) -> Any:
+        import wandb
+
+        return wandb.init(project=self.config.wandb_project, job_type="gradnan", reinit="create_new")
+
+    def _write(self, target: Any, incident: BoardIncident) -> None:
+        target.log(incident.scalars, step=incident.at)
+        target.summary[TEXT_TAG] = incident.text
+        target.alert(title=incident.title(), text=incident.text, level="ERROR")
+
+    def _finish(self, own: Any) -> None:
+        own.finish()
 
 
 class IncidentBoard:
     def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, facts: ModelFacts) -> None:
         self.config, self._clock, self._writer, self._facts = config, clock, writer, facts
         self.done = False
-        self.trackers = (TensorBoard(config, writer, facts), WeightsAndBiases(config, writer, facts))
+        self.trackers = (TensorBoard(config, writer, facts.tensorboard),
+                         WeightsAndBiases(config, writer, facts.wandb))
 
     def incident(self, outcome: Optional[RerunOutcome], record: Optional[Dict[str, Any]],
                  pre_reduction: Optional[str]) -> None:
