@@ -219,6 +219,11 @@ class GradnanConfig:
     Megatron-LM's own writer (``--tensorboard-dir``), which it uses whenever one exists; empty: none of
     its own."""
 
+    wandb_project: str = ""
+    """The W&B project in which gradnan logs the run's first incident in a run of its own (on the last
+    rank, made at the incident; ``WANDB_MODE``, ``WANDB_DIR`` and the rest of W&B's settings apply), besides
+    Megatron-LM's own run (``--wandb-project``), which it uses whenever one exists; empty: none of its own."""
+
     ranks: str = ""
     """Global ranks ("0,4-7") that record anything (records, frames, probes, bundles); empty: all. Maps are
     written on every rank (the report needs them to name receivers)."""

@@ -41,7 +41,7 @@ def _no_iteration() -> Optional[int]:
     return None
 
 
-def _no_tensorboard() -> Optional[Any]:
+def _no_tracker() -> Optional[Any]:
     return None
 
 
@@ -81,6 +81,8 @@ class ModelFacts:
     observed_grad: a parameter's gradient as the optimizer sees it (Megatron's ``main_grad``).
     param_facts: what a parameter is beyond its shape (its tensor-parallel partition).
     tensorboard: the training loop's own TensorBoard writer on this rank (Megatron-LM's), or None.
+    wandb: the training loop's own W&B run on this rank (Megatron-LM's: the ``wandb`` module, initialised),
+    or None.
     optimizer_tensors: the weights and an optimizer's state (``StepState``), read at an incident to tell a
     weight or an update gone bad from a bad step."""
 
@@ -90,7 +92,8 @@ class ModelFacts:
     named_modules: Callable[[Sequence[torch.nn.Module]], NamedModules] = _no_modules
     observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = _plain_grad
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts
-    tensorboard: Callable[[], Optional[Any]] = _no_tensorboard
+    tensorboard: Callable[[], Optional[Any]] = _no_tracker
+    wandb: Callable[[], Optional[Any]] = _no_tracker
     optimizer_tensors: Callable[[Any, Sequence[torch.nn.Module]], StepState] = _no_optimizer_tensors
 
 
@@ -228,5 +231,6 @@ class Events(Protocol):
 
     def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None: ...
 
-    def bucket_maxima(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each gradient's largest magnitude (NaN/Inf carried through), stacked, on the device."""
+    def bucket_maxima(self, buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Each bucket's largest local gradient magnitude over the tensors that hold them (NaN/Inf carried
+        through), stacked, on the device."""

@@ -45,6 +45,15 @@ def _unnamed(param: torch.nn.Parameter) -> Tuple[str, int]:
     return f"<unnamed {tuple(param.shape)}>", -1
 
 
+def _local_grads(bucket: Any) -> List[torch.Tensor]:
+    """Where a bucket's local gradients are as its sync starts: its contiguous buffer, and from core 0.19
+    the fp32 ``main_grad`` of each parameter accumulated locally in fp32
+    (``param_name_patterns_for_fp32_local_accumulation``), which ``start_grad_sync`` itself copies into the
+    buffer, after this check."""
+    extra = getattr(bucket, "params_with_extra_main_grads", ())
+    return [bucket.grad_data, *(param.main_grad for param in extra)]
+
+
 def _bucket_contents(group: Any, chunks: Sequence[torch.nn.Module]) -> List[dict]:
     """Every bucket of the group with the global names of its parameters (the run-up file's ``buckets``)."""
     names = _names(chunks)
@@ -93,7 +102,7 @@ class GradSyncInstrumentor(Instrumentor):
             mode = runtime.config.pre_reduction
             if mode is PreReduction.OFF or not runtime.first_sync_of_step(group):
                 return
-            maxima = runtime.bucket_maxima([bucket.grad_data for bucket in group.buckets])
+            maxima = runtime.bucket_maxima([_local_grads(bucket) for bucket in group.buckets])
             runtime.keep_runup(group, maxima, contents)
             megatron_checks = bool(getattr(group.ddp_config, "check_for_nan_in_grad", False))
             if mode is PreReduction.SYNC or megatron_checks:

@@ -1,5 +1,6 @@
-"""The base class of the instrumentors, one per patched Megatron surface, and the megatron-core versions
-they were tested against."""
+"""The base class of the instrumentors, one per patched Megatron surface, the megatron-core versions they
+were tested against (``supported.py``), and the dry run that finds a missing surface before anything is
+patched."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..errors import InternalError
+from .supported import MEGATRON_CORE
 from .undo_log import Patcher
 
 
@@ -36,6 +38,14 @@ def megatron_version() -> Optional[Version]:
         return installed_version("megatron-core")
 
 
+class SurfaceProbe(Patcher):
+    """A dry run of an instrumentor's ``_apply``: every attribute it would replace is looked up (one that is
+    not there raises as in the real patch), and counted; nothing is changed."""
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._undo.append(lambda: None)
+
+
 class Instrumentor:
     """One Megatron surface: ``instrument()`` patches it, ``uninstrument()`` restores it exactly.
 
@@ -48,7 +58,7 @@ class Instrumentor:
     name = "?"
     description = "?"
     without = "?"
-    supported = ">=0.12,<0.21"
+    supported = MEGATRON_CORE
 
     def __init__(self) -> None:
         self._patcher = Patcher()
@@ -62,6 +72,18 @@ class Instrumentor:
         if version is None or version in SpecifierSet(self.supported):
             return None
         return f"megatron-core {version} is outside the tested range {self.supported}"
+
+    def missing(self, runtime: Any) -> Optional[str]:
+        """Why the surface is not there, found by a dry run that patches nothing; None where it is (or
+        where the dry run met a gradnan bug, which ``instrument()`` then reports as one)."""
+        probe = SurfaceProbe()
+        try:
+            self._apply(probe, runtime)
+        except (SurfaceMissing, ImportError, AttributeError) as exc:
+            return str(exc)
+        except Exception:
+            return None
+        return None if len(probe) else "nothing to patch"
 
     def instrument(self, runtime: Any) -> None:
         """Patch the surface. ``SurfaceMissing`` when Megatron lacks it (a module, class or attribute

@@ -184,6 +184,12 @@ def megatron_lm_tensorboard() -> Optional[object]:
     return _megatron_lm_global("_GLOBAL_TENSORBOARD_WRITER")
 
 
+def megatron_lm_wandb() -> Optional[object]:
+    """Megatron-LM's W&B writer (``--wandb-project``; on the last rank, the ``wandb`` module once its run is
+    initialised), when its training loop runs in this process; None otherwise."""
+    return _megatron_lm_global("_GLOBAL_WANDB_WRITER")
+
+
 def versions() -> Dict[str, Optional[str]]:
     megatron = megatron_version()
     return {"torch": torch.__version__, "megatron_core": str(megatron) if megatron else None}
@@ -223,4 +229,4 @@ def optimizer_tensors(optimizer: Any, chunks: Sequence[torch.nn.Module]):
 MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
                             named_modules=global_named_modules, observed_grad=model_grad,
                             param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard,
-                            optimizer_tensors=optimizer_tensors)
+                            wandb=megatron_lm_wandb, optimizer_tensors=optimizer_tensors)

@@ -54,5 +54,5 @@ class ParamGroupsInstrumentor(Instrumentor):
                 return wrapper
 
             patcher.wrap(module, _BUILDER, make_wrapper)
-        if not self.active:
+        if not len(patcher):
             raise SurfaceMissing(f"no {_BUILDER} in {', '.join(_BINDINGS)}")

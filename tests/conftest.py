@@ -19,6 +19,18 @@ def no_gradnan_variables(monkeypatch):
         monkeypatch.delenv(key)
 
 
+@pytest.fixture(scope="module")
+def wandb_offline(tmp_path_factory):
+    """W&B as on a machine without a network: offline (a run folder that ``wandb sync`` uploads later),
+    quiet, under a folder of the module's own (``WANDB_DIR``, returned), for the jobs it spawns."""
+    directory = tmp_path_factory.mktemp("wandb_dir")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_DIR", str(directory))
+        patch.setenv("WANDB_SILENT", "true")
+        yield directory
+
+
 @pytest.fixture
 def clean_environ():
     """``os.environ`` less the ``GRADNAN_*`` variables, for a child process."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
+import struct
+import zlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -107,3 +110,75 @@ def printed_commands(text: str, command: str) -> List[List[str]]:
         if stripped.startswith(f"gradnan {command} "):
             found.append(shlex.split(stripped))
     return found
+
+
+WANDB_BLOCK = 32768  # the .wandb file is LevelDB's log format: records in chunks within 32 KiB blocks
+WANDB_CHUNK_HEADER = struct.Struct("<IHB")  # checksum, length, type (1 whole, 2 first, 3 middle, 4 last)
+
+
+def wandb_records(run_folder: Path) -> List[Any]:
+    """The records of a W&B run folder's ``run-<id>.wandb`` file (what ``wandb sync`` uploads), as W&B's
+    own protobuf ``Record`` messages. wandb 0.31 ships no reader of it: the log format is read here."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_folder.glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, chunks, position = [], [], 7
+    while position + WANDB_CHUNK_HEADER.size <= len(data):
+        left = WANDB_BLOCK - position % WANDB_BLOCK
+        checksum, length, kind = WANDB_CHUNK_HEADER.unpack_from(data, position)
+        if left < WANDB_CHUNK_HEADER.size or (length, kind) == (0, 0):  # a block's zero padding
+            position += left
+            continue
+        chunk = data[position + WANDB_CHUNK_HEADER.size:position + WANDB_CHUNK_HEADER.size + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum, f"{path}: corrupt at {position}"
+        chunks.append(chunk)
+        position += WANDB_CHUNK_HEADER.size + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records
+
+
+def wandb_run_folder(directory: Path) -> Path:
+    """The one offline run folder W&B wrote under ``directory`` (its ``dir``, or ``WANDB_DIR``)."""
+    [folder] = (directory / "wandb").glob("offline-run-*")
+    return folder
+
+
+def wandb_incident(run_folder: Path) -> Dict[str, Any]:
+    """What a W&B run folder holds of gradnan: its history rows' ``gradnan/*`` values by step, the summary's
+    ``gradnan/incident`` text, and its alerts as (title, text, level)."""
+    history: Dict[int, Dict[str, Any]] = {}
+    texts, alerts = [], []
+    for record in wandb_records(run_folder):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            values = {"/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                      for item in record.history.item}
+            history.setdefault(record.history.step.num, {}).update(
+                {key: value for key, value in values.items() if key.startswith("gradnan/")})
+        elif kind == "summary":
+            texts += [json.loads(update.value_json) for update in record.summary.update
+                      if (update.key or "/".join(update.nested_key)) == "gradnan/incident"]
+        elif kind == "alert":
+            alerts.append((record.alert.title, record.alert.text, record.alert.level))
+    return {"history": {step: row for step, row in history.items() if row}, "texts": texts, "alerts": alerts}
+
+
+def read_board(directory: Path):
+    """A TensorBoard log directory, read with TensorBoard's own event reader: (the incident's texts by step,
+    each scalar's (step, value) events, how many event files)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"tensors": 0, "scalars": 0})
+    accumulator.Reload()
+    texts = {event.step: make_ndarray(event.tensor_proto).item().decode()
+             for event in accumulator.Tensors("gradnan/incident/text_summary")}
+    scalars = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+               for tag in accumulator.Tags()["scalars"]}
+    return texts, scalars, len(list(directory.glob("events.out.tfevents.*")))

@@ -37,6 +37,7 @@ def test_defaults_match_the_documented_values():
         "rerun": "auto",
         "max_batch_bytes": 64 << 20,
         "tensorboard_dir": "",
+        "wandb_project": "",
         "ranks": "",
         "steps": "",
         "modules": "",

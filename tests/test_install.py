@@ -14,6 +14,7 @@ from gradnan.patches import all_instrumentors
 from gradnan.patches.instrumentor import Instrumentor
 from gradnan.patches.optimizer import optimizer_classes
 from gradnan.patches.schedules import SCHEDULES
+from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
@@ -110,6 +111,33 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
     assert "_get_param_groups" in installation.missing["param_groups"]
     assert len(installation.patched) == 7
     assert "MISSING: param-group builder (_get_param_groups) [param_groups]: " in caplog.text
+
+
+def test_the_dry_run_finds_every_surface_of_this_megatron_core_and_changes_nothing(make_runtime):
+    before, runtime = _megatron_attributes(), make_runtime()
+    assert {instrumentor.name: instrumentor.missing(runtime) for instrumentor in all_instrumentors()} == {
+        name: None for name in PATCH_NAMES}
+    assert _megatron_attributes() == before
+
+
+def test_a_missing_surface_is_reported_before_anything_is_patched(tmp_path, monkeypatch, caplog):
+    """A dry run of every patch finds the surface a newer release lacks: it is logged before the first
+    patch is applied, and its own patch is never tried."""
+    for module in _builder_modules():
+        monkeypatch.delattr(module, "_get_param_groups")
+    applied, instrument = [], Instrumentor.instrument
+
+    def noting_what_was_logged(self, runtime):
+        applied.append((self.name, caplog.text))
+        instrument(self, runtime)
+
+    monkeypatch.setattr(Instrumentor, "instrument", noting_what_was_logged)
+    with caplog.at_level(logging.WARNING, logger="gradnan"):
+        installation = gradnan.install(out_dir=str(tmp_path))
+    assert [name for name, _ in applied] == installation.patched == PATCH_NAMES[1:]
+    first_logged = applied[0][1]
+    assert f"left unpatched (tested: {MEGATRON_CORE}): param_groups: no _get_param_groups" in first_logged
+    assert "MISSING" not in first_logged  # the summary comes after the patches
 
 
 def test_options_come_from_the_environment(tmp_path, monkeypatch):

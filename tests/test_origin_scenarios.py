@@ -3,7 +3,10 @@ produced a NaN is told from the ranks that received it, and the report explains 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from megatron.core.distributed import DistributedDataParallelConfig
 
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
@@ -121,6 +124,25 @@ def test_text_report_fits_one_screen_for_a_four_rank_job(reports):
         assert len(lines) <= 52
         # the replay command lines hold the bundle's path, as long as wherever the user keeps the run
         assert max(len(line) for line in lines if not line.strip().startswith("gradnan replay ")) <= 160
+
+
+@pytest.mark.skipif("param_name_patterns_for_fp32_local_accumulation" not in
+                    {spec.name for spec in dataclasses.fields(DistributedDataParallelConfig)},
+                    reason="core 0.19+: main_grad accumulated locally in fp32")
+def test_a_gradient_accumulated_in_fp32_outside_the_buffer_is_checked_before_the_collective(tmp_path):
+    """core 0.19's fp32 local accumulation keeps each main_grad out of the bf16 buffer until
+    ``start_grad_sync`` copies it in, after gradnan's check: the check reads those main_grads too."""
+    job = TinyGPTJob(world_size=2, dtype="bf16", quiet=True, fp32_local_accumulation=True,
+                     gradnan={"out_dir": str(tmp_path)},
+                     injections=(Injection(1, STEP, WEIGHT, "nan", where="backward", index=5),))
+    launch(job)
+    report = build_report(read_run(tmp_path))
+    assert report["incident"]["step"] == STEP and _origin_ranks(report) == [1]
+    assert report["incident"]["origin_basis"] == "before_collective"
+    by_rank = records_by_rank(tmp_path)
+    [pre] = [r for r in by_rank[1] if r["kind"] == "pre_reduction" and r["step"] == STEP]
+    assert [(p["name"], p["first_bad_flat"], p["nan"]) for p in pre["params"]] == [(WEIGHT, 5, 1)]
+    assert not [r for r in by_rank[0] if r["kind"] == "pre_reduction" and r["step"] == STEP]
 
 
 def test_megatron_check_for_nan_in_grad_raises_after_our_record_is_on_disk(tmp_path):

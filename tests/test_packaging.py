@@ -5,20 +5,26 @@ built wheel."""
 from __future__ import annotations
 
 import configparser
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
+from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.testing.demo import DEMO_MODULE
 
 from .helpers import environ_without_gradnan
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "gradnan", "patches")
+BUILD_INPUTS = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "gradnan", "patches")
 WHERE_FROM = """
 import gradnan.patches
 print(gradnan.patches.__file__)
@@ -50,11 +56,22 @@ def test_every_package_folder_is_listed_in_setup_cfg():
     assert (ROOT / "patches" / "__init__.py").is_file() and not (ROOT / "gradnan" / "patches").exists()
 
 
-def test_megatron_core_has_no_upper_bound_in_install_requires():
-    """A patch kit that caps megatron-core makes pip downgrade or refuse the user's the day a newer release
-    ships; outside the tested range ``install()`` warns instead (docs/megatron-versions.md)."""
-    [requirement] = [line for line in _listed("install_requires") if line.startswith("megatron-core")]
-    assert requirement == "megatron-core>=0.12"
+def test_megatron_core_requirement_is_the_tested_floor_without_a_ceiling():
+    """The installed metadata asks for the floor of the one declared range: a patch kit that caps
+    megatron-core makes pip downgrade or refuse the user's the day a newer release ships; outside the tested
+    range ``install()`` warns instead (docs/megatron-versions.md)."""
+    [requirement] = [Requirement(line) for line in metadata.requires("gradnan")
+                     if Requirement(line).name == "megatron-core"]
+    [floor] = [specifier for specifier in SpecifierSet(MEGATRON_CORE) if specifier.operator == ">="]
+    assert requirement.specifier == SpecifierSet(str(floor)) and Version("99.0") in requirement.specifier
+
+
+def test_every_range_the_docs_print_is_the_declared_one():
+    """The tested range is written in one place (``patches/supported.py``); the docs quote it."""
+    quoted = {(path.name, match) for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+              if path.name != "changes.md"  # the history says what each release said then
+              for match in re.findall(r">=\s*0\.\d+\s*,\s*<\s*\d+\.\d+", path.read_text())}
+    assert quoted and {match for _, match in quoted} == {MEGATRON_CORE}, sorted(quoted)
 
 
 def _where_from(tmp_path: Path, environ: dict) -> list:

@@ -53,7 +53,8 @@ def test_the_rerun_record_locates_the_poisoned_sample_in_the_data(runs, name):
     dataset = MegatronLMData(BASE, 0, 1)
     try:
         for source in samples["sources"]:
-            _, documents = dataset.dataset.dataset._query_document_sample_shuffle_indices(source["index"])
+            # (tokens, documents), and from core 0.19 a third item
+            documents = dataset.dataset.dataset._query_document_sample_shuffle_indices(source["index"])[1]
             assert source["dataset"] == "MockGPTDataset"
             assert source["documents"] == [int(d) for d in documents]
     finally:

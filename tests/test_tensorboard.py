@@ -11,8 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.util.tensor_util import make_ndarray
 
 from gradnan.formats.incident import Conclusion
 from gradnan.offline.analysis import analyze
@@ -20,7 +18,7 @@ from gradnan.offline.read import read_run
 from gradnan.offline.report import step_headline
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import records_by_rank
+from .helpers import read_board, records_by_rank
 
 pytestmark = pytest.mark.slow
 
@@ -56,17 +54,6 @@ def runs(tmp_path_factory):
                  REPRODUCIBLE.with_(gradnan={"out_dir": str(root / "megatron_lm")},
                                     prepare=f"{__name__}:megatron_lm_writer")])
     return root
-
-
-def read_board(directory: Path):
-    """(the incident's texts by step, each scalar's (step, value) events, how many event files)."""
-    accumulator = EventAccumulator(str(directory), size_guidance={"tensors": 0, "scalars": 0})
-    accumulator.Reload()
-    texts = {event.step: make_ndarray(event.tensor_proto).item().decode()
-             for event in accumulator.Tensors("gradnan/incident/text_summary")}
-    scalars = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-               for tag in accumulator.Tags()["scalars"]}
-    return texts, scalars, len(list(directory.glob("events.out.tfevents.*")))
 
 
 @pytest.mark.parametrize("name, directory", [("megatron_lm", "megatron_lm_tensorboard"),

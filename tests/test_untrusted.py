@@ -496,6 +496,8 @@ def _write_under_a_file_size_limit(out_dir: str, room: int, results: "multiproce
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("gradnan").addHandler(handler)
+    # this child's level, whatever an earlier in-process install() left (log_level="CRITICAL" in one test)
+    logging.getLogger("gradnan").setLevel(logging.INFO)
     facts = ModelFacts(coords=lambda: {**coords(0), "pid": os.getpid()}, versions=lambda: {},
                        named_modules=lambda chunks: [])
     writer = Writer(GradnanConfig(out_dir=out_dir), facts)

@@ -163,14 +163,21 @@ def cast_dtype(dtype: torch.dtype, to: Optional[torch.dtype]) -> torch.dtype:
     return to if to is not None and dtype.is_floating_point else dtype
 
 
+# a value nested deeper is refused: far deeper than any module's arguments or outputs, and the same bound
+# on every interpreter (Python 3.12 parses and walks 900 levels without reaching its recursion limit)
+MAX_NESTING = 64
+
+
 def decode(encoded: Any, tensor_of: Callable[[str], Any], dtype: Optional[torch.dtype] = None,
-            device: Optional[torch.device] = None) -> Any:
+           device: Optional[torch.device] = None, depth: int = 0) -> Any:
     """The Python value of an encoding; strict, since it is also the validator of untrusted traces.
     ``dtype`` replaces floating dtype arguments and ``device`` every device argument."""
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
         return encoded
+    if depth >= MAX_NESTING:
+        raise TraceError("a value nested too deeply")
     if isinstance(encoded, list):
-        return [decode(item, tensor_of, dtype, device) for item in encoded]
+        return [decode(item, tensor_of, dtype, device, depth + 1) for item in encoded]
     if not (isinstance(encoded, dict) and len(encoded) == 1):
         raise TraceError(f"malformed value {repr(encoded)[:80]}")
     (tag, value), = encoded.items()
@@ -179,9 +186,9 @@ def decode(encoded: Any, tensor_of: Callable[[str], Any], dtype: Optional[torch.
     if tag == "float" and value in ("nan", "inf", "-inf"):
         return float(value)
     if tag == "tuple" and isinstance(value, list):
-        return tuple(decode(item, tensor_of, dtype, device) for item in value)
+        return tuple(decode(item, tensor_of, dtype, device, depth + 1) for item in value)
     if tag == "dict" and isinstance(value, dict):
-        return {key: decode(item, tensor_of, dtype, device) for key, item in value.items()}
+        return {key: decode(item, tensor_of, dtype, device, depth + 1) for key, item in value.items()}
     if tag == "dtype":
         return cast_dtype(_torch_constant(value, torch.dtype), dtype)
     if tag in ("layout", "memory_format"):

@@ -110,6 +110,9 @@ class TinyGPTJob:
     ep: int = 1
     # Megatron's grad norm as a one-element tensor, as core 0.18+ with TE returns it
     norm_as_tensor: bool = False
+    # core 0.19+: bf16 gradient buffers, every parameter's main_grad accumulated locally in fp32 and copied
+    # into the buffer inside start_grad_sync (``param_name_patterns_for_fp32_local_accumulation=("all",)``)
+    fp32_local_accumulation: bool = False
     initial_loss_scale: float = 2.0**12  # fp16: Megatron-LM's default is 2**32
     # hidden and attention dropout: steps draw from the RNG (torch's and Megatron's tracker)
     dropout: float = 0.0
@@ -124,6 +127,9 @@ class TinyGPTJob:
     # a test puts in place there that a CI machine lacks (a stand-in for pynvml, Megatron-LM's TensorBoard
     # writer where Megatron-LM's loop would hold it)
     prepare: Optional[str] = None
+    # "module:function", called as function(job, rank) in each job process after its last step: what
+    # Megatron-LM's loop does at its end (it finishes its W&B run, whose records reach disk only then)
+    finish: Optional[str] = None
     # "random": random token batches; "mock_gpt": megatron-core's MockGPTDataset, read as Megatron-LM's
     # training loop reads it (``MegatronLMData``), with its arguments where Megatron-LM keeps them
     data: str = "random"
@@ -226,8 +232,10 @@ def _wrap_model(job: TinyGPTJob, config, model, bucketing: bool = True):
 
     if job.dtype != "fp32":
         model = Float16Module(config, model)
+    local_accumulation = {"param_name_patterns_for_fp32_local_accumulation": ("all",)} \
+        if job.fp32_local_accumulation else {}
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=job.dtype != "fp32",
+        grad_reduce_in_fp32=job.dtype != "fp32" and not job.fp32_local_accumulation, **local_accumulation,
         overlap_grad_reduce=job.overlap_grad_reduce,
         overlap_param_gather=job.overlap_param_gather,
         use_distributed_optimizer=job.distributed_optimizer,
@@ -792,9 +800,7 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
     """Build the model on this (already initialised) process group and train ``job.steps`` steps."""
     import gradnan
 
-    if job.prepare:
-        module, _, function = job.prepare.partition(":")
-        getattr(importlib.import_module(module), function)(job, rank)
+    _call_hook(job.prepare, job, rank)
     with one_job(), ExitStack() as stack:
         if job.norm_as_tensor:
             stack.enter_context(_grad_norm_as_tensor())
@@ -811,7 +817,15 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
             if model.data is not None:
                 model.data.close()
         model.result.param_digest = model.param_digest()
-        return model.result
+    _call_hook(job.finish, job, rank)
+    return model.result
+
+
+def _call_hook(spec: Optional[str], job: TinyGPTJob, rank: int) -> None:
+    """A job's ``prepare`` or ``finish``: "module:function", called as function(job, rank)."""
+    if spec:
+        module, _, function = spec.partition(":")
+        getattr(importlib.import_module(module), function)(job, rank)
 
 
 def _worker(rank: int, jobs: List[TinyGPTJob], port: int, results_dir: str) -> None:

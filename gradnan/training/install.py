@@ -14,7 +14,9 @@ from ..config import GradnanConfig, resolve_config
 from ..errors import InternalError
 from ..log import logger
 from ..patches import Instrumentor, SurfaceMissing, all_instrumentors, split_disabled
+from ..patches.instrumentor import megatron_version
 from ..patches.model import MEGATRON_FACTS
+from ..patches.supported import MEGATRON_CORE
 from .runtime import Runtime
 
 
@@ -95,7 +97,10 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
         installation = Installation(resolved, Runtime(resolved, MEGATRON_FACTS),
                                     disabled=[instrumentor.name for instrumentor in disabled],
                                     _instrumentors=instrumentors)
+        _report_missing(installation, enabled)
         for instrumentor in enabled:
+            if instrumentor.name in installation.missing:
+                continue
             try:
                 instrumentor.instrument(installation.runtime)
             except SurfaceMissing as exc:
@@ -121,6 +126,19 @@ def _flush_at_exit(installation: Installation) -> None:
     the forward) still gets that step's frames and probes written."""
     if _current is installation:
         installation.runtime.flush_at_end()
+
+
+def _report_missing(installation: Installation, enabled: List[Instrumentor]) -> None:
+    """Before anything is patched: the surfaces this megatron-core lacks (a newer release renamed or removed
+    them), found by a dry run of each patch, logged at once and left alone by ``install()``."""
+    for instrumentor in enabled:
+        why = instrumentor.missing(installation.runtime)
+        if why is not None:
+            installation.missing[instrumentor.name] = why
+    if installation.missing:
+        logger.warning("megatron-core %s lacks what %d patch(es) need, left unpatched (tested: %s): %s",
+                       megatron_version() or "(version unknown)", len(installation.missing), MEGATRON_CORE,
+                       "; ".join(f"{name}: {why}" for name, why in installation.missing.items()))
 
 
 def _announce(installation: Installation) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from functools import partial
+from functools import partial, reduce
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -78,7 +78,7 @@ class Runtime:
         self.flush_at_end()
         self.captures.close()
         self.forward.close()
-        self.guarded("tensorboard", self.board.close)
+        self.guarded("trackers", self.board.close)
 
     # -- the model ----------------------------------------------------------------------------------
 
@@ -210,10 +210,10 @@ class Runtime:
     def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
                   megatron: Optional[MegatronRerun] = None, record: Optional[Dict[str, Any]] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
-        the run's first incident goes to TensorBoard where a writer is and this rank records (``record``:
-        its record of it); then the run stops if asked to. A norm read after its step (one Megatron
-        returned as a device tensor) comes after the update: that step can no longer be run again as it
-        was."""
+        the run's first incident goes to TensorBoard and W&B where a tracker is and this rank records
+        (``record``: its record of it); then the run stops if asked to. A norm read after its step (one
+        Megatron returned as a device tensor) comes after the update: that step can no longer be run again
+        as it was."""
         if not self._state_read and self.window.recording():
             self._state_read = True
             self.guarded("state", self._read_state)
@@ -223,7 +223,7 @@ class Runtime:
         else:
             self.rerun.too_late(trigger)
         if self.window.recording():
-            self.guarded("tensorboard", self.board.incident, self.rerun.outcome, record,
+            self.guarded("trackers", self.board.incident, self.rerun.outcome, record,
                          self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
@@ -266,8 +266,8 @@ class Runtime:
         self.detections.keep_runup(group, maxima, contents)
 
     @staticmethod
-    def bucket_maxima(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([abs_max(grad) for grad in grads])
+    def bucket_maxima(buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([reduce(torch.maximum, map(abs_max, grads)) for grads in buckets])
 
     # -- the user's controls -------------------------------------------------------------------------
 
