@@ -4,6 +4,8 @@
                                                   # about 6 minutes on 2 cores
     python benchmarks/overhead.py --sizes 1m --rounds 5 --scan-reps 5   # a quick look
     python benchmarks/overhead.py --sizes 1b      # on a GPU: a 1.1B-parameter GPT, bf16, sequence 2048
+    python benchmarks/overhead.py --sizes 20layers --dtype bf16 --rounds 3 --scan-reps 3 --incident 1
+                                                  # the incident's operators: a 20-layer GPT, 245 tensors
 
 Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is there, without the shim).
 1. Step time, interleaved round by round (off, defaults, defaults without the run-up ring
@@ -19,7 +21,9 @@ Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is t
    Throughput in GB/s of gradient bytes, host syncs and peak extra memory of each.
 3. The incident (``--incident``): a forward overflow in an fp16 copy of the model (the step is skipped, the
    weights stay), the failing step timed without the kit and with it (detection, the rerun of the step's
-   forward pass, the capture and the files), the extra in forward passes of that model.
+   forward pass, the capture and the files), the extra in forward passes of that model; and the operators
+   the failing step dispatches (on a GPU: kernel launches) without and with the kit, in forward passes,
+   by phase of the kit (``incident_operators``: the same on any machine).
 Prints a markdown table and writes JSON (``--json``).
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,9 +43,12 @@ from typing import Any, Callable, Dict, List
 import torch
 
 import gradnan
-from gradnan.testing.measure import HostSyncCounter, PeakMemory
+import gradnan.training.incidents as incident_module
+from gradnan.patches.undo_log import patch_scope
+from gradnan.testing.measure import HostSyncCounter, OperatorCounter, PeakMemory
 from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
+from gradnan.training.rerun import StepRerun
 from gradnan.training.runup import RunUp
 from gradnan.training.scan import abs_max, find_nonfinite, finite_flag
 
@@ -49,6 +57,7 @@ SIZES = {
     "1m": dict(SHAPE, hidden_size=128, num_layers=4, num_heads=4),
     "10m": dict(SHAPE, hidden_size=384, num_layers=5, num_heads=6),
     "50m": dict(SHAPE, hidden_size=768, num_layers=7, num_heads=12),
+    "20layers": dict(SHAPE, hidden_size=64, num_layers=20, num_heads=4),
     "1b": dict(hidden_size=2048, num_layers=20, num_heads=16, vocab_size=32768, seq_length=2048,
                micro_batch_size=2),
 }
@@ -220,6 +229,52 @@ def incident_cost(job: TinyGPTJob, reps: int, out_dir: str, device: torch.device
             "extra_forward_passes": (median["with"] - median["without"]) / one_forward}
 
 
+def incident_operators(job: TinyGPTJob, out_dir: str) -> Dict[str, Any]:
+    """The failing step's operators (``OperatorCounter``: every operator dispatched, forward, backward and
+    the kit's; on a GPU each is a launch or a view), without the kit and with it (defaults, installed as a
+    user does, before the optimizer is built), each on a fresh model of ``job`` after one healthy step (the
+    step without the kit applies the non-finite update). An Inf out of the last layer's MLP spreads to
+    every gradient. The extra in forward passes of that model (a ``no_grad`` forward's operators), and the
+    kit's operators by phase: the gradient scan (``offending_params``, ``largest_gradient``), the
+    pre-reduction flags read at the norm, the state record (weights and optimizer state), the rerun of the
+    step (its two forward passes included), the rest."""
+    from gradnan.patches.model import destroy_model_parallel
+
+    failing = job.with_(injections=(
+        Injection(0, 2, f"decoder.layers.{job.num_layers - 1}.mlp", "inf", where="forward"),))
+    counts: Dict[str, Any] = {}
+    for mode in ("without", "with"):
+        gradnan.uninstall()
+        install = partial(gradnan.install, out_dir=os.path.join(out_dir, "operators"), log_level="CRITICAL")
+        model = TinyGPT(failing, 0, install=install if mode == "with" else None)
+        if mode == "without":
+            with OperatorCounter() as forward:
+                _forward(model, next(model.batches[0]))
+            counts["forward"] = forward.total
+        model.step()
+        ops = OperatorCounter()
+        with patch_scope() as patcher:
+            for owner, name, label in _PHASES:
+                patcher.wrap(owner, name, ops.phase(label))
+            with ops:
+                outcome = model.step()
+        assert outcome.grad_norm is None or not math.isfinite(outcome.grad_norm)
+        counts[mode] = ops.total
+        if mode == "with":
+            counts["by_phase"] = dict(ops.by_phase, other=ops.by_phase["other"] - counts["without"])
+        del model
+        destroy_model_parallel()
+    gradnan.uninstall()
+    counts["extra_forward_passes"] = (counts["with"] - counts["without"]) / counts["forward"]
+    return counts
+
+
+_PHASES = [(incident_module, "offending_params", "gradient scan"),
+           (incident_module, "largest_gradient", "gradient scan"),
+           (incident_module.Detections, "_flush_deferred", "pre-reduction flags"),
+           (incident_module.Detections, "state", "state record"), (StepRerun, "incident", "rerun")]
+
+
 def _forward(model: TinyGPT, batch: Dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         model.chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
@@ -280,6 +335,13 @@ def _table(results: Dict[str, Any]) -> str:
         for size, cost in incidents.items():
             lines.append(f"| {size} | {cost['forward_s']:.4f} | {cost['failing_step_s']['without']:.4f} | "
                          f"{cost['failing_step_s']['with']:.4f} | {cost['extra_forward_passes']:.2f} |")
+        lines += ["", "| size | dtype | operators: forward pass | failing step without the kit | with it | "
+                  "extra, in forward passes | the kit's, by phase |", "|---|---|---|---|---|---|---|"]
+        for size, cost in incidents.items():
+            ops = cost["operators"]
+            phases = ", ".join(f"{name} {count:,}" for name, count in sorted(ops["by_phase"].items()))
+            lines.append(f"| {size} | {results['dtype']} | {ops['forward']:,} | {ops['without']:,} | "
+                         f"{ops['with']:,} | {ops['extra_forward_passes']:.2f} | {phases} |")
     return "\n".join(lines)
 
 
@@ -298,7 +360,7 @@ def main() -> None:
     device = _setup()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    default_rounds = {"1m": 21, "10m": 11, "50m": 7, "1b": 9}
+    default_rounds = {"1m": 21, "10m": 11, "50m": 7, "20layers": 5, "1b": 9}
     results: Dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
@@ -322,6 +384,7 @@ def main() -> None:
             if args.incident:
                 entry["incident"] = incident_cost(job, args.incident, out_dir, device)
                 destroy_model_parallel()
+                entry["incident"]["operators"] = incident_operators(job, out_dir)
             print(f"{size}: done", flush=True)
     with open(args.json, "w") as stream:
         json.dump(results, stream, indent=1)

@@ -9,6 +9,9 @@
 - ``PeakMemory``: the largest number of bytes the code had allocated beyond what existed before. On
   CUDA the allocator's peak; on CPU the fresh tensors produced by the code's operators (a
   ``TorchDispatchMode``), freed when their tensors die (allocations inside one kernel are not seen).
+- ``OperatorCounter``: the operators the code dispatches below autograd (forward, backward and the kit's
+  own), each as many times as it runs: on a GPU each is a kernel launch or a view, so the count is what a
+  piece of code costs in launches, the same on any machine.
 """
 
 from __future__ import annotations
@@ -142,3 +145,39 @@ class PeakMemory:
         else:
             self._mode.__exit__(*exc)
             self.bytes = self._mode.peak
+
+
+class OperatorCounter(TorchDispatchMode):
+    """``with OperatorCounter() as ops: ...`` then ``ops.total``; ``ops.by_phase``: the count under each
+    label of ``phase(label)`` (the innermost one; ``"other"`` outside any), so a benchmark can say where the
+    operators go. Sees every operator below autograd, the backward's included (its engine runs the mode
+    on the calling thread on CPU, and hands it to its device threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_phase: Counter = Counter()
+        self._phases = ["other"]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_phase.values())
+
+    def phase(self, label: str):
+        """Wrap a function so that the operators it dispatches count under ``label``."""
+        phases = self._phases
+
+        def wrap(original):
+            def labelled(*args, **kwargs):
+                phases.append(label)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    phases.pop()
+
+            return labelled
+
+        return wrap
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_phase[self._phases[-1]] += 1
+        return func(*args, **(kwargs or {}))
