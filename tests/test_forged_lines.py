@@ -126,3 +126,11 @@ def test_a_value_is_one_unbroken_run_of_text():
 def test_a_shell_word_with_a_run_of_spaces_is_one_bash_word():
     word = printable_lines([shell_word(planted("bundles/x"))])
     assert "  " not in word and word.startswith("$'") and not forged_lines(word)
+
+
+def test_a_log_line_shows_a_values_glued_spaces_as_spaces(caplog):
+    from gradnan.log import logger
+
+    with caplog.at_level("INFO", logger="gradnan"):
+        logger.info("sample from %s", untrusted("/data/my set/part 1"))
+    assert caplog.records[-1].getMessage() == "sample from /data/my set/part 1"

@@ -158,7 +158,7 @@ def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without
     analysis = analyze(read_run(tmp_path))
     text = format_text(analysis)
     assert text.splitlines()[1].startswith("First failing step: 2  (nonfinite_loss)"), text
-    verdict = analysis.incident.verdict.summary
+    verdict = analysis.to_json()["incident"]["verdict"]["summary"]
     assert "rejected a non-finite loss (nan) on rank 1, micro-batch 0" in verdict
     assert "pipeline parallelism" in verdict and record["batch"]["path"] in verdict
     assert "rank 1 (tp0 pp1 dp0)" in text and "non-finite loss (nan) at micro-batch 0" in text, text
