@@ -5,23 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .formats.text import GLUE
-
 logger = logging.getLogger("gradnan")
-
-
-class _PlainSpaces(logging.Filter):
-    """A message whose wording holds values laid out for a text (``formats.text.untrusted``, shared with the
-    report) shows their glued spaces as spaces, whatever handler prints it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if GLUE in message:
-            record.msg, record.args = message.replace(GLUE, " "), ()
-        return True
-
-
-logger.addFilter(_PlainSpaces())
 
 
 def _rank() -> str:

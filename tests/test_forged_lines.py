@@ -128,9 +128,13 @@ def test_a_shell_word_with_a_run_of_spaces_is_one_bash_word():
     assert "  " not in word and word.startswith("$'") and not forged_lines(word)
 
 
-def test_a_log_line_shows_a_values_glued_spaces_as_spaces(caplog):
-    from gradnan.log import logger
+def test_a_log_line_shows_a_values_glued_spaces_as_spaces():
+    import logging
 
-    with caplog.at_level("INFO", logger="gradnan"):
-        logger.info("sample from %s", untrusted("/data/my set/part 1"))
-    assert caplog.records[-1].getMessage() == "sample from /data/my set/part 1"
+    from gradnan.formats.text import PlainSpaces
+    from gradnan.training.messages import PLAIN_SPACES
+
+    record = logging.LogRecord("gradnan", logging.INFO, __file__, 1, "sample from %s",
+                               (untrusted("/data/my set/part 1"),), None)
+    assert isinstance(PLAIN_SPACES, PlainSpaces) and PLAIN_SPACES.filter(record)
+    assert record.getMessage() == "sample from /data/my set/part 1"

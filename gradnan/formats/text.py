@@ -5,6 +5,7 @@ side's log lines."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 import textwrap
@@ -105,3 +106,14 @@ def _ansi_c(character: str) -> str:
         return character
     code = ord(character)
     return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+class PlainSpaces(logging.Filter):
+    """A log message whose wording holds values laid out for a text (``untrusted``, in wordings the
+    training side shares with the report) shows their glued spaces as spaces, whatever handler prints it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if GLUE in message:
+            record.msg, record.args = message.replace(GLUE, " "), ()
+        return True

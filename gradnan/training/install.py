@@ -17,6 +17,7 @@ from ..patches import Instrumentor, SurfaceMissing, all_instrumentors, split_dis
 from ..patches.instrumentor import megatron_version
 from ..patches.model import MEGATRON_FACTS
 from ..patches.supported import MEGATRON_CORE
+from .messages import PLAIN_SPACES
 from .runtime import Runtime
 
 
@@ -94,6 +95,7 @@ def install(out_dir: Optional[str] = None, *, config: Optional[GradnanConfig] = 
         instrumentors = all_instrumentors()
         enabled, disabled = split_disabled(instrumentors, resolved.disabled_patches)
         log.configure(resolved.log_level)
+        log.logger.addFilter(PLAIN_SPACES)  # once: a filter already there is not added again
         installation = Installation(resolved, Runtime(resolved, MEGATRON_FACTS),
                                     disabled=[instrumentor.name for instrumentor in disabled],
                                     _instrumentors=instrumentors)

@@ -6,6 +6,10 @@ from typing import Any, Dict
 
 from ..formats.layout import rank_label, step_label
 from ..formats.schema import nonfinite_counts
+from ..formats.text import PlainSpaces
+
+# on the gradnan logger from install(): its wordings share values laid out for a text with the report
+PLAIN_SPACES = PlainSpaces()
 
 
 def where(document: Dict[str, Any]) -> str:
