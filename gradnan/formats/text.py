@@ -12,8 +12,9 @@ import textwrap
 from typing import Any, Iterable, List
 
 # Stands for a space inside a value from a file (``untrusted``) until the line is printed: the wrapping
-# (``wrap``) never breaks a line there, and ``printable_lines`` prints it as one ASCII space. A private-use
-# code point: no name, host or path gradnan writes holds one, and a file's own is shown as one space too.
+# (``wrap``) never breaks a line there, and ``printable`` prints a run of them as one ASCII space. A
+# private-use code point: no name, host or path gradnan writes holds one, and a file's own is shown as a
+# space too.
 GLUE = "\ue000"
 MAX_VALUE = 160  # characters of one value from a file shown in a text; longer ones are cut in the middle
 MAX_LISTED = 8  # items of one list from a file shown in a text; the rest are counted
@@ -36,11 +37,15 @@ def printable(text: str) -> str:
     drive the terminal (colours, titles, hyperlinks, clearing the screen) nor print a line of its own (a
     fake ``Verdict:``) nor reorder or hide what is shown. The escapes are printable themselves: escaping
     twice changes nothing. A value's glued spaces (``GLUE``) are printed as one space a run."""
-    if GLUE in text:  # a value's glued spaces (``untrusted``), once a line is laid out
-        text = _GLUE_RUN.sub(" ", text)
+    text = unglued(text)
     if text.isprintable():  # the common case, at C speed
         return text
     return "".join(character if character.isprintable() else _escaped(character) for character in text)
+
+
+def unglued(text: str) -> str:
+    """``text`` with a value's glued spaces (``untrusted``) as spaces, a run as one: once it is laid out."""
+    return _GLUE_RUN.sub(" ", text) if GLUE in text else text
 
 
 def untrusted(text: Any, limit: int = MAX_VALUE) -> str:
@@ -78,7 +83,7 @@ def printable_lines(lines: Iterable[str]) -> str:
 def plain(document: Any) -> Any:
     """A JSON document whose wordings hold values (``untrusted``), with their glued spaces as spaces."""
     if isinstance(document, str):
-        return document.replace(GLUE, " ") if GLUE in document else document
+        return unglued(document)
     if isinstance(document, dict):
         return {key: plain(item) for key, item in document.items()}
     if isinstance(document, (list, tuple)):
@@ -87,7 +92,7 @@ def plain(document: Any) -> Any:
 
 
 def shell_word(value: Any) -> str:
-    """``untrusted`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
+    """``value`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
     with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``), and is never broken by
     ``wrap``. A value that is not printable or holds a run of spaces is written in bash's ``$'...'`` form
     (every space ``\\x20``, a control character ``\\x1b``): still the same path to bash and zsh, and no
@@ -115,5 +120,5 @@ class PlainSpaces(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if GLUE in message:
-            record.msg, record.args = message.replace(GLUE, " "), ()
+            record.msg, record.args = unglued(message), ()
         return True
