@@ -126,8 +126,11 @@ TENSOR_PARALLEL_REDUCTIONS = ("reduce_from_tensor_model_parallel_region",
 def _reductions_watched(
         on_reduction: Optional[Callable[[torch.Tensor], Callable[[torch.Tensor], None]]]) -> Iterator[None]:
     """For one diagnostic pass: the reductions of partial sums that ``megatron.core.tensor_parallel.layers``
-    makes (row-parallel linear, vocabulary-parallel embedding) report their input and output."""
-    if on_reduction is None:
+    makes (row-parallel linear, vocabulary-parallel embedding) report their input and output. Without
+    tensor parallelism there is no reduction (the partial sum is the result), and nothing is watched."""
+    from megatron.core import parallel_state
+
+    if on_reduction is None or parallel_state.get_tensor_model_parallel_world_size() == 1:
         yield
         return
     layers = importlib.import_module("megatron.core.tensor_parallel.layers")

@@ -13,15 +13,12 @@ from hypothesis import strategies as st
 from gradnan.testing.measure import OperatorCounter
 from gradnan.training import scan
 from gradnan.training.scan import (
-    PACK_BELOW,
-    SCRATCH_SHARE,
     NonFinite,
     find_nonfinite,
     finite_flag,
     locate,
     locate_all,
     nonfinite_indices,
-    scratch_elements_for,
     unravel,
 )
 
@@ -101,12 +98,15 @@ def test_nonfinite_indices_mixed_dtypes():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_overflowing_sum_is_flagged_then_cleared_by_the_exact_scan(dtype):
-    """3e38 is finite in bf16/fp32 but two of them overflow the float32 accumulator: the cheap flag
-    over-reports (allowed), the exact scan must clear it (no false positive in the result)."""
-    overflowing = torch.full((2,), 3e38, dtype=dtype)
-    assert torch.isfinite(overflowing).all()
-    assert nonfinite_indices([overflowing]) == [0]
-    assert find_nonfinite([overflowing]) == []
+    """3e38 is finite in bf16/fp32 but two of them overflow the float32 accumulator: the row sum of a
+    grad buffer's views over-reports (allowed), the exact scan must clear it (no false positive in the
+    result). A separate tensor's largest magnitude never over-reports."""
+    buffer = torch.full((4,), 3e38, dtype=dtype)
+    views = [buffer[:2], buffer[2:]]
+    assert torch.isfinite(buffer).all()
+    assert nonfinite_indices(views) == [0, 1]
+    assert find_nonfinite(views) == []
+    assert nonfinite_indices([buffer.clone()]) == []
 
 
 # --- find_nonfinite ---------------------------------------------------------------------------
@@ -318,16 +318,14 @@ def test_locate_abs_max_of_negative_zero_and_subnormals(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_locate_abs_max_of_finite_rows_across_scratch_blocks(dtype):
-    """More rows than one scratch block holds: the largest magnitude sits in a finite row of a later block
-    and the NaN in an earlier one; both are found."""
+def test_locate_abs_max_of_finite_rows_across_slices(dtype):
+    """More rows than one slice holds: the largest magnitude sits in a finite row of a later slice and the
+    NaN in an earlier one; both are found."""
     chunk = 1024
-    numel = 1 << 22
-    rows_per_block = scratch_elements_for(numel, tensor_with([], dtype).element_size()) // chunk
-    assert 3 * rows_per_block + 1 < numel // chunk
+    numel = 1 << 16
     tensor = torch.ones(numel, dtype=dtype)
     tensor[chunk + 3] = NAN
-    tensor[2 * rows_per_block * chunk + 7] = -1000.0
+    tensor[7 * chunk + 7] = -1000.0
     tensor[-1] = 250.0
     result = locate(tensor, chunk_elements=chunk)
     assert result == NonFinite(nan=1, pos_inf=0, neg_inf=0, first_bad=chunk + 3, abs_max_finite=1000.0)
@@ -351,7 +349,7 @@ def test_locate_dtype_without_a_scan_is_a_clear_error():
         locate(torch.ones(5000, dtype=torch.complex64), chunk_elements=100)
 
 
-# --- small CPU tensors: copied into packs -----------------------------------------------------
+# --- lists of tensors: views of one buffer in spans, the others by dtype -----------------------
 
 
 def found_by_definition(tensors):
@@ -384,17 +382,13 @@ def gradient_lists(draw):
 
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None)
-@given(tensors=gradient_lists(), pack_below=st.integers(1, 48), scratch_bytes=st.integers(1, 96),
-       pack_row=st.integers(1, 16))
-def test_find_nonfinite_matches_the_definition_however_tensors_are_packed(tensors, pack_below, scratch_bytes,
-                                                                         pack_row):
-    """Packs and their rows shrunk to a few elements, so the examples cross many pack and row boundaries:
-    every tensor that holds a NaN or Inf is found, with its exact statistics, and no other."""
+@given(tensors=gradient_lists(), chunk=st.integers(1, 16))
+def test_find_nonfinite_matches_the_definition_however_tensors_are_grouped(tensors, chunk):
+    """Spans' rows shrunk to a few elements, so the examples cross many row boundaries; separate tensors of
+    every dtype mixed: every tensor that holds a NaN or Inf is found, with its exact statistics, and no
+    other."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(scan, "PACK_BELOW", pack_below)
-        patch.setattr(scan, "SCRATCH_BYTES", scratch_bytes)
-        patch.setattr(scan, "SCRATCH_SHARE", 1)
-        patch.setattr(scan, "PACK_ROW", pack_row)
+        patch.setattr(scan, "chunk_elements_for", lambda total: chunk)
         assert find_nonfinite(tensors) == found_by_definition(tensors)
 
 
@@ -410,45 +404,55 @@ def test_locate_all_matches_the_definition_however_tensors_are_sliced(tensors, c
                                                                    for tensor in present]
 
 
-def test_nonfinite_indices_across_packs_at_their_real_size():
-    """3,000 tensors of 1,000 elements, packs of 23: a NaN in the last tensor of the first pack, an Inf in
-    the first of the second, one in the last tensor of all; rows of 1,024 elements straddle tensors, so
-    the finite neighbours are cleared by the second read."""
-    per_pack = scratch_elements_for(3000 * 1000, 4) // 1000
-    assert per_pack == 23
-    tensors = [torch.ones(1000) for _ in range(3000)]
-    tensors[per_pack - 1][999] = NAN
-    tensors[per_pack][0] = -INF
-    tensors[-1][500] = INF
-    assert nonfinite_indices(tensors) == [per_pack - 1, per_pack, len(tensors) - 1]
+def test_a_nan_in_any_of_thousands_of_separate_tensors_is_found_in_a_few_operators():
+    """3,000 separate tensors of two dtypes, a NaN in the last of one dtype, Infs in two others: found, in
+    a fixed number of operators whatever the number of tensors (a fused multi-tensor kernel per dtype on
+    a GPU: a kernel per tensor there made the failing step's state record cost three forward passes)."""
+    def suspects(count):
+        tensors = [torch.ones(100, dtype=torch.bfloat16 if index % 2 else torch.float32)
+                   for index in range(count)]
+        tensors[count - 1][99] = NAN
+        tensors[0][0] = -INF
+        tensors[count // 2][50] = INF
+        with OperatorCounter() as ops:
+            found = nonfinite_indices(tensors)
+        assert found == sorted({0, count // 2, count - 1})
+        return ops.total
+
+    few, many = suspects(10), suspects(3000)
+    assert few == many < 20
 
 
 def test_a_small_view_and_a_large_view_of_one_buffer():
-    """The small view is packed, the large one read in its span (with the small one's bytes in between):
-    each is found for what it holds, not for its neighbour's."""
-    buffer = torch.zeros(3 * PACK_BELOW)
-    small, large = buffer[PACK_BELOW:PACK_BELOW + 10], buffer[PACK_BELOW + 10:]
-    other_large = buffer[:PACK_BELOW]
+    """Views of one buffer are read in one span, in rows: each is found for what it holds, not for its
+    neighbour's."""
+    buffer = torch.zeros(3 * 4096)
+    small, large = buffer[4096:4096 + 10], buffer[4096 + 10:]
+    other_large = buffer[:4096]
     small[3] = NAN
-    assert nonfinite_indices([large, small, other_large]) == [1]
+    assert [index for index, _ in find_nonfinite([large, small, other_large])] == [1]
     large[-1] = INF
     assert [index for index, _ in find_nonfinite([large, small, other_large])] == [0, 1]
 
 
-def test_packing_ignores_autograd():
-    """Parameters that require grad pack as gradients do (the copy is no autograd operation)."""
+def test_parameters_that_require_grad_are_checked_without_autograd():
     weights = [torch.ones(5, requires_grad=True), torch.tensor([1.0, NAN], requires_grad=True)]
     assert nonfinite_indices(weights) == [1]
 
 
-def test_packs_are_bounded_by_the_scratch_not_the_list():
-    """64 MiB of small tensors: the scan's largest allocation is one pack, 1/128 of them."""
+def test_tensors_that_cannot_hold_nan_are_left_out_of_a_list():
+    tensors = [torch.ones(3, dtype=torch.int64), torch.tensor([NAN]), torch.ones(2, dtype=torch.bool)]
+    assert nonfinite_indices(tensors) == [1]
+
+
+def test_the_first_level_allocates_nothing_the_size_of_its_tensors():
+    """64 MiB of separate tensors: the first level's largest allocation is its flags, not a copy."""
     tensors = [torch.zeros(4096) for _ in range(4096)]
     tensors[-1][-1] = NAN
     found = []
     largest = largest_allocation(lambda: found.append(nonfinite_indices(tensors)))
     assert found == [[4095]]
-    assert largest == (1 << 26) // SCRATCH_SHARE
+    assert largest <= 64 * 1024
 
 
 # --- NonFinite --------------------------------------------------------------------------------

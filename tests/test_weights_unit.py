@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from gradnan.events import ParamTensors, StepState
 from gradnan.formats.maps import ParamSlot
+from gradnan.testing.measure import OperatorCounter
+from gradnan.training import weights as weights_module
 from gradnan.training.weights import finite_flag, state_fields, weights_digest
 
 
@@ -51,12 +54,58 @@ def test_a_healthy_state_names_nothing():
     assert found == [] and extra["optimizer_state"] == [] and extra["launch_weights_finite"] is True
 
 
+def test_a_negative_moment_is_read_where_it_can_explain_a_bad_weight():
+    """The signs are read for the parameters whose stepped copy is non-finite only: a negative moment
+    beside finite weights has made nothing non-finite yet (its NaN/Inf would still be named)."""
+    weight = torch.ones(2, 4, dtype=torch.bfloat16)
+    exp_avg_sq = -torch.ones(2, 4)
+    _, extra = state_fields(state(weight, weight.float(), {"exp_avg_sq": exp_avg_sq}), {}, None)
+    assert extra["optimizer_state"] == []
+    main = weight.float()
+    main[0, 0] = float("inf")
+    _, extra = state_fields(state(weight, main, {"exp_avg_sq": exp_avg_sq}), {}, None)
+    assert [(f["state"], f["negative"]) for f in extra["optimizer_state"]] == [("exp_avg_sq", 8)]
+    exp_avg_sq[1, 1] = float("nan")
+    _, extra = state_fields(state(weight, weight.float(), {"exp_avg_sq": exp_avg_sq}), {}, None)
+    assert [(f["state"], f["nan"], f["negative"]) for f in extra["optimizer_state"]] == [("exp_avg_sq", 1, 0)]
+
+
 def test_the_digest_tells_equal_weights_from_ones_that_differ_by_one_bit():
     weights = [("a", torch.arange(8, dtype=torch.float32)), ("b", torch.ones(3, dtype=torch.bfloat16))]
     copy = [(name, tensor.clone()) for name, tensor in weights]
     assert weights_digest(weights) == weights_digest(list(reversed(copy)))  # by name, not by order
     copy[0][1].view(torch.int32)[5] ^= 1
     assert weights_digest(weights) != weights_digest(copy)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 1 << 24])
+def test_every_flipped_bit_of_every_weight_changes_the_digest_however_weights_are_chunked(chunk):
+    """Weights of three dtypes and odd shapes (a 0-dim one, a transposed one), summed in runs of
+    ``chunk`` elements: a flip of the sign, of an exponent bit or of the lowest mantissa bit of any
+    element changes the digest; an equal copy does not."""
+    weights = [("emb", torch.randn(5, 3, dtype=torch.bfloat16)), ("gain", torch.tensor(2.0)),
+               ("proj", torch.randn(4, 6).t()), ("scale", torch.randn(9, dtype=torch.float16)),
+               ("bias", torch.zeros(7))]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weights_module, "DIGEST_CHUNK_ELEMENTS", chunk)
+        reference = weights_digest(weights)
+        assert weights_digest([(name, tensor.clone()) for name, tensor in weights]) == reference
+        for position, (_, tensor) in enumerate(weights):
+            width = tensor.element_size() * 8
+            for element in range(tensor.numel()):
+                for bit in (0, width - 2, width - 1):
+                    copy = [(name, value.clone().contiguous()) for name, value in weights]
+                    bits = copy[position][1].view(-1).view({2: torch.int16, 4: torch.int32}[width // 8])
+                    bits[element] ^= (1 << bit) if bit < width - 1 else -(1 << bit)
+                    assert weights_digest(copy) != reference, (position, element, bit)
+
+
+def test_the_digest_of_hundreds_of_weights_takes_a_few_operators():
+    """245 separate weights (a 20-layer GPT's): a few kernels, not two per tensor."""
+    weights = [(f"w{index}", torch.ones(64, 3, dtype=torch.bfloat16)) for index in range(245)]
+    with OperatorCounter() as ops:
+        weights_digest(weights)
+    assert ops.total < 10
 
 
 def test_the_launch_flag_is_a_device_flag_of_every_weight():

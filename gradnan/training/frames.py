@@ -3,8 +3,9 @@
 
 A forward hook on each watched module turns the call into a ``Frame``: the names of its entries
 (``weight``, ``input[0]``, ``kwargs.attention_mask``, ``output[0]``, ...) on the host, and for each
-floating-point entry one ``aminmax`` of its magnitude left on the device. ``FrameTracer.read()`` stacks
-the step's statistics and copies them to the host once; only then are frames turned into JSON.
+floating-point entry its smallest and largest magnitude left on the device (two ``torch._foreach_norm``
+calls per call and dtype, however many entries). ``FrameTracer.read()`` stacks the step's statistics and
+copies them to the host once; only then are frames turned into JSON.
 
 Weights change only at the optimizer step, so a module's weights are measured once per step however
 often it is called; a tensor seen again unchanged (a parent's input is its first child's, an identity
@@ -92,8 +93,13 @@ def named_entries(args: Sequence[Any], kwargs: Dict[str, Any], outputs: Any) -> 
     return entries
 
 
+MEASURED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def measurable(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() and tensor.numel() > 0
+    """A dense, non-empty tensor of a float dtype whose magnitudes ``torch._foreach_norm`` reads (not a
+    sparse or float8 one)."""
+    return tensor.dtype in MEASURED_DTYPES and tensor.layout == torch.strided and tensor.numel() > 0
 
 
 def in_backward() -> bool:
@@ -140,22 +146,37 @@ class FrameTracer:
         """Frames taken since the last read."""
         return len(self._frames)
 
-    def _measure(self, tensor: torch.Tensor) -> Optional[int]:
-        """The index of the tensor's (abs-min, abs-max) in this step's statistics, measuring it if this
-        very tensor, unchanged since (same version), was not measured yet this step."""
-        if not measurable(tensor):
-            return None
-        seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
-            return seen[2]
-        low, high = torch.aminmax(tensor.detach().abs())
-        self._pending += [low, high]
-        index = len(self._values) + len(self._pending) // 2 - 1
-        self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, index)
+    @torch.no_grad()
+    def _measure(self, tensors: Sequence[Any]) -> List[Optional[int]]:
+        """The index of each tensor's (abs-min, abs-max) in this step's statistics (None: not measurable),
+        measuring those that were not measured yet this step as this very tensor, unchanged since (same
+        version): by dtype and device, two ``torch._foreach_norm`` calls (-inf and inf) for them all."""
+        indices: List[Optional[int]] = [None] * len(tensors)
+        fresh: Dict[int, List[int]] = {}  # id of a tensor to measure -> its places in ``tensors``
+        for place, tensor in enumerate(tensors):
+            if not measurable(tensor):
+                continue
+            seen = self._seen.get(id(tensor))
+            if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+                indices[place] = seen[2]
+            else:
+                fresh.setdefault(id(tensor), []).append(place)
+        groups: Dict[tuple, List[torch.Tensor]] = {}
+        for places in fresh.values():
+            tensor = tensors[places[0]]
+            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+        for group in groups.values():
+            lows, highs = torch._foreach_norm(group, -math.inf), torch._foreach_norm(group, math.inf)
+            for tensor, low, high in zip(group, lows, highs):
+                self._pending += [low, high]
+                index = len(self._values) + len(self._pending) // 2 - 1
+                self._seen[id(tensor)] = (weakref.ref(tensor), tensor._version, index)
+                for place in fresh[id(tensor)]:
+                    indices[place] = index
         if len(self._pending) >= MAX_PENDING:
             self._values += read_pairs(self._pending)
             self._pending = []
-        return index
+        return indices
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, outputs: Any) -> None:
@@ -169,16 +190,15 @@ class FrameTracer:
                 if previous is not None:
                     previous.recomputed += 1
                 return
-            weights = [(param_name, str(param.dtype), self._measure(param))
-                       for param_name, param in module.named_parameters(recurse=False)]
+            weights = list(module.named_parameters(recurse=False))
             entries = named_entries(args, kwargs, outputs)
             if not weights and not entries:
                 return
             frame = Frame(step=self._step, module=name, cls=type(module).__qualname__, call=len(self._frames),
                           names=[w[0] for w in weights] + [e[0] for e in entries],
                           kinds=["weight"] * len(weights) + [e[1] for e in entries],
-                          dtypes=[w[1] for w in weights] + [str(e[2].dtype) for e in entries],
-                          stats=[w[2] for w in weights] + [self._measure(e[2]) for e in entries])
+                          dtypes=[str(w[1].dtype) for w in weights] + [str(e[2].dtype) for e in entries],
+                          stats=self._measure([w[1] for w in weights] + [e[2] for e in entries]))
             self._frames.append(frame)
             self._last_frame[name] = frame
         return hook

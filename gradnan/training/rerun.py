@@ -133,6 +133,15 @@ def first_nonfinite_element(outputs: Sequence[torch.Tensor]) -> Optional[Dict[st
     return None
 
 
+@torch.no_grad()
+def largest_magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's largest magnitude, left on the device: non-finite exactly where the tensor holds a NaN
+    or an Inf (0 for an empty one). One kernel."""
+    if not tensor.numel():
+        return torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+    return torch.linalg.vector_norm(tensor, math.inf)
+
+
 class PassResult:
     """What one rank saw in the traced pass: its frames, where its first non-finite value was, the
     candidate origin (a call whose inputs were finite and outputs not) and the call where a value first
@@ -373,9 +382,11 @@ class StepRerun:
 
         def on_reduction(partial: torch.Tensor) -> Callable[[torch.Tensor], None]:
             # read before the reduction, which may write its result into ``partial``; the reduction runs
-            # inside its layer's call, which is the next frame to finish
-            at, partial_finite = tracer.frame_count(), torch.isfinite(partial).all()
-            return lambda reduced: flags.append((at, partial_finite, torch.isfinite(reduced).all()))
+            # inside its layer's call, which is the next frame to finish. Without tensor parallelism the
+            # reduced value is the partial sum itself, read once
+            at, partial_largest = tracer.frame_count(), largest_magnitude(partial)
+            return lambda reduced: flags.append(
+                (at, partial_largest, partial_largest if reduced is partial else largest_magnitude(reduced)))
 
         try:
             with self._pass(kept, tracer.frame_count) as counter:
@@ -383,7 +394,8 @@ class StepRerun:
                 frames = tracer.read()
         finally:
             tracer.detach()
-        read = torch.stack([flag for _, *pair in flags for flag in pair]).tolist() if flags else []
+        read = (torch.isfinite(torch.stack([value for _, *pair in flags for value in pair])).tolist()
+                if flags else [])
         reductions = [(at, bool(read[2 * n]), bool(read[2 * n + 1])) for n, (at, _, _) in enumerate(flags)]
         return PassResult(frames, counter.of_frame, losses, reductions)
 

@@ -1,25 +1,23 @@
 """Pure functions over lists of tensors: is everything finite, and where exactly is it not.
 
 Two levels, in the manner of ``torch.nn.utils.clip_grad``:
-- ``finite_flag`` / ``nonfinite_indices``: sums. Any NaN or Inf makes a sum non-finite, so there are no
-  false negatives; a finite tensor whose sum overflows is a false positive that the exact level clears.
-  Tensors that are contiguous views of one storage (Megatron's ``main_grad`` views into the DDP grad
-  buffer) are summed as one span, in rows of ``chunk`` elements, not one kernel each. Small CPU tensors
-  (under ``PACK_BELOW`` elements, fewer in a small scan) are copied back to back into a reused scratch
-  pack and summed in rows: on CPU a kernel per tensor costs more than their bytes. Every other tensor
-  (fp16/bf16 main copies, distributed-optimizer shards on a GPU, large separate tensors) by dtype and
-  device: one ``torch._foreach_norm`` call per group on CUDA (a fused multi-tensor kernel), a sum each
-  on CPU.
+- ``finite_flag`` / ``nonfinite_indices``: sums and largest magnitudes. Any NaN or Inf makes either
+  non-finite, so there are no false negatives. Tensors that are contiguous views of one storage
+  (Megatron's ``main_grad`` views into the DDP grad buffer) are summed as one span, in rows of ``chunk``
+  elements, not one kernel each (a finite row whose sum overflows is a false positive that the exact level
+  clears). Every other tensor (weights, fp16/bf16 main copies, optimizer state, distributed-optimizer
+  shards) by dtype and device: one ``torch._foreach_norm(..., inf)`` call per group, a fused multi-tensor
+  kernel on CUDA (on CPU it runs one kernel per tensor inside the one call). A tensor of another dtype
+  (integers, bool, float8) holds no NaN this scan can see and is not checked.
 - ``locate_all`` / ``locate``: the exact statistics of the tensors the first level suspects (NaN/Inf
   counts, first bad element, abs max of the finite values), all of them together: read as flat runs (a
   grad buffer's views where they are), cut or packed into slices of ``EXACT_SLICE_ELEMENTS``, each slice
   counted per tensor by a few segmented reductions. A NaN that spread through every gradient costs a dozen
   kernels per slice, not a few per tensor (on a GPU, kernel launches per tensor and per row made the
   failing step of a 1B-parameter model cost 27 forward passes).
-Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned), the
-scratch size (``scratch_elements_for``: 4 MiB, at most 1/128 of what is scanned) and, for the exact counts,
-one slice (about 30 bytes an element), never the size of the input; results stay on the device until one
-host read per level."""
+Temporaries are bounded by the chunk size (``chunk_elements_for``: 1/512 of what is scanned) and, for the
+exact counts, one slice (about 30 bytes an element), never the size of the input; results stay on the
+device until one host read per level."""
 
 from __future__ import annotations
 
@@ -35,15 +33,10 @@ import torch
 CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
-SCRATCH_BYTES = 1 << 22  # 4 MiB: a scratch buffer this size stays in a CPU's cache
-SCRATCH_SHARE = 128  # and is at most 1/128 of what is scanned (the overhead target: under 1% extra memory)
-PACK_BELOW = 1 << 15  # elements: a smaller CPU tensor is copied into a pack, a larger one read where it is
-PACK_ROW = 1024  # elements summed together in a pack: a bad row suspects the one or two tensors it overlaps
 EXACT_SLICE_ELEMENTS = 1 << 22  # elements counted exactly at once (about 30 bytes of temporaries each)
 
-# Row sums over one flat range (a span, a pack), the row length, and which positions ``[low, high)`` covers.
+# Row sums over one span, the row length, and which positions its elements ``[low, high)`` cover.
 _Rows = Tuple[torch.Tensor, int, Callable[[int, int], List[int]]]
-_Pack = Tuple[List[int], List[torch.Tensor], List[int]]  # positions, flat views, numels
 
 # Per float dtype: the integer type of the same width, and the bit pattern of +Inf (exponent all ones).
 _BITS = {
@@ -54,18 +47,16 @@ _BITS = {
 }
 
 
+SCANNED_DTYPES = tuple(_BITS)  # the floating-point dtypes whose NaN and Inf this scan sees
+
+
 def integer_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A floating-point tensor's bit patterns as integers of its width, flattened (no copy where it is
-    contiguous)."""
-    return _flat(tensor).view(_BITS[tensor.dtype][0])
+    """A floating-point tensor's bit patterns as integers of its width, in its shape (no copy)."""
+    return tensor.view(_BITS[tensor.dtype][0])
 
 
 def chunk_elements_for(total_elements: int) -> int:
     return min(CHUNK_MAX, max(CHUNK_MIN, total_elements // CHUNKS_PER_SCAN))
-
-
-def scratch_elements_for(scanned_elements: int, element_size: int) -> int:
-    return min(SCRATCH_BYTES // element_size, scanned_elements // SCRATCH_SHARE)
 
 
 def _sum(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -99,28 +90,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _partition(tensors: Sequence[Optional[torch.Tensor]], numels: Sequence[int],
-               pack_below: int) -> Tuple[Dict[torch.dtype, _Pack], List[int]]:
-    """Non-empty tensors two ways. CPU float tensors under ``pack_below`` elements by dtype, as
-    ``(positions, flat views, numels)``: on CPU a kernel per tensor costs more than their bytes, so they
-    are copied back to back and summed together (``_packed``). The positions of the others: views of one
-    storage summed as spans, the rest checked one by one."""
-    packs: Dict[torch.dtype, _Pack] = {}
-    others = []
-    for index, (tensor, numel) in enumerate(zip(tensors, numels)):
-        if not numel:
-            continue
-        dtype = tensor.dtype
-        if numel < pack_below and dtype in _BITS and tensor.is_cpu:
-            positions, flats, sizes = packs.setdefault(dtype, ([], [], []))
-            positions.append(index)
-            flats.append(tensor if tensor.ndim == 1 else tensor.reshape(-1))
-            sizes.append(numel)
-        else:
-            others.append(index)
-    return packs, others
-
-
 def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
         List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]], List[int]]:
     """Contiguous views of one storage grouped into one flat span: ``(span, [(index, start, end)])`` with
@@ -148,21 +117,19 @@ def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
     return spans, sorted(separate)
 
 
-def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One finite flag per tensor, grouped by dtype and device. On CUDA an L1 norm each (fp16/bf16
-    accumulated in fp32) by ``torch._foreach_norm``, one fused pass over a group; on CPU, where that is one
-    norm kernel per tensor (4x slower than a sum), a sum each."""
+def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, List[int]]:
+    """One finite flag per tensor, and the order they come in (positions in ``tensors``): grouped by dtype
+    and device, each group's largest magnitudes by one ``torch._foreach_norm(..., inf)`` (NaN and Inf carry
+    through, a finite tensor's is finite: no false positives)."""
     groups: Dict[tuple, List[int]] = {}
     for position, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(position)
-    flags = torch.empty(len(tensors), dtype=torch.bool, device=device)
-    for (dtype, where), positions in groups.items():
-        group = [tensors[p] for p in positions]
-        wider = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-        on_cpu = where.type == "cpu"
-        values = [_sum(tensor) for tensor in group] if on_cpu else torch._foreach_norm(group, 1, dtype=wider)
-        flags[torch.tensor(positions, device=device)] = torch.isfinite(torch.stack(values)).to(device)
-    return flags
+    flags, order = [], []
+    for positions in groups.values():
+        largest = torch._foreach_norm([tensors[p] for p in positions], math.inf)
+        flags.append(torch.isfinite(torch.stack(largest)).to(device))
+        order += positions
+    return torch.cat(flags) if len(flags) > 1 else flags[0], order
 
 
 def _in_span(members: List[Tuple[int, int, int]], low: int, high: int) -> List[int]:
@@ -170,83 +137,57 @@ def _in_span(members: List[Tuple[int, int, int]], low: int, high: int) -> List[i
     return [index for index, start, end in members if start < high and end > low]
 
 
-def _in_pack(positions: List[int], ends: List[int], base: int, low: int, high: int) -> List[int]:
-    """The positions of the packed tensors that overlap the pack's elements ``[low, high)``: tensor ``i``
-    ends at ``ends[i] - base``, where tensor ``i + 1`` starts."""
-    return positions[bisect_right(ends, base + low):bisect_left(ends, base + high) + 1]
-
-
-def _packed(positions: List[int], flats: List[torch.Tensor], numels: List[int],
-            scanned: int) -> Iterator[_Rows]:
-    """Small flat tensors of one dtype copied back to back into one scratch buffer (``scratch_elements_for``
-    the ``scanned`` elements; reused pack after pack: on CPU it stays in cache), each pack summed in rows
-    of ``PACK_ROW``. Every tensor is under ``_pack_below(scanned)`` elements, so it fits."""
-    ends = list(accumulate(numels))
-    capacity = scratch_elements_for(scanned, flats[0].element_size())
-    scratch = torch.empty(min(capacity, ends[-1]), dtype=flats[0].dtype)
-    first, base = 0, 0
-    while first < len(positions):
-        last = bisect_right(ends, base + capacity, lo=first)
-        pack = torch.cat(flats[first:last], out=scratch[:ends[last - 1] - base])
-        yield (_row_sums(pack, PACK_ROW), PACK_ROW,
-               partial(_in_pack, positions[first:last], ends[first:last], base))
-        first, base = last, ends[last - 1]
-
-
-def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> set:
+def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> Tuple[List[int], List[int]]:
     """The positions named by the non-finite flags ``bad``, numbered over every row of ``rows`` in turn,
-    then one per ``separate`` tensor."""
+    then one per ``separate`` tensor: (those of the rows, which may share a row with a bad neighbour or
+    overflow their sum; those of the separate tensors, which hold a NaN/Inf), each sorted."""
     row_ends = list(accumulate(len(sums) for sums, _, _ in rows))
-    suspects = set()
+    in_rows, held = set(), set()
     for flag in bad:
         which = bisect_right(row_ends, flag)
         if which == len(rows):
-            suspects.add(separate[flag - (row_ends[-1] if rows else 0)])
+            held.add(separate[flag - (row_ends[-1] if rows else 0)])
             continue
         _, length, covering = rows[which]
         row = flag - (row_ends[which - 1] if which else 0)
-        suspects.update(covering(row * length, (row + 1) * length))
-    return suspects
-
-
-def _pack_below(scanned: int) -> int:
-    """Tensors under this many elements are packed: ``PACK_BELOW``, less where the scratch is smaller."""
-    return min(PACK_BELOW, scratch_elements_for(scanned, max(dtype.itemsize for dtype in _BITS)))
+        in_rows.update(covering(row * length, (row + 1) * length))
+    return sorted(in_rows), sorted(held)
 
 
 @torch.no_grad()
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read, and one more
-    where several tensors shared a bad row."""
-    suspects = _suspect_indices(tensors, chunk)
-    if len(suspects) <= 1:
-        return suspects
-    device = tensors[suspects[0]].device  # several tensors shared a bad row: one more read tells them apart
-    flags = torch.stack([finite_flag(tensors[i]).to(device) for i in suspects]).tolist()
-    return [index for index, ok in zip(suspects, flags) if not ok]
+    where several views of one storage shared a bad row."""
+    in_rows, held = _suspect_indices(tensors, chunk)
+    if len(in_rows) > 1:  # several tensors shared a bad row: one more read tells them apart
+        device = tensors[in_rows[0]].device
+        flags = torch.stack([finite_flag(tensors[i]).to(device) for i in in_rows]).tolist()
+        in_rows = [index for index, ok in zip(in_rows, flags) if not ok]
+    return sorted(in_rows + held)
 
 
 @torch.no_grad()
-def _suspect_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int]) -> List[int]:
-    """Positions of the tensors in a row whose sum is not finite, in order: every tensor holding a NaN/Inf,
-    and possibly finite neighbours that share its row (or whose own sum overflows). One host read."""
-    numels = [0 if tensor is None else tensor.numel() for tensor in tensors]
-    scanned = sum(numels)
-    packed, others = _partition(tensors, numels, _pack_below(scanned))
-    shared, separate = _spans(tensors, others)
+def _suspect_indices(tensors: Sequence[Optional[torch.Tensor]],
+                     chunk: Optional[int]) -> Tuple[List[int], List[int]]:
+    """Every tensor holding a NaN/Inf, as the positions of views in a span's row whose sum is not finite
+    (possibly finite neighbours that share its row, or whose sum overflows), and those of separate tensors
+    whose largest magnitude is not (exactly the bad ones). One host read."""
+    present = [index for index, tensor in enumerate(tensors)
+               if tensor is not None and tensor.numel() and tensor.dtype in _BITS]
+    shared, separate = _spans(tensors, present)
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
     rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members))
                          for span, members in shared]
-    for group in packed.values():
-        rows.extend(_packed(*group, scanned))
     if not rows and not separate:
-        return []
+        return [], []
     device = rows[0][0].device if rows else tensors[separate[0]].device
     flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
     if separate:
-        flags.append(_separate_flags([tensors[i] for i in separate], device))
+        separate_flags, order = _separate_flags([tensors[i] for i in separate], device)
+        flags.append(separate_flags)
+        separate = [separate[i] for i in order]
     bad = torch.nonzero(~torch.cat(flags).cpu()).flatten().tolist()  # the flags read once, then found here
-    return sorted(_suspects(bad, rows, separate))
+    return _suspects(bad, rows, separate)
 
 
 @dataclass(frozen=True)
@@ -440,7 +381,8 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
 def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int, NonFinite]]:
     """``(position, NonFinite)`` for every tensor that holds a NaN or Inf, in input order: the suspects of
     the cheap level counted exactly together (``locate_all``). Two host reads."""
-    suspects = _suspect_indices(tensors, None)
+    in_rows, held = _suspect_indices(tensors, None)
+    suspects = sorted(in_rows + held)
     found = locate_all([tensors[index] for index in suspects]) if suspects else []
     return [(index, result) for index, result in zip(suspects, found) if result is not None]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
 from .offenders import offending_params
-from .scan import find_nonfinite, integer_view, unravel
+from .scan import SCANNED_DTYPES, find_nonfinite, integer_view, unravel
 
 MAX_STATE_ENTRIES = 32  # optimizer-state findings a record lists (all are counted)
 
@@ -39,21 +39,34 @@ def nonfinite_weights(state: StepState, ids_by_name: Mapping[str, int]) -> List[
     return found
 
 
+def bad_stepped_copies(state: StepState, bad_weights: Sequence[Mapping[str, Any]]) -> Set[int]:
+    """The positions in ``state.stepped`` whose stepped copy (the main copy, else the model parameter) is
+    among ``bad_weights`` (``nonfinite_weights``)."""
+    main_ids = {entry["id"] for entry in bad_weights if entry["copy"] == "main"}
+    model_names = {entry["name"] for entry in bad_weights if entry["copy"] == "model"}
+    return {position for position, (slot, held) in enumerate(zip(state.slots, state.stepped))
+            if (slot.id in main_ids if held.main is not None else slot.name in model_names)}
+
+
 def _must_not_be_negative(state_name: str) -> bool:
     """Adam's second moment (``exp_avg_sq``, ``max_exp_avg_sq``) is a running mean of squares."""
     return state_name.endswith("_sq")
 
 
 @torch.no_grad()
-def optimizer_state_faults(slots: Sequence[ParamSlot],
-                           stepped: Sequence[ParamTensors]) -> List[Dict[str, Any]]:
+def optimizer_state_faults(slots: Sequence[ParamSlot], stepped: Sequence[ParamTensors],
+                           bad_copies: Set[int]) -> List[Dict[str, Any]]:
     """Each optimizer-state tensor that holds a NaN or an Inf, or a second moment below zero (from which
     the update's square root is NaN): ``name`` (the parameter), ``state``, ``nan``, ``inf``, ``negative``.
-    The scan's own host reads (``find_nonfinite``) and one for the signs."""
+    Signs are read only for the parameters at ``bad_copies`` (positions in ``stepped`` whose stepped copy
+    is non-finite): a negative moment explains a non-finite weight through the update, and anywhere else
+    it has made nothing non-finite yet. The scan's own host reads (``find_nonfinite``), and one for the
+    signs where there are any to read."""
     entries = [(position, name, value) for position, held in enumerate(stepped)
                for name, value in sorted(held.state.items())]
     bad = dict(find_nonfinite([value for _, _, value in entries]))
-    squares = [index for index, (_, name, _) in enumerate(entries) if _must_not_be_negative(name)]
+    squares = [index for index, (position, name, _) in enumerate(entries)
+               if position in bad_copies and _must_not_be_negative(name)]
     negatives = (torch.stack([(entries[i][2] < 0).sum() for i in squares]).tolist() if squares else [])
     negative_at = {index: int(count) for index, count in zip(squares, negatives) if count}
     faults = []
@@ -66,17 +79,50 @@ def optimizer_state_faults(slots: Sequence[ParamSlot],
     return faults
 
 
+DIGEST_CHUNK_ELEMENTS = 1 << 24  # weights copied together to be summed at once (at most 64 MiB in fp32)
+
+
+def _digest_chunks(tensors: Sequence[torch.Tensor]) -> Iterator[List[torch.Tensor]]:
+    """The tensors (of one dtype and device, in order) in runs of at most ``DIGEST_CHUNK_ELEMENTS``
+    elements; a larger tensor alone."""
+    run: List[torch.Tensor] = []
+    filled = 0
+    for tensor in tensors:
+        if run and filled + tensor.numel() > DIGEST_CHUNK_ELEMENTS:
+            yield run
+            run, filled = [], 0
+        run.append(tensor)
+        filled += tensor.numel()
+    if run:
+        yield run
+
+
+def _bit_sum(chunk: List[torch.Tensor]) -> torch.Tensor:
+    """The integer sum of the chunk's bit patterns (int64): one tensor summed where it is, several copied
+    back to back first (``torch._chunk_cat``: one kernel, not one per tensor)."""
+    if len(chunk) == 1:
+        return torch.sum(integer_view(chunk[0]), dtype=torch.int64)
+    flat = torch._chunk_cat([tensor if tensor.ndim else tensor.reshape(1) for tensor in chunk], 0, 1)
+    return torch.sum(integer_view(flat), dtype=torch.int64)
+
+
 @torch.no_grad()
 def weights_digest(weights: Sequence[Tuple[str, torch.Tensor]]) -> str:
-    """A digest of every model parameter's bits, by name (the integer sum of each one's bit patterns, exact
-    and the same in any reduction order, hashed together): data-parallel replicas, which hold bitwise equal
-    weights, have equal digests. One host read."""
-    named = sorted((name, tensor) for name, tensor in weights if tensor.numel())
-    sums = [torch.sum(integer_view(tensor), dtype=torch.int64) for _, tensor in named]
+    """A digest of every model parameter's bits (the integer sums of their bit patterns, exact and the same
+    in any reduction order, hashed with the parameters' names): data-parallel replicas, which hold bitwise
+    equal weights, have equal digests, and one flipped bit changes it. Parameters by name, summed in runs
+    of one dtype (``_digest_chunks``): a few kernels for thousands of tensors. One host read per dtype."""
+    groups: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    named = sorted(((name, tensor) for name, tensor in weights
+                    if tensor.numel() and tensor.dtype in SCANNED_DTYPES), key=lambda item: item[0])
+    for _, tensor in named:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     digest = hashlib.sha256()
-    for (name, _), value in zip(named, torch.stack(sums).tolist() if sums else []):
-        digest.update(name.encode())
-        digest.update(int(value).to_bytes(8, "little", signed=True))
+    for name, _ in named:
+        digest.update(name.encode() + b"\0")
+    for key in sorted(groups, key=str):  # one read per dtype and device
+        for value in torch.stack([_bit_sum(chunk) for chunk in _digest_chunks(groups[key])]).tolist():
+            digest.update(int(value).to_bytes(8, "little", signed=True))
     return digest.hexdigest()[:16]
 
 
@@ -95,8 +141,9 @@ def state_fields(state: StepState, ids_by_name: Mapping[str, int],
                  at_launch: Optional[torch.Tensor]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """A ``state`` record's offending params (the non-finite weights) and its other fields;
     ``at_launch``: ``finite_flag`` of the weights at the launch's first step (None: not taken)."""
-    faults = optimizer_state_faults(state.slots, state.stepped)
-    return nonfinite_weights(state, ids_by_name), {
+    bad_weights = nonfinite_weights(state, ids_by_name)
+    faults = optimizer_state_faults(state.slots, state.stepped, bad_stepped_copies(state, bad_weights))
+    return bad_weights, {
         "launch_weights_finite": None if at_launch is None else bool(at_launch),
         "weights_digest": weights_digest(state.weights), "params_checked": len(state.weights),
         "optimizer_state": faults[:MAX_STATE_ENTRIES], "optimizer_state_total": len(faults),
