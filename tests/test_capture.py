@@ -23,7 +23,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import printed_commands
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 OVERFLOW_WEIGHT = "decoder.layers.1.mlp.linear_fc1.weight"
 CORRUPTED_MODULE = "decoder.layers.0.mlp.linear_fc1"

@@ -19,7 +19,7 @@ from gradnan.offline.read import read_run
 from gradnan.testing.plants import Plant, coordinates
 from gradnan.testing.toy import TinyGPTJob, launch_many
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 TP_DP = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True, steps=3)
 LAYOUTS = (TP_DP, TP_DP.with_(distributed_optimizer=True),

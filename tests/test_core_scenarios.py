@@ -16,7 +16,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import assert_clean_elsewhere, assert_origin, records_by_rank
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 STEP = 2
 

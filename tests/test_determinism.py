@@ -12,7 +12,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank, step_trace, weight_digests
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 CASES = {
     "tp2_bf16": TinyGPTJob(tp=2, dtype="bf16", steps=4),

@@ -28,7 +28,8 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 FC1, FC2 = "decoder.layers.1.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc2"
 LAYOUT = TinyGPTJob(world_size=2, tp=2, dtype="fp16", quiet=True)

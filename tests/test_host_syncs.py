@@ -11,7 +11,8 @@ import pytest
 
 from gradnan.testing.toy import TinyGPTJob, launch_many
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 JOB = TinyGPTJob(dtype="bf16", steps=4, overlap_grad_reduce=True, bucket_size=6000, count_host_syncs=True)
 TENSOR_NORM = JOB.with_(norm_as_tensor=True)  # the grad norm as a tensor, as core 0.18+ with TE returns it

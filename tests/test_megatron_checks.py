@@ -25,7 +25,8 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch
 
 from .helpers import records_by_rank, rerun_block
 
-pytestmark = pytest.mark.slow  # real gloo jobs: `pytest -m "not slow"` skips them
+# real gloo jobs: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 # megatron-core before 0.13 computes the loss inside forward_step: no rejection is known to be a loss there
 SCHEDULES = importlib.import_module("megatron.core.pipeline_parallel.schedules")

@@ -18,7 +18,7 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch
 
 from .helpers import records_by_rank
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 STEP = 2
 WEIGHT = "decoder.layers.0.mlp.linear_fc1.weight"

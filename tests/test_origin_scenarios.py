@@ -15,7 +15,8 @@ from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch
 
 from .helpers import records_by_rank
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 STEP = 2
 LAYOUT = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True)

@@ -21,7 +21,8 @@ from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank, rerun_block, step_trace
 
-pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+# real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 ATTENTION = "decoder.layers.1.self_attention"
 QKV = f"{ATTENTION}.linear_qkv.weight"
