@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gradnan.formats.incident import Cause, Conclusion, OriginBasis, OwnFailure
-from gradnan.offline.analysis import replica_digests
 from gradnan.offline.causes import RULES, BadWeight, Evidence, StateFault, decide, rules_table
+from gradnan.offline.evidence import replica_digests
 
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
 NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)

@@ -3,7 +3,7 @@ every rank's records) and one declared, ordered rule table (``RULES``); the firs
 holds decides the cause, the origin ranks and the summary. Nothing else in gradnan decides a cause: the
 report's text, ``--json``, the plot and TensorBoard only render the ``Decision``.
 
-Adding a cause: its evidence (a field here, filled by ``analysis.evidence_of``, and where it is new, its
+Adding a cause: its evidence (a field here, filled by ``evidence.evidence_of``, and where it is new, its
 collector on the training side), one ``Rule`` in ``RULES`` with its wording, its ``Cause`` member and next
 actions (``formats.incident``), a test in ``tests/test_causes_unit.py`` and a row in docs/how-it-works.md
 (``tests/test_docs_rules.py`` fails when the table and ``RULES`` differ).
@@ -62,7 +62,7 @@ class StateFault:
 
 @dataclass(frozen=True)
 class Evidence:
-    """Every fact a rule may use, read once from the failing step's records (``analysis.evidence_of``).
+    """Every fact a rule may use, read once from the failing step's records (``evidence.evidence_of``).
     Ranks are global ranks; ``labels`` names each one for the wording ("rank 3 (tp1 pp0 dp1) on h cpu")."""
 
     step: int

@@ -43,9 +43,9 @@ from ..formats.layout import AXES, rank_label
 from ..formats.magnitude import DTYPE_MAX, magnitude_text
 from ..formats.schema import write_atomic
 from ..formats.text import printable, wrap
-from .analysis import Incident, Report, View
 from .report import ROLE_TEXT, rank_ranges, rank_role, rerun_lines, step_headline
 from .runup import RankRunUp, RunUp
+from .verdict import Incident, Report, View
 
 NO_RANK, NO_RECORD, FINITE, RECEIVED, ORIGIN = range(5)  # a cell's state; a pooled cell shows the largest
 COLOURS = ("#ffffff", "#7f7f7f", "#dddddd", "#f39c12", "#c0392b")

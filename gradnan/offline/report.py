@@ -21,11 +21,13 @@ from ..formats.incident import (
 from ..formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
 from ..formats.schema import nonfinite_counts
 from ..formats.text import printable_lines, shell_word, untrusted, wrap
-from .analysis import Incident, Report, RerunFinding, analyze, module_of
+from .analysis import analyze
 from .frames_view import summary_lines
+from .gradients import module_of
 from .read import RunFiles
 from .runs import SERIOUS_SKIPS
 from .runup import RunUp
+from .verdict import Incident, Report, RerunFinding
 
 
 def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,

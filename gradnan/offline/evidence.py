@@ -1,0 +1,195 @@
+"""The typed facts the rules of ``causes`` decide on (``evidence_of``), read once from the failing step's
+records: the weights and optimizer state the ranks read (``state`` records) and how data-parallel
+replicas compare, whether an fp16 overflow recurs, the iterations the records name, and NVML's readings
+of the origin's devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from ..formats.incident import Conclusion, GradientPass, OriginBasis, RecordKind, health_signs
+from ..formats.layout import AXES, rank_label
+from .causes import BadWeight, Evidence, StateFault
+from .gradients import rank_view
+from .read import RunFiles
+from .verdict import HealthReading, Pattern, RerunFinding, View
+
+
+def health_readings(at_step: Sequence[Dict[str, Any]], origin: Sequence[View]) -> List[HealthReading]:
+    """NVML's reading of each origin rank's device at the failing step: the first of its records there
+    that carries one (a rank reads its device once per step)."""
+    readings: Dict[Any, HealthReading] = {}
+    ranks = {entry["global_rank"] for entry in origin}
+    for record in at_step:
+        rank, health = record["rank"].get("global_rank"), record.get("device_health")
+        if health is not None and rank in ranks and rank not in readings:
+            readings[rank] = HealthReading(rank_view(record["rank"]), health["device"], health["values"],
+                                           health["unread"], health_signs(health["values"]))
+    return [readings[rank] for rank in sorted(readings)]
+
+
+def state_records(files: RunFiles, launch: List[Dict[str, Any]], step: int) -> List[Dict[str, Any]]:
+    """The weights and optimizer state the ranks read at the run's first incident: the ``state`` records
+    of the first step at or after the failing one that has any (a run of fp16 skips, which apply no update,
+    becomes an incident a few steps after the step the report starts from). A rank whose first incident
+    came later read weights another update had changed: not comparable, left out."""
+    first = min((record["step"] for record in launch if record.get("kind") == RecordKind.STATE
+                 and record["step"] >= step), default=None)
+    chosen = {record["rank"].get("global_rank"): record for record in launch
+              if record.get("kind") == RecordKind.STATE and record["step"] == first}
+    return [files.full(chosen[rank]) for rank in sorted(chosen, key=lambda rank: (rank is None, rank or 0))]
+
+
+def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
+    """The ranks holding a non-finite weight that a data-parallel peer (equal coordinates but ``dp``) holds
+    finite (its own ``state`` record says so), or whose peer's forward pass was finite at that step (an
+    fp16 skip recorded with a finite loss: a replica that did not fail reads no state): that replica's
+    copy went bad alone."""
+    bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
+    peers: Dict[Tuple[Any, ...], List[Any]] = {}
+    for record in states:
+        peers.setdefault(_peer_key(record["rank"]), []).append(record["rank"].get("global_rank"))
+    finite_forward = {_peer_key(r["rank"]) for r in at_step
+                      if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True}
+    lone = set()
+    for key, group in peers.items():
+        for rank in group:
+            if bad[rank] and (key in finite_forward or any(
+                    name not in bad[peer] for peer in group if peer != rank for name in bad[rank])):
+                lone.add(rank)
+    return tuple(sorted(lone))
+
+
+def _peer_key(coords: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What data-parallel peers share: every coordinate but ``dp``."""
+    return tuple(coords.get(axis) for axis in AXES if axis != "dp")
+
+
+def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Data-parallel peers (equal coordinates but ``dp``) compared by their weights' digests: the ranks
+    whose digest differs from a strict majority's (``odd``), and the ranks of groups that differ with no
+    majority (``split``, e.g. two replicas)."""
+    groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
+    for record in states:
+        coords = record["rank"]
+        digests = groups.setdefault(_peer_key(coords), {})
+        digests.setdefault(record["weights_digest"], []).append(coords.get("global_rank"))
+    odd: List[int] = []
+    split: List[int] = []
+    for digests in groups.values():
+        if len(digests) < 2:
+            continue
+        total = sum(len(ranks) for ranks in digests.values())
+        majority = next((d for d, ranks in digests.items() if 2 * len(ranks) > total), None)
+        for digest, ranks in digests.items():
+            if majority is None:
+                split += ranks
+            elif digest != majority:
+                odd += ranks
+    return tuple(sorted(odd)), tuple(sorted(split))
+
+
+def overflow_recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str, Any]], step: int) -> bool:
+    """An fp16 overflow that fails again at the next step, where no update was applied in between: the same
+    numerics, other data."""
+    return (any(r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW for r in at_step)
+            and any(r.get("kind") == RecordKind.LOSS_SCALE_OVERFLOW and r["step"] == step + 1
+                    for r in launch))
+
+
+def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[int, ...]:
+    """Every rank of the last pipeline stage (which computes the loss) of the replicas whose loss was
+    non-finite again from finite outputs: the tensor-parallel ranks there compute the same loss, whether
+    or not they wrote a record (one whose data iterator gave nothing keeps no micro-batch)."""
+    def coordinate(rank: Any, axis: str) -> Any:
+        return (ranks.get(rank) or {}).get(axis)
+
+    replicas = {coordinate(rank, "dp") for rank in rerun.concluded_by}
+    last = max((coordinate(rank, "pp") or 0 for rank in ranks if coordinate(rank, "dp") in replicas),
+               default=0)
+    return tuple(sorted(rank for rank in ranks if coordinate(rank, "dp") in replicas
+                        and (coordinate(rank, "pp") or 0) == last))
+
+
+class RankLabels(Mapping):
+    """Each known rank's label ("rank 3 (tp1 pp0 dp1, host cuda:1)"), made when a wording asks for it: a
+    summary names a few ranks of a job that may have 131,072."""
+
+    def __init__(self, ranks: Dict[int, Dict[str, Any]]) -> None:
+        self._ranks = ranks
+
+    def __getitem__(self, rank: int) -> str:
+        return rank_label(self._ranks[rank], "inside")
+
+    def __iter__(self) -> Iterator[int]:
+        return (rank for rank in self._ranks if rank is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
+                states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
+                pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
+                recurs: bool, iterations_seen: Tuple[int, ...] = ()) -> Evidence:
+    """The typed facts the rules decide on, from the failing step's records."""
+    basis, origin = gradient
+    odd, split = replica_digests(states)
+    weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
+                              tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"])
+                    for record in states for p in record["params"])
+    faults = tuple(StateFault(record["rank"].get("global_rank"), f["name"], f["state"], f["nan"], f["inf"],
+                              f["negative"]) for record in states for f in record["optimizer_state"])
+    losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
+    conclusion = rerun.conclusion if rerun is not None else None
+    reduction_fault = rerun is not None and any(view.get("reduction") == "collective"
+                                                for view in rerun.origins)
+    rerun_origins = (_loss_ranks(rerun, ranks) if rerun is not None and conclusion is Conclusion.LOSS else
+                     tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
+    largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
+    return Evidence(
+        step=step, iteration=iteration, iterations_seen=iterations_seen,
+        labels=RankLabels(ranks),
+        dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
+        states_read=tuple(record["rank"].get("global_rank") for record in states),
+        launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
+        bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
+        odd_replicas=odd,
+        split_replicas=split, rerun=conclusion,
+        rerun_module=rerun.module if rerun is not None else None,
+        rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
+        rerun_concluded_by=rerun.concluded_by if rerun is not None else (),
+        own_failure=rerun.own_failure if rerun is not None else None,
+        micro_batch=rerun.micro_batch if rerun is not None else None, reduction_fault=reduction_fault,
+        grew_in=rerun.grew_in if rerun is not None else None,
+        gradient_basis=basis, gradient_origin=tuple(entry["global_rank"] for entry in origin),
+        origin_replicas=tuple(sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})),
+        forward_pattern=pattern.gradient_pass is GradientPass.FORWARD,
+        share_nonfinite=pattern.share_nonfinite,
+        first_in_backward=pattern.first_in_backward, first_rank=pattern.first_rank,
+        near_limit=any(p.get("near_limit") for entry in origin for p in entry["params"]),
+        recorded_norm=bool(at_step), largest_grad=largest,
+        largest_before_collective=any(entry["kind"] == RecordKind.PRE_REDUCTION for entry in origin
+                                      if entry.get("largest_grad")),
+        rejected_losses=tuple(r["rank"].get("global_rank") for r in losses),
+        rejected=({"global_rank": losses[0]["rank"].get("global_rank"),
+                   "micro_batch": losses[0].get("micro_batch"),
+                   "loss": losses[0].get("loss"), "rerun_skipped": losses[0].get("rerun_skipped"),
+                   "batch": next((r["batch"]["path"] for r in losses if r.get("batch")),
+                                 rerun.batch if rerun is not None else None)} if losses else None),
+        recurs=recurs)
+
+
+def counted(iteration: Any) -> bool:
+    return isinstance(iteration, int) and not isinstance(iteration, bool)
+
+
+def iterations_of(at_step: Sequence[Dict[str, Any]], rerun: Optional[RerunFinding],
+                  step: int) -> Tuple[int, ...]:
+    """Every Megatron-LM iteration the failing step's records (its incident and ``rerun`` records) and its
+    rerun's origin name (one where they agree)."""
+    named: List[Any] = [r.get("iteration") for r in at_step]
+    if rerun is not None and rerun.step == step:
+        named.append(rerun.iteration)
+    return tuple(sorted({int(iteration) for iteration in named if counted(iteration)}))

@@ -1,0 +1,103 @@
+"""What the in-place rerun of the failing step found (pure: ``rerun`` records in, ``RerunFinding`` out):
+the forward origin and the ranks that only received it, each replica's conclusion and Megatron's own,
+where a value first grew out of line, and where the failing micro-batch sits in the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole, values
+from .gradients import rank_view
+from .verdict import Concluded, RerunFinding
+
+
+def _grouped(records: Sequence[Dict[str, Any]], key: str, order: Sequence[str]) -> List[Concluded]:
+    """The records' ranks grouped by the value of ``key``, in ``order`` (strongest first)."""
+    groups: Dict[str, List[int]] = {}
+    own: Dict[str, Optional[OwnFailure]] = {}
+    for record in records:
+        value = record.get(key)
+        if value is not None:
+            groups.setdefault(value, []).append(record["rank"].get("global_rank"))
+            if record.get("own_failure") and value == Conclusion.TRANSIENT:
+                own.setdefault(value, OwnFailure(record["own_failure"]))
+    return [Concluded(value, tuple(groups[value]), own.get(value)) for value in order if value in groups]
+
+
+def _growth(at_step: List[Dict[str, Any]], origin: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Where a value first grew out of line: on the origin's rank where it saw it, else the first rank
+    that did, earliest pipeline stage first (a stage's growth reaches the later stages)."""
+    grown = sorted((r for r in at_step if r.get("grew_in")),
+                   key=lambda r: (r is not origin, r["rank"].get("pp") or 0,
+                                  r["rank"].get("global_rank", -1)))
+    return {**grown[0]["grew_in"], "global_rank": grown[0]["rank"].get("global_rank")} if grown else None
+
+
+def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> List[Dict[str, Any]]:
+    """Where the failing replicas' micro-batch sits in Megatron-LM's data: one entry per data-parallel rank
+    (its tensor- and pipeline-parallel ranks share the micro-batch), from the rank that named its dataset's
+    documents where one did (the ranks that read the data), else the lowest."""
+    chosen: Dict[int, Dict[str, Any]] = {}
+    for record in at_step:
+        samples = record.get("samples")
+        if samples is None or record["rank"].get("global_rank") not in failing:
+            continue
+        kept = chosen.get(samples["data_parallel_rank"])
+        if kept is None or (samples.get("sources") and not kept.get("sources")):
+            chosen[samples["data_parallel_rank"]] = {
+                "global_rank": record["rank"].get("global_rank"), "micro_batch": record.get("micro_batch"),
+                "nonfinite_at": record.get("nonfinite_at"), **samples}
+    return [chosen[dp_rank] for dp_rank in sorted(chosen)]
+
+
+def _earliest_stages(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Of the ranks a rerun named as origins, those of each data-parallel replica's earliest pipeline
+    stage: a forward value flows from the first stage to the last, so a later stage that went non-finite
+    too received it (a stage's input arrives through the point-to-point exchange, not as an argument its
+    hooks see)."""
+    def stage(record: Dict[str, Any]) -> int:
+        return record["rank"].get("pp") or 0
+
+    earliest: Dict[Any, int] = {}
+    for record in records:
+        replica = record["rank"].get("dp")
+        earliest[replica] = min(earliest.get(replica, stage(record)), stage(record))
+    return [record for record in records if stage(record) == earliest[record["rank"].get("dp")]]
+
+
+def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
+    """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
+    and Megatron's own conclusion as that rank's state machine reached it."""
+    reruns = [r for r in records if r.get("kind") == RecordKind.RERUN]
+    if not reruns:
+        return None
+    step = min(r["step"] for r in reruns)
+    at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
+    named = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
+    origins = _earliest_stages(named)
+    later_stages = {id(r) for r in named} - {id(r) for r in origins}
+    first = origins[0] if origins else None
+    # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
+    batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
+    conclusions = _grouped(at_step, "conclusion", values(Conclusion))
+    megatron = _grouped(at_step, "megatron", values(Conclusion))
+    strongest = conclusions[0]
+    return RerunFinding(
+        step=step, iteration=(first or at_step[0]).get("iteration"), trigger=at_step[0].get("trigger"),
+        megatron=megatron[0].conclusion if megatron else None, conclusion=Conclusion(strongest.conclusion),
+        concluded_by=strongest.ranks, own_failure=strongest.own_failure, conclusions=tuple(conclusions),
+        megatron_split=tuple(megatron) if len(megatron) > 1 else (),
+        module=first["module"] if first else None, module_class=first["class"] if first else None,
+        rank=rank_view(first["rank"]) if first else None,
+        micro_batch=first["micro_batch"] if first else next(
+            (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None
+             and r["conclusion"] == strongest.conclusion), None),
+        output_abs_max=first.get("output_abs_max") if first else None,
+        bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
+        batch=batch["path"] if batch else None,
+        origins=tuple({**rank_view(r["rank"]), "module": r["module"], "reduction": r.get("reduction")}
+                      for r in origins),
+        receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
+                        if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
+        grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
