@@ -136,6 +136,20 @@ def test_the_replicas_weights_are_compared_by_digest_among_data_parallel_peers()
     assert replica_digests([state(0, 0, 0, "a"), state(2, 0, 1, "z")]) == ((), (0, 2))
 
 
+def test_two_replicas_that_differ_name_the_one_that_failed():
+    """No majority of copies (two replicas): the one whose own gradients, or forward pass run again, went
+    non-finite holds the odd copy; where neither or both did, both are named."""
+    split = dict(split_replicas=(0, 1), rerun=Conclusion.REPRODUCIBLE, rerun_module="m")
+    failed = decide(evidence(**split, rerun_origins=(1,)))
+    assert (failed.rule, failed.origin) == ("replicas_disagree", (1,))
+    assert "only theirs produced the non-finite values" in failed.summary
+    before = decide(evidence(**split, gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0,)))
+    assert before.origin == (0,)
+    assert decide(evidence(**split, rerun_origins=(0, 1))).origin == (0, 1)
+    undecided = decide(evidence(**split))
+    assert undecided.origin == (0, 1) and "no majority to tell which copy is right" in undecided.summary
+
+
 def test_docs_table_is_the_rule_table():
     """docs/how-it-works.md lists the rules in order, each with its cause and its predicate in words."""
     text = (Path(__file__).parents[1] / "docs" / "how-it-works.md").read_text()

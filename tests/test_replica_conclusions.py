@@ -35,6 +35,8 @@ SCENARIOS = {
     "exploding_validated": BASE.with_(
         rerun_mode="validate_results", check_for_nan_in_grad=True,
         injections=(Injection(1, 2, FC1, "1e30", where="backward", index=5),)),
+    # one replica's copy of a weight made huge but finite before step 2 (a bad write on rank 1 only)
+    "one_replica_weight": BASE.with_(injections=(Injection(1, 2, FC1, "1e30", where="weight", index=5),)),
 }
 
 
@@ -177,3 +179,13 @@ def test_exploding_gradients_stopped_by_megatrons_bucket_check_are_a_norm_overfl
     assert incident.rerun.conclusion.value == "norm_overflow" and incident.rerun.concluded_by == (1,)
     assert incident.verdict.cause.value == "norm_overflow"
     assert "exploding gradients" in incident.verdict.summary
+
+
+@pytest.mark.slow
+def test_of_two_replicas_whose_weights_differ_the_one_that_failed_is_named(runs):
+    """Two replicas, rank 1's copy of a weight finite but huge: the digests differ with no majority, and
+    only rank 1 produced the non-finite values, so its copy is the odd one."""
+    incident = analyze(read_run(runs["one_replica_weight"])).incident
+    assert (incident.verdict.cause.value, incident.verdict.rule) == ("weights", "replicas_disagree")
+    assert [entry["global_rank"] for entry in incident.origin] == [1]
+    assert "only theirs produced the non-finite values" in incident.verdict.summary

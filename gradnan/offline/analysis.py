@@ -11,8 +11,9 @@ held it before the data-parallel collective, else those whose own float32 sum of
 norm, else the largest. Every other rank with a record at that step
 only received it.
 
-The verdict is decided in one place (``_decide_verdict``) from all of it: the gradients' pattern, the
-rerun's conclusion and the self-tests of the origin's devices. Nothing changes a ``Report`` afterwards:
+The verdict is decided in one place (``causes.decide``, a declared rule table over ``evidence_of``'s typed
+facts) from all of it: the gradients' pattern, the rerun's conclusion, the weights and optimizer state,
+and the self-tests of the origin's devices. Nothing changes a ``Report`` afterwards:
 the text view, ``--json`` and the plot only render it (``gradnan.offline.report``, ``.plot``).
 
 The facts come from ``gradients`` (the origin and pattern the gradients show), ``rerun_finding`` and

@@ -194,9 +194,23 @@ def _later_weights(e: Evidence) -> str:
             " gradients and moments: the learning rate, the update arithmetic) or a bad write")
 
 
+def _diverged(e: Evidence) -> Tuple[int, ...]:
+    """The replicas whose weights differ from their data-parallel peers': those unlike a majority of their
+    peers; without a majority (two replicas), those of the split that produced the non-finite values
+    themselves (the forward origin run again, or their own gradients before the collective): a copy that
+    failed where an equal step on its peer's did not is the odd one; else every rank of the split."""
+    if e.odd_replicas:
+        return e.odd_replicas
+    producers = set(e.rerun_origins) | (set(e.gradient_origin)
+                                         if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE else set())
+    return tuple(rank for rank in e.split_replicas if rank in producers) or e.split_replicas
+
+
 def _replicas_disagree(e: Evidence) -> str:
-    ranks = e.odd_replicas or e.split_replicas
+    ranks = _diverged(e)
     which = ("hold weights unlike their data-parallel peers'" if e.odd_replicas else
+             "hold weights unlike their data-parallel peers', and of the copies that differ only theirs"
+             " produced the non-finite values" if ranks != e.split_replicas else
              "and their data-parallel peers hold different weights, with no majority to tell which copy is"
              " right")
     return (f"{e.labelled(ranks)} {which} (a digest of every weight, read when step {e.step} began): the"
@@ -325,8 +339,8 @@ RULES: Tuple[Rule, ...] = (
          lambda e: bool(e.bad_weights), _weight_holders, _later_weights, OriginBasis.STATE),
     Rule("replicas_disagree", Cause.WEIGHTS,
          "every weight finite, but data-parallel replicas' weights differ (digest)",
-         lambda e: bool(e.odd_replicas or e.split_replicas),
-         lambda e: e.odd_replicas or e.split_replicas, _replicas_disagree, OriginBasis.REPLICAS),
+         lambda e: bool(e.odd_replicas or e.split_replicas), _diverged, _replicas_disagree,
+         OriginBasis.REPLICAS),
     Rule("tensor_parallel_collective", Cause.COLLECTIVE,
          "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
          lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, lambda e: e.rerun_origins,
