@@ -26,6 +26,7 @@ import torch
 from ..events import ModuleHooks
 from ..formats.magnitude import Growth, entries_growth
 from ..formats.schema import json_float
+from .scan import SCANNED_DTYPES
 
 
 @dataclass
@@ -93,13 +94,10 @@ def named_entries(args: Sequence[Any], kwargs: Dict[str, Any], outputs: Any) -> 
     return entries
 
 
-MEASURED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def measurable(tensor: torch.Tensor) -> bool:
     """A dense, non-empty tensor of a float dtype whose magnitudes ``torch._foreach_norm`` reads (not a
     sparse or float8 one)."""
-    return tensor.dtype in MEASURED_DTYPES and tensor.layout == torch.strided and tensor.numel() > 0
+    return tensor.dtype in SCANNED_DTYPES and tensor.layout == torch.strided and tensor.numel() > 0
 
 
 def in_backward() -> bool:

@@ -382,11 +382,9 @@ class StepRerun:
 
         def on_reduction(partial: torch.Tensor) -> Callable[[torch.Tensor], None]:
             # read before the reduction, which may write its result into ``partial``; the reduction runs
-            # inside its layer's call, which is the next frame to finish. Without tensor parallelism the
-            # reduced value is the partial sum itself, read once
+            # inside its layer's call, which is the next frame to finish
             at, partial_largest = tracer.frame_count(), largest_magnitude(partial)
-            return lambda reduced: flags.append(
-                (at, partial_largest, partial_largest if reduced is partial else largest_magnitude(reduced)))
+            return lambda reduced: flags.append((at, partial_largest, largest_magnitude(reduced)))
 
         try:
             with self._pass(kept, tracer.frame_count) as counter:

@@ -117,10 +117,12 @@ def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
     return spans, sorted(separate)
 
 
-def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> Tuple[torch.Tensor, List[int]]:
-    """One finite flag per tensor, and the order they come in (positions in ``tensors``): grouped by dtype
-    and device, each group's largest magnitudes by one ``torch._foreach_norm(..., inf)`` (NaN and Inf carry
-    through, a finite tensor's is finite: no false positives)."""
+def _separate_flags(tensors: Sequence[torch.Tensor],
+                    device: torch.device) -> Tuple[List[torch.Tensor], List[int]]:
+    """One finite flag per tensor, a flags tensor per group, and the order they come in (positions in
+    ``tensors``): grouped by dtype and device, each group's largest magnitudes by one
+    ``torch._foreach_norm(..., inf)`` (NaN and Inf carry through, a finite tensor's is finite: no false
+    positives)."""
     groups: Dict[tuple, List[int]] = {}
     for position, tensor in enumerate(tensors):
         groups.setdefault((tensor.dtype, tensor.device), []).append(position)
@@ -129,7 +131,7 @@ def _separate_flags(tensors: Sequence[torch.Tensor], device: torch.device) -> Tu
         largest = torch._foreach_norm([tensors[p] for p in positions], math.inf)
         flags.append(torch.isfinite(torch.stack(largest)).to(device))
         order += positions
-    return torch.cat(flags) if len(flags) > 1 else flags[0], order
+    return flags, order
 
 
 def _in_span(members: List[Tuple[int, int, int]], low: int, high: int) -> List[int]:
@@ -184,7 +186,7 @@ def _suspect_indices(tensors: Sequence[Optional[torch.Tensor]],
     flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
     if separate:
         separate_flags, order = _separate_flags([tensors[i] for i in separate], device)
-        flags.append(separate_flags)
+        flags += separate_flags
         separate = [separate[i] for i in order]
     bad = torch.nonzero(~torch.cat(flags).cpu()).flatten().tolist()  # the flags read once, then found here
     return _suspects(bad, rows, separate)
