@@ -182,3 +182,31 @@ def read_board(directory: Path):
     scalars = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
                for tag in accumulator.Tags()["scalars"]}
     return texts, scalars, len(list(directory.glob("events.out.tfevents.*")))
+
+
+_OBSERVED_FOR = {
+    "reproducible": {"reproduced": True},
+    "loss": {"loss_again": "nonfinite"},
+    "norm_overflow": {"norm_overflow": True},
+    "backward": {"own_gradients": "nonfinite"},
+    "after_collective": {"own_gradients": "finite"},
+    "not_reproduced": {},
+}
+
+
+def observed(conclusion: str, own_failure: Any = None) -> Dict[str, Any]:
+    """A version 2 ``rerun`` record's ``observed`` that concludes ``conclusion`` (for a transient one,
+    from the ``own_failure`` given: "loss", or "gradients" with Megatron's rerun transient); checked
+    against ``decision.replica.conclude``."""
+    from gradnan.decision.replica import conclude
+    from gradnan.formats.observed import ReplicaObservation
+
+    fields = {"reproduced": False, "loss": "unseen", "loss_again": "unseen", "own_gradients": "unseen",
+              "norm_overflow": False, "megatron_job": None}
+    if conclusion == "transient":
+        fields.update({"loss": "nonfinite"} if own_failure in (None, "loss") else
+                      {"own_gradients": "nonfinite", "megatron_job": "transient"})
+    else:
+        fields.update(_OBSERVED_FOR[conclusion])
+    assert conclude(ReplicaObservation.from_json(fields)) == conclusion
+    return fields

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from gradnan.decision.replica import conclusion_of
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
 from .helpers import records_by_rank, step_trace, weight_digests
@@ -63,7 +64,7 @@ def test_the_failing_step_was_really_run_again(outcomes, name):
     """Guards the comparison above: the rerun did run (and found the origin) in the incident cases."""
     without, _, run_dir = outcomes[name]
     reruns = [r for records in records_by_rank(run_dir).values() for r in records if r["kind"] == "rerun"]
-    assert [r["conclusion"] for r in reruns if r["role"] == "origin"] == ["reproducible"]
+    assert [conclusion_of(r) for r in reruns if r["role"] == "origin"] == ["reproducible"]
     if name.startswith("dp2_fp16"):
         assert [step.update_successful for step in without[0].steps] == [True, False, False, False,
                                                                          True, True]

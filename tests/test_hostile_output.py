@@ -29,7 +29,7 @@ from gradnan.offline.read import MAX_PROBLEMS, read_run
 from gradnan.offline.report import build_report
 from gradnan.testing.toy import Injection, TinyGPTJob, launch
 
-from .helpers import environ_without_gradnan, printed_commands
+from .helpers import environ_without_gradnan, observed, printed_commands
 from .test_readers_property import PARAM_NAMES, a_map, coords
 from .test_untrusted import RECORD_KINDS, cli, run_files, valid_documents, write_run
 
@@ -65,9 +65,9 @@ def hostile(separator: str) -> str:
 
 def a_rerun_record(module: str, klass: str, bundle: Any = None, batch: Any = None) -> Dict[str, Any]:
     record = dict(valid_documents()["pre_reduction"])
-    record.update(kind="rerun", params=[], params_total=0, role="origin", conclusion="reproducible",
+    record.update(kind="rerun", params=[], params_total=0, role="origin", observed=observed("reproducible"),
                   module=module, micro_batch=0, call=1, output_abs_max="nan", trigger="incident",
-                  megatron=None, own_failure=None, bundle=bundle, batch=batch, **{"class": klass})
+                  megatron=None, bundle=bundle, batch=batch, **{"class": klass})
     return record
 
 

@@ -23,7 +23,9 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.log": (),
     "gradnan.config": ("gradnan.errors", "gradnan.formats"),  # formats.schema: the one bounded read
     "gradnan.formats": ("gradnan.errors",),
-    "gradnan.offline": ("gradnan.errors", "gradnan.formats"),
+    # the rule tables: pure decisions over the files' observations, called by both sides
+    "gradnan.decision": ("gradnan.errors", "gradnan.formats"),
+    "gradnan.offline": ("gradnan.errors", "gradnan.formats", "gradnan.decision"),
     "gradnan.selftest": ("gradnan.errors", "gradnan.commandline", "gradnan.formats"),
     # the patch layer calls the runtime through the interface below both (gradnan.events), never directly
     "gradnan.patches": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
@@ -31,7 +33,7 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "gradnan.events": ("gradnan.config", "gradnan.formats"),
     "gradnan.patches.undo_log": (),  # the undo log every change goes through knows nothing of Megatron
     "gradnan.training": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.formats",
-                         "gradnan.events"),
+                         "gradnan.events", "gradnan.decision"),
     # install() and seed_all() are where the training side reaches the patch layer
     "gradnan.training.install": ("gradnan.errors", "gradnan.config", "gradnan.log", "gradnan.training",
                                  "gradnan.events", "gradnan.patches"),

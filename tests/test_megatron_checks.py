@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gradnan.decision.replica import conclusion_of
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.replay import replay_bundle
@@ -78,7 +79,7 @@ def test_an_fp16_skip_with_a_nonfinite_loss_is_an_incident_during_the_warm_up(ru
         assert [(overflows[s]["warmup"], overflows[s]["loss_finite"]) for s in (1, 2)] == [(True, True)] * 2
         assert (overflows[3]["warmup"], overflows[3]["loss_finite"]) == (False, False)
     [rerun] = [r for r in by_rank[1] if r["kind"] == "rerun"]
-    assert (rerun["step"], rerun["trigger"], rerun["role"], rerun["module"], rerun["conclusion"]) == (
+    assert (rerun["step"], rerun["trigger"], rerun["role"], rerun["module"], conclusion_of(rerun)) == (
         3, "loss_scale_overflow", "origin", FC1, "reproducible")
     analysis = analyze(read_run(run_dir))
     headline = _headline(analysis)
@@ -124,7 +125,7 @@ def test_megatrons_loss_check_in_disabled_mode_is_recorded_rerun_and_kept_before
         assert record["rerun_skipped"] is None
     [rerun] = [r for r in records_by_rank(tmp_path)[1] if r["kind"] == "rerun"]
     assert (rerun["step"], rerun["trigger"], rerun["role"], rerun["module"], rerun["micro_batch"],
-            rerun["conclusion"]) == (2, "nonfinite_loss", "origin", CORE, 0, "reproducible")
+            conclusion_of(rerun)) == (2, "nonfinite_loss", "origin", CORE, 0, "reproducible")
     batch = next(r["batch"] for rs in records_by_rank(tmp_path).values() for r in rs
                  if r["kind"] == "rerun" and r["batch"])
     assert Path(batch["path"]).is_file() and "tokens" in batch["tensors"]

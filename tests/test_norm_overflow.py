@@ -11,6 +11,7 @@ import json
 import pytest
 
 from gradnan.cli import main as cli_main
+from gradnan.decision.replica import conclusion_of
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
@@ -80,7 +81,7 @@ def test_dp2_records_say_it_on_every_rank(runs):
         assert norm["params"] == [] and norm["largest_grad"]["overflows"] is True
         assert norm["pre_reduction"] == ("overflow" if rank == 1 else "clean")
         rerun = next(r for r in records[rank] if r["kind"] == "rerun")
-        assert rerun["conclusion"] == "norm_overflow"
+        assert conclusion_of(rerun) == "norm_overflow"
     assert [r["rank"]["global_rank"] for rank in (0, 1) for r in records[rank]
             if r["kind"] == "pre_reduction"] == [1]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradnan.decision.replica import conclude, strongest
 from gradnan.errors import InputError
 from gradnan.formats.incident import Conclusion, OriginBasis, describe_largest
 from gradnan.formats.maps import ParamSlot
@@ -18,7 +19,7 @@ from gradnan.offline.read import RunFiles
 from gradnan.offline.report import format_text
 from gradnan.training.incidents import at_norm
 from gradnan.training.offenders import largest_gradient
-from gradnan.training.rerun import ReplicaFacts, norm_overflowed
+from gradnan.training.rerun import norm_overflowed, observation
 from gradnan.training.scan import abs_max
 
 
@@ -71,13 +72,13 @@ def test_at_norm_says_whether_a_rank_holds_a_nan_an_overflow_or_neither():
 def test_the_rerun_concludes_norm_overflow_only_when_no_rank_held_a_nonfinite_gradient():
     assert norm_overflowed(1.0, 0.0) and not norm_overflowed(1.0, 1.0) and not norm_overflowed(0.0, 0.0)
     def concluded(reproduced, loss, overflow):
-        return ReplicaFacts(reproduced, loss, 0.0, None, norm_overflow=overflow).conclusion()
+        return conclude(observation(float(reproduced), loss, 0.0, float(overflow), 0.0, -1.0, None))
 
     assert concluded(False, 0.0, True) is Conclusion.NORM_OVERFLOW
     assert concluded(False, 0.0, False) is Conclusion.AFTER_COLLECTIVE
     assert concluded(True, 0.0, True) is Conclusion.REPRODUCIBLE
     assert concluded(False, 1.0, True) is Conclusion.TRANSIENT
-    assert Conclusion.strongest(["after_collective", "norm_overflow"]) is Conclusion.NORM_OVERFLOW
+    assert strongest([Conclusion.AFTER_COLLECTIVE, Conclusion.NORM_OVERFLOW]) is Conclusion.NORM_OVERFLOW
     assert "the grad norm overflowed although every gradient is finite" in Conclusion.NORM_OVERFLOW.headline
 
 

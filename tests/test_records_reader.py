@@ -617,8 +617,8 @@ def test_each_document_kind_is_versioned_on_its_own(tmp_path, monkeypatch):
         bundle.load_manifest(path)
     monkeypatch.setattr(bundle, "SCHEMA", dataclasses.replace(bundle.SCHEMA, version=2))
     assert bundle.load_manifest(path)["version"] == 2
-    record_line = write_text(tmp_path / "r.jsonl", json.dumps({**a_record(1), "version": 2}) + "\n")
-    assert load_records(record_line)[0] == []  # records are still at version 1
+    record_line = write_text(tmp_path / "r.jsonl", json.dumps({**a_record(1), "version": 3}) + "\n")
+    assert load_records(record_line)[0] == []  # records are still at version 2
 
 
 def test_the_readers_dtype_limits_are_torchs():

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from gradnan.decision.replica import conclude, conclusion_of, own_failure_of
 from gradnan.events import MegatronRerun
 from gradnan.formats.incident import Conclusion, OwnFailure
+from gradnan.formats.observed import ReplicaObservation
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
-from gradnan.training.rerun import ReplicaFacts
+from gradnan.training.rerun import observation
 
 from .helpers import records_by_rank
 from .test_report_unit import _files, _record
@@ -56,8 +58,8 @@ def _reruns(run_dir):
 @pytest.mark.parametrize("name", ["forward_glitch", "forward_glitch_validated"])
 def test_a_forward_glitch_is_transient_on_its_own_replica_only_and_keeps_its_micro_batch(runs, name):
     found = _reruns(runs[name])
-    assert (found[1]["conclusion"], found[1]["own_failure"]) == ("transient", "loss")
-    assert (found[0]["conclusion"], found[0]["own_failure"]) == ("after_collective", None)
+    assert (conclusion_of(found[1]), own_failure_of(found[1])) == ("transient", "loss")
+    assert (conclusion_of(found[0]), own_failure_of(found[0])) == ("after_collective", None)
     assert found[1]["batch"] and found[1]["micro_batch"] == 0
     analysis = analyze(read_run(runs[name]))
     incident = analysis.incident
@@ -93,9 +95,9 @@ def test_megatron_stopping_before_the_norm_is_still_an_incident_with_its_origin(
 @pytest.mark.slow
 def test_a_gradient_glitch_is_transient_by_its_gradients_not_its_loss(runs):
     found = _reruns(runs["gradient_glitch_validated"])
-    assert (found[1]["conclusion"], found[1]["own_failure"], found[1]["megatron"]) == (
+    assert (conclusion_of(found[1]), own_failure_of(found[1]), found[1]["megatron"]) == (
         "transient", "gradients", "transient")
-    assert found[0]["conclusion"] == "after_collective"
+    assert conclusion_of(found[0]) == "after_collective"
     analysis = analyze(read_run(runs["gradient_glitch_validated"]))
     assert analysis.incident.rerun.concluded_by == (1,)
     assert [entry["global_rank"] for entry in analysis.incident.origin] == [1]
@@ -103,25 +105,31 @@ def test_a_gradient_glitch_is_transient_by_its_gradients_not_its_loss(runs):
     assert "loss was not" not in format_text(analysis)
 
 
+def _facts(reproduced, loss, gradients, megatron):
+    """A replica's observations from its group's all-reduced states (1 non-finite, 0 finite, -1 unseen)."""
+    return observation(float(reproduced), loss, gradients, 0.0, 0.0, -1.0, megatron)
+
+
 REPRODUCIBLE = MegatronRerun("reproducible", "reproducible")
 TRANSIENT = MegatronRerun("transient", "transient")
 
 
 @pytest.mark.parametrize("facts, expected", [
-    (ReplicaFacts(True, 1, 1, None), Conclusion.REPRODUCIBLE),
-    (ReplicaFacts(False, 1, 1, None), Conclusion.TRANSIENT),
-    (ReplicaFacts(False, 1, 1, REPRODUCIBLE), Conclusion.TRANSIENT),
-    (ReplicaFacts(False, 0, 1, TRANSIENT), Conclusion.TRANSIENT),
-    (ReplicaFacts(False, 0, 1, None), Conclusion.BACKWARD),
-    (ReplicaFacts(False, 0, 1, REPRODUCIBLE), Conclusion.BACKWARD),
+    (_facts(True, 1, 1, None), Conclusion.REPRODUCIBLE),
+    (_facts(False, 1, 1, None), Conclusion.TRANSIENT),
+    (_facts(False, 1, 1, REPRODUCIBLE), Conclusion.TRANSIENT),
+    (_facts(False, 0, 1, TRANSIENT), Conclusion.TRANSIENT),
+    (_facts(False, 0, 1, None), Conclusion.BACKWARD),
+    (_facts(False, 0, 1, REPRODUCIBLE), Conclusion.BACKWARD),
     # Megatron's word is job-wide: a replica whose own loss and gradients were clean received the values
-    (ReplicaFacts(False, 0, 0, TRANSIENT), Conclusion.AFTER_COLLECTIVE),
-    (ReplicaFacts(False, -1, 0, None), Conclusion.AFTER_COLLECTIVE),
-    (ReplicaFacts(False, 0, -1, None), Conclusion.BACKWARD),
-    (ReplicaFacts(False, -1, -1, TRANSIENT), Conclusion.NOT_REPRODUCED),
+    (_facts(False, 0, 0, TRANSIENT), Conclusion.AFTER_COLLECTIVE),
+    (_facts(False, -1, 0, None), Conclusion.AFTER_COLLECTIVE),
+    (_facts(False, 0, -1, None), Conclusion.BACKWARD),
+    (_facts(False, -1, -1, TRANSIENT), Conclusion.NOT_REPRODUCED),
 ])
 def test_each_replica_concludes_from_its_own_facts(facts, expected):
-    assert facts.conclusion() is expected
+    assert conclude(facts) is expected
+    assert conclude(ReplicaObservation.from_json(facts.to_json())) is expected  # as the report reads it
 
 
 def test_the_transient_wording_names_what_failed():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradnan.decision.replica import conclusion_of
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.replay import replay_bundle
@@ -100,9 +101,9 @@ def test_a_one_off_bf16_overflow_is_named_at_the_failing_step_with_its_bundle_an
     found = reruns(runs["bf16_one_off_dp2"])
     origin = found[1]
     assert (origin["step"], origin["role"], origin["module"], origin["micro_batch"]) == (2, "origin", CORE, 0)
-    assert origin["conclusion"] == "reproducible" and origin["trigger"] == "nonfinite_grad_norm"
+    assert conclusion_of(origin) == "reproducible" and origin["trigger"] == "nonfinite_grad_norm"
     # rank 0 (the other replica) was clean and so were its own gradients: they came in through the all-reduce
-    assert found[0]["role"] == "clean" and found[0]["conclusion"] == "after_collective"
+    assert found[0]["role"] == "clean" and conclusion_of(found[0]) == "after_collective"
     manifest = json.loads((runs["bf16_one_off_dp2"] / "bundles").glob("*/*/manifest.json")
                           .__next__().read_text())
     assert origin["bundle"].endswith("step0000002_" + CORE)
@@ -151,7 +152,7 @@ def test_the_interleaved_schedule_is_run_again_too(runs):
 def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
     found = reruns(runs["bf16_transient_dp2"])
     assert all(record["role"] == "clean" for record in found.values())
-    assert (found[1]["conclusion"], found[0]["conclusion"]) == ("transient", "after_collective")
+    assert (conclusion_of(found[1]), conclusion_of(found[0])) == ("transient", "after_collective")
     report = build_report(read_run(runs["bf16_transient_dp2"]))
     assert report["incident"]["rerun"]["conclusion"] == "transient"
     assert report["incident"]["verdict"]["cause"] == "device"
@@ -159,7 +160,7 @@ def test_a_fault_the_rerun_does_not_meet_again_is_transient(runs):
 
 def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):
     found = reruns(runs["bf16_gradient_nan_dp2"])
-    assert (found[1]["conclusion"], found[0]["conclusion"]) == ("backward", "after_collective")
+    assert (conclusion_of(found[1]), conclusion_of(found[0])) == ("backward", "after_collective")
     report = build_report(read_run(runs["bf16_gradient_nan_dp2"]))
     assert report["incident"]["rerun"]["conclusion"] == "backward"
     assert report["incident"]["verdict"]["cause"] == "backward_op"
@@ -169,21 +170,21 @@ def test_a_nan_planted_in_a_gradient_leaves_the_forward_pass_clean(runs):
 
 def test_riding_on_megatrons_own_rerun_in_validate_results_mode(runs):
     found = reruns(runs["validate_results_reproducible"])
-    assert (found[1]["trigger"], found[1]["megatron"], found[1]["conclusion"]) == (
+    assert (found[1]["trigger"], found[1]["megatron"], conclusion_of(found[1])) == (
         "megatron_validation", "reproducible", "reproducible")
     assert (found[1]["role"], found[1]["module"], found[1]["step"]) == ("origin", CORE, 2)
     assert found[1]["bundle"]
     transient = reruns(runs["validate_results_transient"])
     # Megatron's conclusion is job-wide; each replica's own is from its own loss: rank 0's was finite
-    assert {rank: (r["megatron"], r["conclusion"]) for rank, r in transient.items()} == {
+    assert {rank: (r["megatron"], conclusion_of(r)) for rank, r in transient.items()} == {
         0: ("transient", "after_collective"), 1: ("transient", "transient")}
 
 
 def test_a_corruption_on_one_replica_reruns_that_replica_alone(runs):
     found = reruns(runs["fp32_after_collective_dp2"])
-    assert (found[1]["step"], found[1]["conclusion"]) == (2, "after_collective")
+    assert (found[1]["step"], conclusion_of(found[1])) == (2, "after_collective")
     # rank 0's replica first failed at step 3 (rank 1's NaN update reached it through the all-reduce)
-    assert (found[0]["step"], found[0]["conclusion"]) == (3, "after_collective")
+    assert (found[0]["step"], conclusion_of(found[0])) == (3, "after_collective")
 
 
 def test_a_rerun_that_fails_is_logged_and_training_goes_on_unchanged(runs):

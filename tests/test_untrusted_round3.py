@@ -22,7 +22,7 @@ from gradnan.offline.batch_view import _decoded
 from gradnan.offline.read import read_run
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 
-from .helpers import environ_without_gradnan
+from .helpers import environ_without_gradnan, observed
 from .test_next_steps import CORE, _next, _rerun
 from .test_readers_property import coords
 from .test_untrusted import cli, run_files, valid_documents, write_run
@@ -183,9 +183,9 @@ def _kept_batch(tmp_path: Path, **rerun_changes) -> Path:
     batch.parent.mkdir(parents=True)
     torch.save({"tokens": torch.arange(8).view(2, 4)}, batch)
     record = dict(documents["pre_reduction"])
-    record.update(kind="rerun", params=[], params_total=0, role="origin", conclusion="reproducible",
+    record.update(kind="rerun", params=[], params_total=0, role="origin", observed=observed("reproducible"),
                   module="decoder", micro_batch=0, call=1, output_abs_max="nan", trigger="incident",
-                  megatron=None, own_failure=None, bundle=None, **{"class": "MLP"},
+                  megatron=None, bundle=None, **{"class": "MLP"},
                   batch={"path": str(batch), "bytes": 64, "tensors": 1},
                   nonfinite_at={"output": 0, "index": [1, 0, 0], "shape": [4, 2, 8]})
     record.update(rerun_changes)

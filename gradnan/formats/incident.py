@@ -65,8 +65,8 @@ class OwnFailure(str, enum.Enum):
 class Conclusion(str, enum.Enum):
     """One data-parallel replica's conclusion from the rerun, from that replica's own facts (its loss, its
     forward pass, its gradients before the data-parallel collective), the same on every rank of its
-    model-parallel group. Declared strongest first: a replica that failed again outweighs one that was
-    clean."""
+    model-parallel group, decided from its observations by ``decision.replica.REPLICA_RULES`` (which
+    also declares which replica's conclusion leads: ``PRECEDENCE``)."""
 
     REPRODUCIBLE = "reproducible"
     """The forward pass went non-finite again with the same micro-batches and RNG state."""
@@ -87,11 +87,6 @@ class Conclusion(str, enum.Enum):
     NOT_REPRODUCED = "not_reproduced"
     """Finite this time, and neither a loss nor the gradients were seen to tell a transient fault from a
     clean step."""
-
-    @classmethod
-    def strongest(cls, conclusions) -> "Conclusion":
-        order = list(cls)
-        return min((cls(value) for value in conclusions), key=order.index)
 
     @property
     def headline(self) -> str:

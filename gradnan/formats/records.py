@@ -26,6 +26,7 @@ from typing import (
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
+from .observed import MEGATRON_JOB_VALUES, SEEN_VALUES, is_observation
 from .schema import (
     Schema,
     check_rank,
@@ -41,7 +42,7 @@ from .schema import (
     read_if_small,
 )
 
-SCHEMA = Schema("gradnan.record", 1)
+SCHEMA = Schema("gradnan.record", 2)  # 2: a rerun record writes what it observed, not a conclusion
 FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
 
 # a finite float32 value at least this large squares past float32's maximum: a grad norm computed in
@@ -199,7 +200,7 @@ def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:
 
 
 RERUN_ROLES = values(RerunRole)
-RERUN_CONCLUSIONS = values(Conclusion)  # strongest first
+RERUN_CONCLUSIONS = values(Conclusion)  # what a version 1 rerun record wrote
 OWN_FAILURES = values(OwnFailure)
 # a rerun origin's tensor-parallel reduction (``training.rerun.reduction_finding``)
 REDUCTION_FINDINGS = ("partial", "received", "collective")
@@ -207,10 +208,10 @@ REDUCTION_FINDINGS = ("partial", "received", "collective")
 
 def _check_rerun(record: Dict[str, Any], where: str) -> None:
     batch = record.get("batch")
-    if (record.get("role") not in RERUN_ROLES or record.get("conclusion") not in RERUN_CONCLUSIONS
-            or record.get("own_failure") not in (None, *OWN_FAILURES)
+    if (record.get("role") not in RERUN_ROLES or not _concluded(record)
             or not all(optional(record.get(key), is_text)
-                       for key in ("trigger", "megatron", "module", "class", "bundle"))
+                       for key in ("trigger", "module", "class", "bundle"))
+            or record.get("megatron") not in (None, *MEGATRON_JOB_VALUES)
             or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
@@ -218,10 +219,15 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
             or not optional(record.get("samples"), is_samples)
             or not optional(record.get("nonfinite_at"), is_element)
             or record.get("reduction") not in (None, *REDUCTION_FINDINGS)):
-        raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'conclusion'"
-                         f" one of {', '.join(RERUN_CONCLUSIONS)}, text or null 'module'/'class'/'bundle',"
-                         " integer or null 'micro_batch'/'call', 'own_failure' null or one of"
-                         f" {', '.join(OWN_FAILURES)}, 'batch' null or an object with a text 'path',"
+        raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'observed'"
+                         " an object with boolean 'reproduced'/'norm_overflow', 'loss'/'loss_again'/"
+                         f"'own_gradients' one of {', '.join(SEEN_VALUES)} and 'megatron_job' null or one"
+                         f" of {', '.join(MEGATRON_JOB_VALUES)} (version 1: 'conclusion' one of"
+                         f" {', '.join(RERUN_CONCLUSIONS)} and 'own_failure' null or one of"
+                         f" {', '.join(OWN_FAILURES)}), text or null 'module'/'class'/'bundle',"
+                         f" 'megatron' null or one of {', '.join(MEGATRON_JOB_VALUES)},"
+                         " integer or null 'micro_batch'/'call', 'batch' null or an object with a text"
+                         " 'path',"
                          " and 'grew_in' absent, null or an object with text 'module'/'class'/'dtype',"
                          " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
                          " 'near_limit', 'samples' absent, null or an object with integer 'consumed',"
@@ -229,6 +235,15 @@ def _check_rerun(record: Dict[str, Any], where: str) -> None:
                          " 'nonfinite_at' absent, null or an object with integer 'output' and"
                          " 'shape'/'index' lists of integers, and 'reduction' absent, null or one of"
                          f" {', '.join(REDUCTION_FINDINGS)}")
+
+
+def _concluded(record: Dict[str, Any]) -> bool:
+    """What a rerun record's replica concluded from: its ``observed`` (version 2), or the ``conclusion``
+    and ``own_failure`` a version 1 record wrote."""
+    if record["version"] >= 2:
+        return is_observation(record.get("observed"))
+    return (record.get("conclusion") in RERUN_CONCLUSIONS
+            and record.get("own_failure") in (None, *OWN_FAILURES))
 
 
 def is_growth(grew_in: Any) -> bool:

@@ -5,24 +5,33 @@ where a value first grew out of line, and where the failing micro-batch sits in 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole, values
+from ..decision.replica import PRECEDENCE, conclusion_of, own_failure_of
+from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
 from .gradients import rank_view
 from .verdict import Concluded, RerunFinding
 
 
-def _grouped(records: Sequence[Dict[str, Any]], key: str, order: Sequence[str]) -> List[Concluded]:
-    """The records' ranks grouped by the value of ``key``, in ``order`` (strongest first)."""
-    groups: Dict[str, List[int]] = {}
-    own: Dict[str, Optional[OwnFailure]] = {}
+def _grouped(records: Sequence[Dict[str, Any]], conclusion: Callable[[Dict[str, Any]], Optional[Conclusion]],
+             ) -> List[Concluded]:
+    """The records' ranks grouped by their ``conclusion``, in ``replica.PRECEDENCE`` (first wins), with
+    what of a transient replica's own failed."""
+    groups: Dict[Conclusion, List[int]] = {}
+    own: Dict[Conclusion, Optional[OwnFailure]] = {}
     for record in records:
-        value = record.get(key)
+        value = conclusion(record)
         if value is not None:
             groups.setdefault(value, []).append(record["rank"].get("global_rank"))
-            if record.get("own_failure") and value == Conclusion.TRANSIENT:
-                own.setdefault(value, OwnFailure(record["own_failure"]))
-    return [Concluded(value, tuple(groups[value]), own.get(value)) for value in order if value in groups]
+            failed = own_failure_of(record)
+            if failed is not None and value is Conclusion.TRANSIENT:
+                own.setdefault(value, failed)
+    return [Concluded(value.value, tuple(groups[value]), own.get(value)) for value in PRECEDENCE
+            if value in groups]
+
+
+def _megatron(record: Dict[str, Any]) -> Optional[Conclusion]:
+    return None if record.get("megatron") is None else Conclusion(record["megatron"])
 
 
 def _growth(at_step: List[Dict[str, Any]], origin: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -80,8 +89,8 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
     batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
-    conclusions = _grouped(at_step, "conclusion", values(Conclusion))
-    megatron = _grouped(at_step, "megatron", values(Conclusion))
+    conclusions = _grouped(at_step, conclusion_of)
+    megatron = _grouped(at_step, _megatron)
     strongest = conclusions[0]
     return RerunFinding(
         step=step, iteration=(first or at_step[0]).get("iteration"), trigger=at_step[0].get("trigger"),
@@ -92,7 +101,7 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         rank=rank_view(first["rank"]) if first else None,
         micro_batch=first["micro_batch"] if first else next(
             (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None
-             and r["conclusion"] == strongest.conclusion), None),
+             and conclusion_of(r).value == strongest.conclusion), None),
         output_abs_max=first.get("output_abs_max") if first else None,
         bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
         batch=batch["path"] if batch else None,

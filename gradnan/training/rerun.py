@@ -26,9 +26,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..config import GradnanConfig, RerunMode
+from ..decision.replica import conclude, conclusion_of, own_failure_of
 from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
-from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole, growth_log, samples_wording
+from ..formats.incident import Conclusion, RecordKind, RerunRole, growth_log, samples_wording
 from ..formats.magnitude import Growth
+from ..formats.observed import ReplicaObservation, Seen
 from ..formats.schema import json_float
 from ..formats.text import shell_word
 from ..log import logger
@@ -216,52 +218,18 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-@dataclass(frozen=True)
-class ReplicaFacts:
-    """One data-parallel replica's own facts about the failing step, all-reduced over its model-parallel
-    group (so the same on each of its ranks). ``loss``: the failing pass's loss, 1 non-finite, 0 finite,
-    -1 seen nowhere. ``gradients``: its own gradients before the data-parallel collective, 1 non-finite,
-    0 clean, -1 unchecked. ``megatron``: Megatron's own rerun of the step (forward and backward), whose
-    job-wide conclusion only speaks for a replica that failed.
-    ``norm_overflow``: every gradient of the group was finite and a rank's own float32 sum of squares was not
-    (``norm_overflowed``): the grad norm overflowed, no rank produced a NaN/Inf. ``loss_again``: the loss
-    of the pass run again, 1 non-finite, 0 finite, -1 seen nowhere."""
+def _seen(state: float) -> Seen:
+    """An all-reduced (max) state, 1 non-finite, 0 finite, -1 seen nowhere."""
+    return Seen.NONFINITE if state > 0 else Seen.FINITE if state == 0 else Seen.UNSEEN
 
-    reproduced: bool
-    loss: float
-    gradients: float
-    megatron: Optional[MegatronRerun]
-    norm_overflow: bool = False
-    loss_again: float = -1.0
 
-    @property
-    def own_failure(self) -> Optional[OwnFailure]:
-        """What of this replica's own went non-finite in the failing pass (None: nothing seen)."""
-        if self.loss > 0:
-            return OwnFailure.LOSS
-        return OwnFailure.GRADIENTS if self.gradients > 0 else None
-
-    def conclusion(self) -> Conclusion:
-        """Failing again is reproducible; every module's output finite again and the loss not is the loss
-        function's; finite again although its own loss was not (or its own gradients,
-        where Megatron's rerun of backward was finite too) is transient; a replica whose own loss and
-        gradients were clean received the values; a clean forward pass with only its gradients bad points
-        at backward."""
-        own = self.own_failure
-        if self.reproduced:
-            return Conclusion.REPRODUCIBLE
-        if self.loss_again > 0:
-            return Conclusion.LOSS
-        megatron_transient = self.megatron is not None and self.megatron.job == Conclusion.TRANSIENT
-        if own is OwnFailure.LOSS or (own is OwnFailure.GRADIENTS and megatron_transient):
-            return Conclusion.TRANSIENT
-        if self.norm_overflow:
-            return Conclusion.NORM_OVERFLOW
-        if own is OwnFailure.GRADIENTS:
-            return Conclusion.BACKWARD
-        if self.gradients == 0:
-            return Conclusion.AFTER_COLLECTIVE
-        return Conclusion.BACKWARD if self.loss == 0 else Conclusion.NOT_REPRODUCED
+def observation(reproduced: float, loss: float, own_gradients: float, overflow: float, nonfinite: float,
+                loss_again: float, megatron: Optional[MegatronRerun]) -> ReplicaObservation:
+    """The replica's observations from its model-parallel group's all-reduced (max) facts: each state 1
+    non-finite, 0 finite, -1 seen nowhere (``own_gradients``: unchecked)."""
+    return ReplicaObservation(bool(reproduced), _seen(loss), _seen(loss_again), _seen(own_gradients),
+                              norm_overflowed(overflow, nonfinite),
+                              None if megatron is None else Conclusion(megatron.job))
 
 
 def norm_overflowed(overflow: float, nonfinite: float) -> bool:
@@ -423,8 +391,8 @@ class StepRerun:
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
              float("overflow" in (at_norm, local_gradients)),
              float("nonfinite" in (at_norm, local_gradients)), loss_again], "max", "model")
-        facts = ReplicaFacts(bool(reproduced), original_loss, own_gradients, megatron,
-                             norm_overflowed(overflow, nonfinite), loss_again)
+        seen_here = observation(reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again,
+                                megatron)
         origin_rank = float(self._writer.coords()["global_rank"]) if role is RerunRole.ORIGIN else NONE
         again_mb = seen.loss_micro_batch if role is RerunRole.CLEAN else None
         *micro_batch, first_origin = kept.all_reduce([NONE if found_mb is None else found_mb,
@@ -432,9 +400,9 @@ class StepRerun:
                                                       NONE if loss_micro_batch is None else loss_micro_batch,
                                                       origin_rank], "min", "model")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
-        if failing_mb is None and facts.own_failure is not None and len(kept.micro_batches()) == 1:
+        if failing_mb is None and seen_here.own_failure is not None and len(kept.micro_batches()) == 1:
             failing_mb = 0  # the step's only micro-batch is the failing one
-        self.outcome = RerunOutcome(facts.conclusion(), None if first_origin == NONE else int(first_origin),
+        self.outcome = RerunOutcome(conclude(seen_here), None if first_origin == NONE else int(first_origin),
                                     failing_mb)
         bundle, nonfinite_at = (self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None,
                                                    failing_mb) if reproduced else (None, None))
@@ -442,7 +410,8 @@ class StepRerun:
         if role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica():
             return None
         samples = None if failing_mb is None else kept.samples(failing_mb)
-        return self._report(trigger, role, module, seen, failing_mb, facts, bundle, batch, grew_in,
+        return self._report(trigger, role, module, seen, failing_mb, seen_here, megatron, bundle, batch,
+                            grew_in,
                             {"samples": samples, "nonfinite_at": nonfinite_at,
                              "reduction": reduction if role is not RerunRole.CLEAN else None})
 
@@ -486,7 +455,8 @@ class StepRerun:
         return self._writer.batch(self._clock.current(), micro_batch, tensors, left_out)
 
     def _report(self, trigger: str, role: RerunRole, frame: Optional[Frame], seen: PassResult,
-                micro_batch: Optional[int], facts: ReplicaFacts, bundle: Optional[str],
+                micro_batch: Optional[int], observed: ReplicaObservation,
+                megatron: Optional[MegatronRerun], bundle: Optional[str],
                 batch: Optional[Dict[str, Any]], grew_in: Optional[Dict[str, Any]],
                 located: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         """``located``: the optional ``samples`` and ``nonfinite_at`` fields, written where known."""
@@ -495,10 +465,8 @@ class StepRerun:
         highs = [value[1] for name, value in zip(frame.names, frame.values)
                  if name.startswith("output") and value is not None] if frame is not None else []
         record = self._writer.record(RecordKind.RERUN, self._clock.current(), [], {
-            "trigger": trigger, "megatron": facts.megatron.here if facts.megatron else None,
-            "role": role.value,
-            "conclusion": facts.conclusion().value,
-            "own_failure": None if facts.own_failure is None else facts.own_failure.value,
+            "trigger": trigger, "megatron": megatron.here if megatron else None,
+            "role": role.value, "observed": observed.to_json(),
             "micro_batch": micro_batch,
             "module": frame.module if frame is not None else None,
             "class": frame.cls if frame is not None else None,
@@ -511,9 +479,10 @@ class StepRerun:
 
     @staticmethod
     def log(record: Dict[str, Any]) -> None:
-        """A ``rerun`` record's log line: where the value grew and went non-finite, and the conclusion."""
-        verdict, role = Conclusion(record["conclusion"]), RerunRole(record["role"])
-        explanation = verdict.explain(OwnFailure(record["own_failure"]) if record["own_failure"] else None)
+        """A ``rerun`` record's log line: where the value grew and went non-finite, and the conclusion its
+        observations reach (``decision.replica.conclude``, as the report's)."""
+        verdict, role = conclusion_of(record), RerunRole(record["role"])
+        explanation = verdict.explain(own_failure_of(record))
         tail = (f"; bundle: {record['bundle']} (replay it: gradnan replay {shell_word(record['bundle'])})"
                 if record["bundle"] else "")
         grew_in = record.get("grew_in")
