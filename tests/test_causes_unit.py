@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.formats.incident import Cause, Conclusion, OriginBasis, OwnFailure
-from gradnan.offline.causes import RULES, BadWeight, Evidence, StateFault, decide, rules_table
+from gradnan.decision.actions import Setting, next_steps
+from gradnan.decision.causes import RULES, decide, rules_table
+from gradnan.decision.evidence import BadWeight, Evidence, StateFault
+from gradnan.decision.facts import Fact, missing_text
+from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.offline.evidence import replica_digests
 
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
@@ -20,7 +23,9 @@ LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overf
 
 
 def evidence(**facts) -> Evidence:
-    return Evidence(**{"step": 5, "iteration": 105, "labels": LABELS, "dp_size": 2, **facts})
+    """In-memory evidence, every kind observed unless ``observed`` says otherwise."""
+    return Evidence(**{"step": 5, "iteration": 105, "labels": LABELS, "dp_size": 2,
+                       "observed": frozenset(Fact), **facts})
 
 
 # one case per rule: the facts that make it fire, and the origin it names
@@ -36,7 +41,7 @@ CASES = {
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,
                                         rerun_module="decoder.layers.0.mlp.linear_fc2", rerun_origins=(0, 1)),
                                    (0, 1)),
-    "loss_function": (dict(rerun=Conclusion.LOSS, rerun_origins=(0, 1), micro_batch=1,
+    "loss_function": (dict(rerun=Conclusion.LOSS, loss_stage=(0, 1), micro_batch=1,
                            gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
                            forward_pattern=True, share_nonfinite=1.0), (0, 1)),
     "forward_operator": (dict(rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.1.mlp",
@@ -47,6 +52,8 @@ CASES = {
                        forward_pattern=True, share_nonfinite=1.0), (2, 3)),
     "norm_overflow": (dict(gradient_basis=OriginBasis.NORM_OVERFLOW, gradient_origin=(1,),
                            largest_grad=LARGEST, largest_before_collective=True), (1,)),
+    "norm_overflow_rerun": (dict(rerun=Conclusion.NORM_OVERFLOW, gradient_origin=(1,), largest_grad=LARGEST),
+                            (1,)),
     "gradient_collective": (dict(gradient_basis=OriginBasis.AFTER_COLLECTIVE, gradient_origin=(2,),
                                  first_in_backward="decoder.layers.0.mlp.linear_fc1.weight", first_rank=2,
                                  rerun=Conclusion.AFTER_COLLECTIVE), (2,)),
@@ -153,6 +160,61 @@ def test_two_replicas_that_differ_name_the_one_that_failed():
 def test_docs_table_is_the_rule_table():
     """docs/how-it-works.md lists the rules in order, each with its cause and its predicate in words."""
     text = (Path(__file__).parents[1] / "docs" / "how-it-works.md").read_text()
-    rows = re.findall(r"^\| `([a-z_]+)` \| `([a-z_]+)` \| (.+?) \|$", text, flags=re.MULTILINE)
-    assert {rule: (cause, when) for rule, cause, when in rows} == rules_table()
-    assert [rule for rule, _, _ in rows] == list(rules_table())
+    text = text.split("The rules, in the order they are tried")[1]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([a-z_]+)` \| ([a-z_, -]+) \| (.+?) \|$", text,
+                      flags=re.MULTILINE)
+    assert {rule: (cause, needs, when) for rule, cause, needs, when in rows} == rules_table()
+    assert [rule for rule, *_ in rows] == list(rules_table())
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_a_rule_cannot_fire_without_the_evidence_it_needs(rule):
+    """Each case with one needed kind of evidence not observed: another rule decides, and the decision
+    lists what was missing."""
+    needs = next(r.needs for r in RULES if r.id == rule)
+    facts, _ = CASES[rule]
+    for fact in needs:
+        decided = decide(evidence(**{**facts, "observed": frozenset(Fact) - {fact}}))
+        assert decided.rule != rule and fact in decided.not_observed
+
+
+def test_a_forward_origin_without_a_rerun_on_record_is_undetermined_and_says_how_to_see_it():
+    """The rerun's facts in memory but no rerun in the run's files (a hostile or partial run dir): no
+    confident forward_op; the summary does not claim it, the missing rerun is named."""
+    facts, _ = CASES["forward_operator"]
+    decided = decide(evidence(**{**facts, "observed": frozenset(Fact) - {Fact.RERUN}}))
+    assert decided.cause is Cause.UNDETERMINED and decided.not_observed == (Fact.RERUN,)
+    assert "rerun='auto'" in missing_text(decided.not_observed)
+
+
+SETTING = Setting(origin=({"global_rank": 1, "host": "node-1", "device": "cuda:1"},),
+                  ranks={1: {"global_rank": 1, "host": "node-1"}}, run_dir="/run", bundle="/run/b",
+                  bundle_module="m", bundle_rank=1, batch="/run/batch.pt", reran=True,
+                  capture={"GRADNAN_CAPTURE_MODULES": "x", "GRADNAN_CAPTURE_STEPS": "5",
+                           "GRADNAN_CAPTURE_RANKS": "1"})
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_every_rule_lists_next_actions_that_give_at_least_one_step(rule):
+    decided = decide(evidence(**CASES[rule][0]))
+    steps = next_steps(decided.actions, evidence(**CASES[rule][0]), SETTING)
+    assert steps, rule
+    undecided = decided.cause is Cause.UNDETERMINED
+    assert (steps[0].action is Action.DECIDE) is undecided
+
+
+@pytest.mark.parametrize("rule, culprit", [
+    ("weights_at_launch", NAN_WEIGHT.name),  # the bad weight, not the rerun's module
+    ("norm_overflow", "output_layer.weight"),  # the largest gradient
+    ("backward_operator", "decoder.layers.0.mlp.linear_fc1.weight"),  # first in backward order
+])
+def test_each_rule_names_the_parameter_whose_run_up_is_read(rule, culprit):
+    facts = {**CASES[rule][0], "largest_names": {1: "output_layer.weight"}}
+    assert decide(evidence(**facts)).culprit == culprit
+
+
+def test_a_forward_origin_reads_the_run_up_of_a_parameter_inside_its_module():
+    facts = {**CASES["forward_operator"][0],
+             "origin_params": {3: ("decoder.layers.2.mlp.x.weight",
+                                   "decoder.layers.1.mlp.linear_fc2.weight")}}
+    assert decide(evidence(**facts)).culprit == "decoder.layers.1.mlp.linear_fc2.weight"

@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from gradnan.decision.causes import decide
+from gradnan.decision.evidence import Evidence
+from gradnan.decision.facts import Fact
 from gradnan.errors import InputError
 from gradnan.formats.incident import Conclusion, growth_log, growth_path
 from gradnan.formats.magnitude import GROWTH_FACTOR, LIMIT_MARGIN, first_grown_frame, grew, magnitude_text
 from gradnan.formats.records import DTYPE_MAX, from_json
-from gradnan.offline.causes import Evidence, decide
 from gradnan.offline.replay import _growth, _upstream, growth_text
 from gradnan.offline.trace_replay import replay
 from gradnan.training.frames import Frame, first_growth
@@ -172,7 +174,7 @@ def test_the_wording_of_the_magnitude_path_in_the_log_headline_and_verdict():
     assert growth_log(near, None, None).endswith("(2.91 -> 6e4, within 16x of the float16 limit)")
     summary = decide(Evidence(step=2, iteration=None, labels={1: "rank 1"}, rerun=Conclusion.REPRODUCIBLE,
                               rerun_module="decoder.layers.1.input_layernorm", rerun_origins=(1,),
-                              micro_batch=0, grew_in=GREW_IN)).summary
+                              micro_batch=0, grew_in=GREW_IN, observed=frozenset({Fact.RERUN}))).summary
     assert ("in decoder.layers.1.input_layernorm, after decoder.layers.0.mlp (MLP) grew a value out of line"
             " (2.91 -> 3.9e28) on rank 1, micro-batch 0") in summary
 

@@ -182,7 +182,7 @@ def test_exploding_gradients_stopped_by_megatrons_bucket_check_are_a_norm_overfl
     """No grad norm is computed (Megatron exits after its rerun): the pre-reduction check's overflow is
     the group's fact, not "the backward pass"."""
     found = _reruns(runs["exploding_validated"])
-    assert found[1]["conclusion"] == "norm_overflow" and found[0]["conclusion"] == "after_collective"
+    assert conclusion_of(found[1]) == "norm_overflow" and conclusion_of(found[0]) == "after_collective"
     incident = analyze(read_run(runs["exploding_validated"])).incident
     assert incident.rerun.conclusion.value == "norm_overflow" and incident.rerun.concluded_by == (1,)
     assert incident.verdict.cause.value == "norm_overflow"

@@ -26,21 +26,25 @@ import json
 from pathlib import Path
 from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..decision.actions import Setting, next_steps
+from ..decision.causes import Decision, decide
+from ..decision.evidence import Evidence, HealthReading, View
+from ..decision.facts import missing_text
+from ..decision.origin import decide_gradient_origin
+from ..decision.replica import own_failure_of
 from ..errors import InputError
-from ..formats.incident import INCIDENT_KINDS, NORM_KINDS, Cause, OriginBasis, RecordKind, health_evidence
+from ..formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind, health_evidence
 from ..formats.layout import host_device, rank_ranges
 from ..formats.text import untrusted
-from .causes import Decision, Evidence, decide
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .frames_view import frames_summary, probes_summary
-from .gradients import backward_key, gradient_origin_of, module_of, pattern_of, rank_entry, rank_view
-from .next_steps import capture_settings, next_steps
+from .gradients import backward_key, capture_settings, module_of, pattern_of, rank_entry, rank_view
 from .read import RunFiles
 from .rerun_finding import rerun_finding
 from .runs import SERIOUS_SKIPS, failing_step, split_runs
 from .runup import RankRunUp, RunUp, culprit_bucket, rank_runup
 from .runup import decide_ranks as runup_finding
-from .verdict import HealthReading, Incident, Pattern, Report, RerunFinding, Verdict, View
+from .verdict import Incident, Report, Verdict
 
 
 def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
@@ -128,8 +132,9 @@ def _health_evidence(readings: Sequence[HealthReading]) -> List[str]:
             for reading in readings]
 
 
-def _evidence_lines(e: Evidence) -> List[str]:
-    """What the decision rests on, fact by fact (none of them a competing verdict)."""
+def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
+    """What the decision rests on, fact by fact (none of them a competing verdict); for an undetermined
+    one, what was not observed and how to observe it."""
     lines = []
     if e.states_read:
         weights = (f"non-finite on rank(s) {rank_ranges(sorted({w.rank for w in e.bad_weights}))}"
@@ -160,7 +165,14 @@ def _evidence_lines(e: Evidence) -> List[str]:
     if e.recurs:
         lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
                      " batch")
+    if decision.undecided and decision.not_observed:
+        lines.append(f"not observed: {missing_text(decision.not_observed)}")
     return lines
+
+
+def _own_failure(rerun: Dict[str, Any]) -> Optional[str]:
+    failed = own_failure_of(rerun)
+    return None if failed is None else failed.value
 
 
 def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
@@ -171,7 +183,7 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
     record), or its coordinates alone."""
     by_rank: Dict[Any, View] = {r["rank"].get("global_rank"): {
         **rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
-        "own_failure": r.get("own_failure")} for r in reruns}
+        "own_failure": _own_failure(r)} for r in reruns}
     by_rank.update((entry["global_rank"], entry) for entry in rejected)
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
@@ -185,7 +197,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
     exited before any norm (only ``rerun`` records then)."""
-    gradient_basis, origin_records = gradient_origin_of(at_step)
+    gradient_basis, origin_records = decide_gradient_origin(at_step)
     states = state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [rank_entry(r, dtypes) for r in origin_records]
@@ -214,13 +226,19 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                   for entry in gradient_origin if entry["global_rank"] not in listed]
     recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states}
     health = health_readings(at_step, origin)
-    verdict = Verdict(decision.cause, decision.summary, tuple(
-        _evidence_lines(evidence) + _selftest_evidence(origin, selftests) + _health_evidence(health)),
-        decision.rule)
+    lines = _evidence_lines(evidence, decision) + _selftest_evidence(origin, selftests)
+    verdict = Verdict(decision.cause, decision.summary, tuple(lines + _health_evidence(health)),
+                      decision.rule, decision.not_observed)
     capture = capture_settings(pattern, origin, step, iteration)
     captured = next((str(path) for path, doc in sorted(files.bundles.items())
                      if capture and doc["module"]["path"] == capture["GRADNAN_CAPTURE_MODULES"]
                      and doc["rank"]["global_rank"] in named and doc["step"] >= step), None)
+    setting = Setting(origin, ranks, str(files.run_dir), health, capture, captured,
+                      bundle=rerun.bundle if rerun is not None else None,
+                      bundle_module=rerun.module if rerun is not None else None,
+                      bundle_rank=rerun.global_rank if rerun is not None else None,
+                      batch=rerun.batch if rerun is not None else (evidence.rejected or {}).get("batch"),
+                      reran=rerun is not None, megatron_reran=bool(rerun is not None and rerun.megatron))
     return Incident(
         step=step, iteration=iteration,
         kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,),
@@ -229,33 +247,9 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
         parameters=tuple(parameters), pattern=pattern,
         verdict=verdict, rerun=rerun, capture_settings=capture,
-        next_steps=tuple(next_steps(decision, evidence, rerun, origin, ranks, str(files.run_dir), health,
-                                    capture, captured)),
+        next_steps=next_steps(decision.actions, evidence, setting),
         health=tuple(health),
-        runup=_runup(files, launch, step, _culprit_parameter(pattern, gradient_origin, origin, rerun,
-                                                             decision.cause)))
-
-
-def _culprit_parameter(pattern: Pattern, gradients: Sequence[View], origin: Sequence[View],
-                       rerun: Optional[RerunFinding], cause: Cause) -> Optional[str]:
-    """The parameter whose run-up is read, on the decided origin: a bad weight it is named for; for a
-    forward operator, the origin's first offending parameter inside the module that grew or went
-    non-finite; the first non-finite gradient in backward order where that is on the origin; its largest
-    gradient (a norm overflow from finite ones); else the origin's first offending parameter."""
-    named = {entry["global_rank"] for entry in origin}
-    if origin and origin[0].get("kind") == RecordKind.STATE and origin[0]["params"]:
-        return origin[0]["params"][0]["name"]
-    params = [param["name"] for entry in gradients if entry["global_rank"] in named
-              for param in entry["params"]]
-    if cause is Cause.FORWARD_OP and rerun is not None:
-        modules = [module for module in ((rerun.grew_in or {}).get("module"), rerun.module) if module]
-        inside = [name for module in modules for name in params if name.startswith(module + ".")]
-        if inside:
-            return inside[0]
-    if pattern.first_in_backward and pattern.first_rank in named:
-        return pattern.first_in_backward
-    largest = [entry["largest_grad"]["name"] for entry in origin if entry.get("largest_grad")]
-    return (largest or params or [pattern.first_in_backward])[0]
+        runup=_runup(files, launch, step, decision.culprit))
 
 
 def _run_key(document: Dict[str, Any]) -> str:

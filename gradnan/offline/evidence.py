@@ -6,14 +6,16 @@ of the origin's devices.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ..formats.incident import Conclusion, GradientPass, OriginBasis, RecordKind, health_signs
+from ..decision.evidence import BadWeight, Evidence, HealthReading, StateFault, View
+from ..decision.facts import Fact
+from ..decision.origin import facts_of_step
+from ..formats.incident import GradientPass, OriginBasis, RecordKind, health_signs
 from ..formats.layout import AXES, rank_label
-from .causes import BadWeight, Evidence, StateFault
 from .gradients import rank_view
 from .read import RunFiles
-from .verdict import HealthReading, Pattern, RerunFinding, View
+from .verdict import Pattern, RerunFinding
 
 
 def health_readings(at_step: Sequence[Dict[str, Any]], origin: Sequence[View]) -> List[HealthReading]:
@@ -47,9 +49,7 @@ def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, 
     fp16 skip recorded with a finite loss: a replica that did not fail reads no state): that replica's
     copy went bad alone."""
     bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
-    peers: Dict[Tuple[Any, ...], List[Any]] = {}
-    for record in states:
-        peers.setdefault(_peer_key(record["rank"]), []).append(record["rank"].get("global_rank"))
+    peers = _peer_groups(states)
     finite_forward = {_peer_key(r["rank"]) for r in at_step
                       if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True}
     lone = set()
@@ -99,9 +99,9 @@ def overflow_recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str
 
 
 def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[int, ...]:
-    """Every rank of the last pipeline stage (which computes the loss) of the replicas whose loss was
-    non-finite again from finite outputs: the tensor-parallel ranks there compute the same loss, whether
-    or not they wrote a record (one whose data iterator gave nothing keeps no micro-batch)."""
+    """Every rank of the last pipeline stage (which computes the loss) of the replicas that reached the
+    rerun's leading conclusion: the tensor-parallel ranks there compute the same loss, whether or not they
+    wrote a record (one whose data iterator gave nothing keeps no micro-batch)."""
     def coordinate(rank: Any, axis: str) -> Any:
         return (ranks.get(rank) or {}).get(axis)
 
@@ -137,7 +137,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     basis, origin = gradient
     odd, split = replica_digests(states)
     weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
-                              tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"])
+                              tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"],
+                              p["order"] if isinstance(p.get("order"), int) else -1)
                     for record in states for p in record["params"])
     faults = tuple(StateFault(record["rank"].get("global_rank"), f["name"], f["state"], f["nan"], f["inf"],
                               f["negative"]) for record in states for f in record["optimizer_state"])
@@ -145,8 +146,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     conclusion = rerun.conclusion if rerun is not None else None
     reduction_fault = rerun is not None and any(view.get("reduction") == "collective"
                                                 for view in rerun.origins)
-    rerun_origins = (_loss_ranks(rerun, ranks) if rerun is not None and conclusion is Conclusion.LOSS else
-                     tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ())
+    rerun_origins = tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ()
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
     return Evidence(
         step=step, iteration=iteration, iterations_seen=iterations_seen,
@@ -159,6 +159,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         split_replicas=split, rerun=conclusion,
         rerun_module=rerun.module if rerun is not None else None,
         rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
+        loss_stage=_loss_ranks(rerun, ranks) if rerun is not None else (),
         rerun_concluded_by=rerun.concluded_by if rerun is not None else (),
         own_failure=rerun.own_failure if rerun is not None else None,
         micro_batch=rerun.micro_batch if rerun is not None else None, reduction_fault=reduction_fault,
@@ -178,7 +179,34 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                    "loss": losses[0].get("loss"), "rerun_skipped": losses[0].get("rerun_skipped"),
                    "batch": next((r["batch"]["path"] for r in losses if r.get("batch")),
                                  rerun.batch if rerun is not None else None)} if losses else None),
-        recurs=recurs)
+        recurs=recurs,
+        origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
+        largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
+                       if entry.get("largest_grad")},
+        observed=_observed(at_step, states, rerun, pattern))
+
+
+def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]],
+              rerun: Optional[RerunFinding], pattern: Pattern) -> FrozenSet[Fact]:
+    """The kinds of evidence the failing step's files hold."""
+    facts = set(facts_of_step(at_step))
+    if states:
+        facts.add(Fact.STATES)
+    if any(len(group) > 1 for group in _peer_groups(states).values()):
+        facts.add(Fact.REPLICA_DIGESTS)
+    if rerun is not None:
+        facts.add(Fact.RERUN)
+    if pattern.gradient_pass is not GradientPass.UNKNOWN:
+        facts.add(Fact.PARAMETER_MAPS)
+    return frozenset(facts)
+
+
+def _peer_groups(states: Sequence[Dict[str, Any]]) -> Dict[Tuple[Any, ...], List[Any]]:
+    """The ranks of each group of data-parallel peers that read their state (``_peer_key``)."""
+    peers: Dict[Tuple[Any, ...], List[Any]] = {}
+    for record in states:
+        peers.setdefault(_peer_key(record["rank"]), []).append(record["rank"].get("global_rank"))
+    return peers
 
 
 def counted(iteration: Any) -> bool:

@@ -1,13 +1,14 @@
 """The failing step's gradients, rank by rank (pure: records in): each rank's view and its offending
-parameters in backward order, the origin the gradients' records point at and what it rests on, and the
-pattern of the origin's gradients (the forward or the backward pass).
+parameters in backward order, the pattern of the origin's gradients (the forward or the backward pass),
+and the settings that capture the implicated module on a rerun from a checkpoint. Which ranks are the
+origin is decided by ``decision.origin``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from ..formats.incident import NORM_KINDS, GradientPass, OriginBasis, RecordKind
+from ..formats.incident import GradientPass
 from ..formats.layout import shown_axes
 from ..formats.records import FORWARD_SHARE
 from .verdict import Pattern, View
@@ -51,58 +52,6 @@ def rank_entry(record: Dict[str, Any], dtypes: Dict[Tuple[Any, str], str]) -> Vi
     return entry
 
 
-def _per_rank(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One record per rank: a rank writes one pre-reduction record per bad bucket group."""
-    merged: Dict[Any, Dict[str, Any]] = {}
-    for record in records:
-        rank = record["rank"].get("global_rank")
-        if rank not in merged:
-            merged[rank] = {**record, "params": list(record["params"]),
-                            "params_total": record.get("params_total", len(record["params"]))}
-        else:
-            merged[rank]["params"] += record["params"]
-            merged[rank]["params_total"] += record.get("params_total", len(record["params"]))
-    return list(merged.values())
-
-
-def gradient_origin_of(at_step: List[Dict[str, Any]]) -> Tuple[OriginBasis, List[Dict[str, Any]]]:
-    """The origin as the gradients' records show it, and what it rests on."""
-    pre = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]]
-    norm = [r for r in at_step if r["kind"] in NORM_KINDS]
-    holders = [r for r in norm if r["params"]]
-    checked = [r for r in norm if r.get("pre_reduction") in ("clean", "nonfinite", "overflow")]
-    if pre:
-        return OriginBasis.BEFORE_COLLECTIVE, _per_rank(pre)
-    if holders and checked:
-        return OriginBasis.AFTER_COLLECTIVE, holders
-    if holders:
-        return OriginBasis.UNCONFIRMED, holders
-    overflow = norm_overflow_origin(at_step)
-    return (OriginBasis.NORM_OVERFLOW, overflow) if overflow else (OriginBasis.NONE, [])
-
-
-def _magnitude(record: Dict[str, Any]) -> float:
-    value = record["largest_grad"]["value"]
-    return abs(value) if isinstance(value, (int, float)) else float("inf")
-
-
-def norm_overflow_origin(at_step: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Where no rank held a non-finite gradient: the records of the ranks that held the largest finite
-    gradient, whose square overflowed the grad norm. Best evidence first: pre-reduction records of a norm
-    overflow (their own gradients before the data-parallel collective, where a replica that only received
-    the value through it does not appear); else the grad-norm records whose own float32 sum of squares
-    overflowed, the largest of them; else the largest. Empty when no record names a largest gradient."""
-    before = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r.get("norm_overflow")]
-    if before:
-        return _per_rank(before)
-    named = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_GRAD_NORM and r.get("largest_grad")]
-    candidates = [r for r in named if r["largest_grad"]["overflows"]] or named
-    if not candidates:
-        return []
-    top = max(_magnitude(r) for r in candidates)
-    return [r for r in candidates if _magnitude(r) == top]
-
-
 def pattern_of(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Pattern:
     """Forward: (nearly) every gradient on the origin rank is bad, so the loss or an activation already
     was. Backward: only some are; the first in backward order is where it started."""
@@ -116,3 +65,15 @@ def pattern_of(origin: Sequence[View], params_per_rank: Dict[int, int]) -> Patte
     _, first, first_rank = min(firsts) if firsts else (None, None, None)
     return Pattern(GradientPass.BACKWARD if shares else GradientPass.UNKNOWN,
                    min(shares) if shares else None, first, first_rank)
+
+
+def capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
+                     iteration: Optional[int]) -> Optional[Dict[str, str]]:
+    """The GRADNAN_CAPTURE_* settings that capture the failing step's implicated module on the origin
+    ranks when the job is rerun from a checkpoint (step filters use Megatron-LM's iteration where its
+    loop ran, else steps count from the launch that is rerun)."""
+    if not pattern.first_in_backward or not origin:
+        return None
+    return {"GRADNAN_CAPTURE_MODULES": module_of(pattern.first_in_backward),
+            "GRADNAN_CAPTURE_STEPS": str(iteration if isinstance(iteration, int) else step),
+            "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in origin)}

@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ..formats.incident import Action, Cause, Conclusion, GradientPass, OriginBasis, OwnFailure
+from ..decision.actions import NextStep
+from ..decision.evidence import HealthReading, View
+from ..decision.facts import Fact
+from ..formats.incident import Cause, Conclusion, GradientPass, OriginBasis, OwnFailure
 from ..formats.schema import Schema
 from ..formats.text import plain
 from .runup import RunUp
 
 SCHEMA = Schema("gradnan.report", 2)
-View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,12 @@ class Verdict:
     cause: Cause
     summary: str
     evidence: Tuple[str, ...]
-    rule: str  # the rule of ``causes.RULES`` that decided it
+    rule: str  # the rule of ``decision.causes.RULES`` that decided it
+    not_observed: Tuple[Fact, ...] = ()  # evidence earlier rules needed that the run did not hold
 
     def to_json(self) -> Dict[str, Any]:
         return {"cause": self.cause.value, "rule": self.rule, "summary": self.summary,
-                "evidence": list(self.evidence)}
+                "evidence": list(self.evidence), "not_observed": [fact.value for fact in self.not_observed]}
 
 
 @dataclass(frozen=True)
@@ -105,40 +108,6 @@ class RerunFinding:
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
                 "receivers": list(self.receivers), "grew_in": self.grew_in, "samples": list(self.samples)}
-
-
-@dataclass(frozen=True)
-class HealthReading:
-    """NVML's reading of an origin rank's device at the failing step (its record's ``device_health``), and
-    what in it points at the device (``signs``, ``formats.incident.health_signs``)."""
-
-    rank: View
-    nvml_device: Dict[str, Any]
-    values: Dict[str, Any]
-    unread: Dict[str, str]
-    signs: Tuple[str, ...]
-
-    def to_json(self) -> Dict[str, Any]:
-        return {**self.rank, "nvml_device": self.nvml_device, "values": self.values, "unread": self.unread,
-                "signs": list(self.signs)}
-
-
-@dataclass(frozen=True)
-class NextStep:
-    """One thing to do about the verdict: what and why (``text``), and what to type (``command``, an
-    argument list, or the option to add; None where there is nothing to type). A device to drain carries
-    NVML's readings of it at the incident (``health``), where its ranks' records hold them."""
-
-    action: Action
-    text: str
-    command: Optional[Tuple[str, ...]] = None
-    health: Tuple[HealthReading, ...] = ()
-
-    def to_json(self) -> Dict[str, Any]:
-        drained = ({"health": [reading.to_json() for reading in self.health]}
-                   if self.action in (Action.DRAIN, Action.SELFTEST) else {})
-        return {"action": self.action.value, "text": self.text,
-                "command": None if self.command is None else list(self.command), **drained}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,215 @@
+"""The next actions a rule of ``causes.RULES`` lists (its ``actions``), each a small function of the
+evidence and of where the origin runs (``Setting``): what to do, and what to type where there is something
+to type. A rule's actions run in its order; an action with nothing to say for the evidence at hand (no
+kept micro-batch to inspect, no bundle to replay) adds no step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+from ..formats.incident import Action
+from ..formats.layout import host_device
+from ..formats.text import untrusted
+from .evidence import Evidence, HealthReading, View
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """One thing to do about the verdict: what and why (``text``), and what to type (``command``, an
+    argument list, or the option to add; None where there is nothing to type). A device to drain carries
+    NVML's readings of it at the incident (``health``), where its ranks' records hold them."""
+
+    action: Action
+    text: str
+    command: Optional[Tuple[str, ...]] = None
+    health: Tuple[HealthReading, ...] = ()
+
+    def to_json(self) -> Dict[str, Any]:
+        drained = ({"health": [reading.to_json() for reading in self.health]}
+                   if self.action in (Action.DRAIN, Action.SELFTEST) else {})
+        return {"action": self.action.value, "text": self.text,
+                "command": None if self.command is None else list(self.command), **drained}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the actions say beyond the evidence: the decided origin's ranks as the report shows them
+    (hosts, devices), every known rank's coordinates (processes per host), the run directory, NVML's
+    readings of the origin's devices, the capture settings and the bundle they took (``captured``), the
+    rerun's bundle of the forward origin, its module and rank, the kept micro-batch, and whether
+    Megatron's own validation ran the step again."""
+
+    origin: Sequence[View]
+    ranks: Mapping[int, Mapping[str, Any]]
+    run_dir: str
+    health: Sequence[HealthReading] = ()
+    capture: Optional[Dict[str, str]] = None
+    captured: Optional[str] = None
+    bundle: Optional[str] = None
+    bundle_module: Optional[str] = None
+    bundle_rank: Optional[int] = None
+    batch: Optional[str] = None
+    reran: bool = False  # the failing step was run again in place (a rerun record exists)
+    megatron_reran: bool = False
+
+    def devices(self) -> list:
+        """The origin's (host, device) pairs, each once, at most ``MAX_DRAINED``."""
+        return list(dict.fromkeys((entry.get("host"), entry.get("device"))
+                                  for entry in self.origin))[:MAX_DRAINED]
+
+
+Steps = Tuple[NextStep, ...]
+ActionRule = Callable[[Evidence, Setting, Steps], Steps]  # (evidence, setting, steps so far) -> new steps
+MAX_DRAINED = 8  # devices named to drain, at most (a hardware verdict names one replica's few devices)
+
+
+def drain(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Every origin device, with NVML's readings of it."""
+    steps = []
+    for host, device in s.devices():
+        named = [entry["global_rank"] for entry in s.origin
+                 if (entry.get("host"), entry.get("device")) == (host, device)]
+        steps.append(NextStep(Action.DRAIN, Action.DRAIN.wording(
+            f"{host_device({'host': host, 'device': device})}"
+            f" (rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))})"),
+            health=tuple(reading for reading in s.health if reading.rank["global_rank"] in named)))
+    return tuple(steps)
+
+
+def _selftest(with_health: bool) -> ActionRule:
+    """A self-test of each origin host's devices; NVML's readings beside it unless a drain step already
+    prints them."""
+    def selftest(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+        steps = []
+        for host in dict.fromkeys(host for host, _ in s.devices()):
+            processes = sum(1 for coords in s.ranks.values() if coords.get("host") == host) or 1
+            steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{untrusted(host)}'s devices"), (
+                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", s.run_dir),
+                health=tuple(reading for reading in s.health
+                             if with_health and reading.rank.get("host") == host)))
+        return tuple(steps)
+    return selftest
+
+
+selftest = _selftest(with_health=True)
+selftest_beside_drain = _selftest(with_health=False)
+
+
+def selftest_after_launch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """A bad weight written since the launch began: a device may have written it."""
+    return () if e.launch_first_step else selftest(e, s, so_far)
+
+
+def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Before the checkpoint the launch resumed from where the weights came with it, else before the step
+    (Megatron-LM's iteration where its loop gives it)."""
+    if e.launch_first_step:
+        resumed = "" if e.iteration is None else f" (iteration {e.iteration - e.step})"
+        before = (f"the checkpoint this launch resumed from{resumed}, which holds them (Megatron-LM: --load a"
+                  " directory whose latest_checkpointed_iteration.txt names the earlier one)")
+    else:
+        before = f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
+    return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
+
+
+def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Before the update that wrote the bad weights."""
+    when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
+    return (NextStep(Action.RESUME, Action.RESUME.wording(f"the update of {when}, which wrote them")),)
+
+
+def check_interconnect(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    hosts = ", ".join(dict.fromkeys(str(host) for host, _ in s.devices())) or "the ranks named"
+    return (NextStep(Action.CHECK_INTERCONNECT, Action.CHECK_INTERCONNECT.wording(hosts)),)
+
+
+def fix_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    return (NextStep(Action.FIX_LOSS, Action.FIX_LOSS.wording(f"micro-batch {e.micro_batch}")),)
+
+
+def tune_numerics(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    return (NextStep(Action.TUNE_NUMERICS, Action.TUNE_NUMERICS.wording(
+        "a lower learning rate, a tighter --clip-grad, bf16 instead of fp16, or a lower"
+        " --initial-loss-scale; skipping the iteration cannot help where every step fails")),)
+
+
+def tune_numerics_if_it_recurs(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """An fp16 overflow that fails again at the next step: the numerics, not one batch."""
+    return tune_numerics(e, s, so_far) if e.recurs else ()
+
+
+def inspect_batch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    if not s.batch:
+        return ()
+    return (NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
+                     ("gradnan", "batch", s.batch)),)
+
+
+def skip_iteration(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Megatron-LM's ``--iterations-to-skip``, where the rerun tied the failure to the step's data and the
+    records name the iteration; never for an fp16 overflow that recurs (no batch is to blame). A
+    checkpoint written by Megatron's own validate_results exit runs the iteration again on restart, then
+    exits (17) rather than skipping it: that restart goes without the rerun state machine."""
+    if not (e.iterations_seen and not e.recurs and s.reran):
+        return ()
+    refusal = _skip_refusal(e)
+    if refusal or e.iteration is None:
+        return (NextStep(Action.SKIP_ITERATION, f"no --iterations-to-skip option: {refusal}"),)
+    restarted_rerun = ("--rerun-mode", "disabled") if s.megatron_reran else ()
+    return (NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
+                     ("--iterations-to-skip", str(e.iteration - 1), *restarted_rerun)),)
+
+
+def _skip_refusal(e: Evidence) -> Optional[str]:
+    """Why the failing iteration cannot be named to ``--iterations-to-skip`` (None: it can)."""
+    if len(e.iterations_seen) > 1:
+        seen = ", ".join(map(str, e.iterations_seen))
+        return (f"the ranks' records disagree on the failing iteration ({seen}); read it from Megatron-LM's"
+                " log before skipping one")
+    if e.iteration is None or e.iteration < 1:
+        return f"the records name iteration {e.iteration}, and Megatron-LM counts its iterations from 1"
+    return None
+
+
+def replay_forward_origin(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """The rerun's bundle of the forward origin."""
+    if not s.bundle:
+        return ()
+    origin = f"{untrusted(s.bundle_module)} on rank {s.bundle_rank}"
+    return (NextStep(Action.REPLAY, Action.REPLAY.wording(origin), ("gradnan", "replay", s.bundle)),)
+
+
+def replay_or_capture(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """The bundle of the first bad gradient's module where capture took one after the detection, else the
+    settings that capture it on a rerun from a checkpoint."""
+    if s.captured:
+        module = (e.first_in_backward or "").rsplit(".", 1)[0]
+        return (NextStep(Action.REPLAY, Action.REPLAY.wording(module), ("gradnan", "replay", s.captured)),)
+    if s.capture:
+        modules = untrusted(s.capture["GRADNAN_CAPTURE_MODULES"])
+        return (NextStep(Action.CAPTURE, Action.CAPTURE.wording(modules)),)
+    return ()
+
+
+def bisect(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """One per replay step so far: the same bundle under the stacks before and after a change."""
+    return tuple(NextStep(Action.BISECT, Action.BISECT.wording("torch, megatron-core, TE"), (
+        *step.command, "--against", "OLD_STACK/bin/python", "--against", "NEW_STACK/bin/python"))
+        for step in so_far if step.action is Action.REPLAY and step.command)
+
+
+def decide_by(what: str) -> ActionRule:
+    """An undetermined verdict's step: what would decide it."""
+    def decide(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+        return (NextStep(Action.DECIDE, Action.DECIDE.wording(what)),)
+    return decide
+
+
+def next_steps(actions: Sequence[ActionRule], e: Evidence, s: Setting) -> Steps:
+    """The steps of a rule's ``actions``, in its order."""
+    steps: Steps = ()
+    for action in actions:
+        steps += action(e, s, steps)
+    return steps

@@ -1,0 +1,219 @@
+"""Where the non-finite value was born, decided once: one declared, ordered rule table (``RULES``) over
+the typed ``Evidence``. Each rule names the kinds of evidence it needs (``needs``: it cannot fire where
+one was not observed), its predicate, the ``Cause`` it decides, the origin ranks it names, its summary,
+the parameter whose run-up is read (``culprit``) and the next actions (``actions``). The first rule whose
+needs were observed and whose predicate holds decides; where two could both hold, the earlier wins (the
+order is the precedence, docs/how-it-works.md). Nothing else decides a cause, an origin, a culprit or a
+next action: the report's text, ``--json``, the plot and TensorBoard only render the ``Decision``.
+
+Adding a cause: its evidence (a field of ``evidence.Evidence``, filled by ``offline.evidence``, and where
+it is new, its collector on the training side and its ``facts.Fact``), one ``Rule`` here with its wording
+(``summaries``), its ``Cause`` member (``formats.incident``) and actions (``actions``), a test in
+``tests/test_causes_unit.py`` and a row in docs/how-it-works.md (the test fails when they differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from ..formats.incident import Cause, Conclusion, OriginBasis
+from . import actions as act
+from . import summaries as say
+from .evidence import Evidence
+from .facts import Fact, unobserved
+
+Culprit = Callable[[Evidence, Tuple[int, ...]], Optional[str]]  # (evidence, origin ranks) -> parameter
+
+
+def culprit_of_gradients(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """On the origin: the first non-finite gradient in backward order where it is there, else its largest
+    finite gradient (a norm overflow), else its first offending parameter."""
+    named = set(origin)
+    if e.first_in_backward and e.first_rank in named:
+        return e.first_in_backward
+    largest = [e.largest_names[rank] for rank in origin if rank in e.largest_names]
+    params = [name for rank in e.gradient_origin if rank in named for name in e.origin_params.get(rank, ())]
+    return (largest or params or [e.first_in_backward])[0]
+
+
+def culprit_of_weights(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """The first origin rank's first bad weight in backward order (the last registered first); where it
+    holds none, its first offending gradient."""
+    held = sorted((weight for weight in e.bad_weights if origin and weight.rank == origin[0]),
+                  key=lambda weight: -weight.order)
+    if held:
+        return held[0].name
+    named = set(origin)
+    if e.first_in_backward and e.first_rank in named:
+        return e.first_in_backward
+    params = [name for rank in e.gradient_origin if rank in named for name in e.origin_params.get(rank, ())]
+    return (params or [e.first_in_backward])[0]
+
+
+def culprit_in_forward_module(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """The origin's first offending parameter inside the module that grew a value or went non-finite."""
+    named = set(origin)
+    params = [name for rank in e.gradient_origin if rank in named for name in e.origin_params.get(rank, ())]
+    modules = [module for module in ((e.grew_in or {}).get("module"), e.rerun_module) if module]
+    inside = [name for module in modules for name in params if name.startswith(module + ".")]
+    return inside[0] if inside else culprit_of_gradients(e, origin)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table. ``basis``: what the origin rests on (None: the gradients' own basis)."""
+
+    id: str
+    cause: Cause
+    needs: Tuple[Fact, ...]
+    when: str  # the predicate in words (docs/how-it-works.md's table)
+    applies: Callable[[Evidence], bool]
+    origin: Callable[[Evidence], Tuple[int, ...]]
+    says: Callable[[Evidence], str]
+    actions: Tuple[act.ActionRule, ...]
+    culprit: Culprit = culprit_of_gradients
+    basis: Optional[OriginBasis] = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The cause, the rule that decided it, the origin ranks, what they rest on, the summary, the
+    parameter whose run-up is read, the rule's next actions, and the kinds of evidence earlier rules
+    needed and the run did not hold (``not_observed``: what an undetermined verdict lacked)."""
+
+    rule: str
+    cause: Cause
+    origin: Tuple[int, ...]
+    basis: OriginBasis
+    summary: str
+    culprit: Optional[str] = None
+    actions: Tuple[act.ActionRule, ...] = ()
+    not_observed: Tuple[Fact, ...] = ()
+
+    @property
+    def undecided(self) -> bool:
+        """No rule could name a cause: the report says what was not observed."""
+        return self.cause is Cause.UNDETERMINED
+
+
+def _gradient_origin(e: Evidence) -> Tuple[int, ...]:
+    return e.gradient_origin
+
+
+def _rerun_origins(e: Evidence) -> Tuple[int, ...]:
+    return e.rerun_origins
+
+
+_WEIGHTS = (act.resume_before_weights, act.selftest_after_launch)
+_COLLECTIVE = (act.check_interconnect, act.selftest)
+_STATES = (Fact.STATES,)
+_RERUN = (Fact.RERUN,)
+
+RULES: Tuple[Rule, ...] = (
+    Rule("weights_at_launch", Cause.WEIGHTS, _STATES,
+         "a weight is non-finite, and it was already at the launch's first step",
+         lambda e: bool(e.bad_weights) and e.launch_first_step, say.weight_holders, say.checkpoint_weights,
+         _WEIGHTS, culprit_of_weights, OriginBasis.STATE),
+    Rule("optimizer_state", Cause.OPTIMIZER_UPDATE, _STATES,
+         "a weight is non-finite at a later step and a rank's optimizer state holds a NaN/Inf or a negative"
+         " second moment",
+         lambda e: bool(e.bad_weights) and bool(e.state_faults), lambda e: say.ranks_of(e.state_faults),
+         say.bad_state, (act.resume_before_update, act.selftest_after_launch), culprit_of_weights,
+         OriginBasis.STATE),
+    Rule("one_replica_weights", Cause.WEIGHTS, _STATES,
+         "a weight is non-finite at a later step on some data-parallel replicas, their peers' copies finite",
+         lambda e: any(rank in e.lone_weights + e.odd_replicas
+                       for rank in say.ranks_of(say.model_weights(e))),
+         say.weight_holders, say.one_replica_weights, _WEIGHTS, culprit_of_weights, OriginBasis.STATE),
+    Rule("later_weights", Cause.WEIGHTS, _STATES,
+         "a weight is non-finite at a later step on every replica holding it, the optimizer state finite",
+         lambda e: bool(e.bad_weights), say.weight_holders, say.later_weights, _WEIGHTS, culprit_of_weights,
+         OriginBasis.STATE),
+    Rule("replicas_disagree", Cause.WEIGHTS, (Fact.STATES, Fact.REPLICA_DIGESTS),
+         "every weight finite, but data-parallel replicas' weights differ (digest)",
+         lambda e: bool(e.odd_replicas or e.split_replicas), say.diverged, say.replicas_disagree, _WEIGHTS,
+         basis=OriginBasis.REPLICAS),
+    Rule("tensor_parallel_collective", Cause.COLLECTIVE, _RERUN,
+         "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
+         lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, _rerun_origins,
+         say.tensor_parallel_collective, _COLLECTIVE, basis=OriginBasis.RERUN),
+    Rule("loss_function", Cause.LOSS, _RERUN,
+         "run again, every module's output is finite and the loss computed from it is not",
+         lambda e: e.rerun is Conclusion.LOSS, lambda e: e.loss_stage, say.loss,
+         (act.fix_loss, act.inspect_batch, act.skip_iteration), basis=OriginBasis.RERUN),
+    Rule("forward_operator", Cause.FORWARD_OP, _RERUN,
+         "run again, a module's output is non-finite from finite inputs and finite weights",
+         lambda e: e.rerun is Conclusion.REPRODUCIBLE and bool(e.rerun_module), _rerun_origins,
+         say.forward_op, (act.tune_numerics_if_it_recurs, act.inspect_batch, act.skip_iteration,
+                          act.replay_forward_origin, act.bisect),
+         culprit_in_forward_module, OriginBasis.RERUN),
+    Rule("transient", Cause.DEVICE, _RERUN,
+         "run again, the step is finite although the replica's own loss or gradients were not",
+         lambda e: e.rerun is Conclusion.TRANSIENT, say.device_origin, say.device,
+         (act.drain, act.selftest_beside_drain)),
+    Rule("norm_overflow", Cause.NORM_OVERFLOW, (Fact.GRADIENTS,),
+         "every gradient finite, the grad norm's float32 sum of squares overflowed (the gradients' records)",
+         lambda e: e.gradient_basis is OriginBasis.NORM_OVERFLOW, _gradient_origin, say.norm_overflow,
+         (act.tune_numerics,)),
+    Rule("norm_overflow_rerun", Cause.NORM_OVERFLOW, _RERUN,
+         "run again, the forward pass finite, every gradient finite and a float32 sum of squares not",
+         lambda e: e.rerun is Conclusion.NORM_OVERFLOW, _gradient_origin, say.norm_overflow,
+         (act.tune_numerics,)),
+    Rule("gradient_collective", Cause.COLLECTIVE, (Fact.GRADIENTS, Fact.OWN_GRADIENTS),
+         "every rank's own gradients finite before the data-parallel collective (checked), some non-finite"
+         " after it",
+         lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, _gradient_origin, say.collective,
+         _COLLECTIVE),
+    Rule("backward_operator", Cause.BACKWARD_OP, (Fact.OWN_GRADIENTS,),
+         "a rank's own gradients non-finite before the collective: only some of them, or all with the forward"
+         " pass and the loss finite when run again",
+         lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.gradient_origin)
+         and (e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)
+              or (not e.forward_pattern and bool(e.first_in_backward))),
+         _gradient_origin, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
+    Rule("forward_not_rerun", Cause.UNDETERMINED, (Fact.GRADIENTS, Fact.PARAMETER_MAPS),
+         "(nearly) every gradient of the origin non-finite, the step not run again",
+         lambda e: e.forward_pattern and bool(e.gradient_origin) and e.rerun is None,
+         _gradient_origin, say.forward_unconfirmed, (act.decide_by(
+             "rerun from the last checkpoint with rerun='auto' (the default) so the failing step is run"
+             " again in place and its forward operator named"),)),
+    Rule("rejected_loss", Cause.UNDETERMINED, (Fact.LOSS_CHECK,),
+         "Megatron's loss check rejected a loss and raised, the step not run again",
+         lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, say.rejected_loss,
+         (act.decide_by("replay the kept micro-batch, or rerun with --rerun-mode validate_results"),),
+         basis=OriginBasis.LOSS_CHECK),
+    Rule("unconfirmed_holders", Cause.UNDETERMINED, (Fact.GRADIENTS,),
+         "ranks hold non-finite gradients, no pre-reduction check ran",
+         lambda e: e.gradient_basis is OriginBasis.UNCONFIRMED, _gradient_origin, say.unconfirmed,
+         (act.decide_by("rerun from the last checkpoint with pre_reduction='deferred' (the default)"),)),
+    Rule("not_reproduced", Cause.UNDETERMINED, _RERUN,
+         "run again, the step is finite, and no own loss or gradient of the replica was seen non-finite",
+         lambda e: e.rerun is Conclusion.NOT_REPRODUCED, lambda e: e.rerun_concluded_by, say.not_reproduced,
+         (act.decide_by(say.SELFTEST_OR_RERUN),)),
+    Rule("no_gradient", Cause.UNDETERMINED, (), "none of the above", lambda e: True, _gradient_origin,
+         say.no_gradient, (act.decide_by(say.SELFTEST_OR_RERUN),)),
+)
+
+
+def decide(evidence: Evidence, rules: Tuple[Rule, ...] = RULES) -> Decision:
+    """The first rule whose needs were observed and whose predicate holds decides."""
+    missing: Dict[Fact, None] = {}
+    for rule in rules:
+        lacking = unobserved(rule.needs, evidence.observed)
+        if lacking:
+            missing.update(dict.fromkeys(lacking))
+        elif rule.applies(evidence):
+            break
+    origin = tuple(rule.origin(evidence))
+    basis = rule.basis or (evidence.gradient_basis if origin and set(origin) <= set(evidence.gradient_origin)
+                           else OriginBasis.OWN_FAILURE if origin else OriginBasis.NONE)
+    return Decision(rule.id, rule.cause, origin, basis, rule.says(evidence), rule.culprit(evidence, origin),
+                    rule.actions, tuple(missing))
+
+
+def rules_table() -> Dict[str, Tuple[str, str, str]]:
+    """Rule id -> (cause, the evidence it needs, predicate in words), in order: docs/how-it-works.md's
+    table."""
+    return {rule.id: (rule.cause.value, ", ".join(fact.value for fact in rule.needs) or "-", rule.when)
+            for rule in RULES}

@@ -1,0 +1,126 @@
+"""The typed evidence every rule of ``causes`` decides on: the facts the analysis read once from the
+failing step's records (``offline.evidence.evidence_of`` fills it), which of the kinds of evidence were
+observed at all (``observed``: a rule that needs one that was not cannot fire), and NVML's readings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
+
+from ..formats.incident import Conclusion, OriginBasis, OwnFailure
+from ..formats.text import untrusted
+from .facts import Fact
+
+View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
+
+
+@dataclass(frozen=True)
+class BadWeight:
+    """A weight already non-finite when the failing step began (a ``state`` record's param)."""
+
+    rank: int
+    name: str
+    copy: str  # "model": the model parameter; "main": the copy the optimizer steps
+    index: Tuple[int, ...]
+    nan: int
+    inf: int
+    order: int = -1  # its registration order on its rank (backward runs the last registered first)
+
+    def text(self) -> str:
+        where = f"[{', '.join(map(str, self.index))}]"
+        copy = "" if self.copy == "model" else " (the optimizer's main copy)"
+        return f"{untrusted(self.name)}{where}{copy}: {self.nan} NaN, {self.inf} Inf"
+
+
+@dataclass(frozen=True)
+class StateFault:
+    """An optimizer-state tensor holding a NaN/Inf, or a second moment below zero (a ``state`` record)."""
+
+    rank: int
+    name: str
+    state: str
+    nan: int
+    inf: int
+    negative: int
+
+    def text(self) -> str:
+        counts = [f"{count} {what}" for count, what in ((self.nan, "NaN"), (self.inf, "Inf"),
+                                                        (self.negative, "negative")) if count]
+        return f"{untrusted(self.state)} of {untrusted(self.name)} ({', '.join(counts)})"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Every fact a rule may use, read once from the failing step's records (``evidence.evidence_of``).
+    Ranks are global ranks; ``labels`` names each one for the wording ("rank 3 (tp1 pp0 dp1) on h cpu")."""
+
+    step: int
+    iteration: Optional[int]
+    labels: Mapping[int, str]
+    dp_size: int = 1
+    # the weights and optimizer state as the failing step found them (``state`` records)
+    states_read: Tuple[int, ...] = ()
+    # the failing step is the launch's first, or a rank's weights were non-finite already at the launch's
+    # first step: the bad weights came with the launch (its checkpoint)
+    launch_first_step: bool = False
+    bad_weights: Tuple[BadWeight, ...] = ()
+    state_faults: Tuple[StateFault, ...] = ()
+    lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
+    odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
+    split_replicas: Tuple[int, ...] = ()  # peers whose weights differ with no majority to side with
+    # the in-place rerun of the failing step
+    rerun: Optional[Conclusion] = None
+    rerun_module: Optional[str] = None
+    rerun_class: Optional[str] = None
+    rerun_origins: Tuple[int, ...] = ()  # where a forward value first went non-finite
+    loss_stage: Tuple[int, ...] = ()  # the last pipeline stage's ranks of the replicas that concluded it
+    rerun_concluded_by: Tuple[int, ...] = ()  # the replicas that reached the strongest conclusion
+    reduction_fault: bool = False  # the origin call's tensor-parallel reduction: finite partials, a bad sum
+    own_failure: Optional[OwnFailure] = None
+    micro_batch: Optional[int] = None
+    grew_in: Optional[Mapping[str, Any]] = None
+    # the gradients
+    gradient_basis: OriginBasis = OriginBasis.NONE
+    gradient_origin: Tuple[int, ...] = ()
+    origin_replicas: Tuple[int, ...] = ()  # the data-parallel replicas of ``gradient_origin``
+    forward_pattern: bool = False  # (nearly) every gradient of the origin non-finite
+    share_nonfinite: Optional[float] = None
+    first_in_backward: Optional[str] = None
+    first_rank: Optional[int] = None
+    near_limit: bool = False
+    recorded_norm: bool = False
+    largest_grad: Optional[Mapping[str, Any]] = None  # a norm overflow's largest, finite, gradient
+    largest_before_collective: bool = False
+    # Megatron's loss check (--rerun-mode disabled) rejected these ranks' loss before any gradient existed
+    rejected_losses: Tuple[int, ...] = ()
+    rejected: Optional[Mapping[str, Any]] = None  # the first one: micro_batch, loss, batch, rerun_skipped
+    recurs: bool = False  # the next step failed too, with no update applied in between (fp16 skips)
+    iterations_seen: Tuple[int, ...] = ()  # every Megatron-LM iteration the step's records name (one: agreed)
+    # the gradient origin's offending parameters, backward order, and its largest finite gradient, by rank
+    origin_params: Mapping[int, Tuple[str, ...]] = field(default_factory=dict)
+    largest_names: Mapping[int, str] = field(default_factory=dict)
+    observed: FrozenSet[Fact] = frozenset()  # the kinds of evidence the run's files hold for this step
+
+    def label(self, rank: int) -> str:
+        return self.labels.get(rank, f"rank {rank}")
+
+    def labelled(self, ranks: Tuple[int, ...], limit: int = 4) -> str:
+        shown = "; ".join(self.label(rank) for rank in ranks[:limit])
+        return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+
+
+@dataclass(frozen=True)
+class HealthReading:
+    """NVML's reading of an origin rank's device at the failing step (its record's ``device_health``), and
+    what in it points at the device (``signs``, ``formats.incident.health_signs``)."""
+
+    rank: View
+    nvml_device: Dict[str, Any]
+    values: Dict[str, Any]
+    unread: Dict[str, str]
+    signs: Tuple[str, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {**self.rank, "nvml_device": self.nvml_device, "values": self.values, "unread": self.unread,
+                "signs": list(self.signs)}

@@ -1,0 +1,117 @@
+"""Which ranks the failing step's gradient records point at, and what that rests on: one declared,
+ordered table (``ORIGIN_RULES``, best evidence first) over the step's checked records. The first rule
+whose needs were observed and that selects any record decides (``decide_gradient_origin``); the cause table
+reads its basis and ranks as evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, List, Sequence, Tuple
+
+from ..formats.incident import NORM_KINDS, OriginBasis, RecordKind
+from .facts import Fact, unobserved
+
+Record = Dict[str, Any]  # a record ``formats.records`` checked
+CHECKED = ("clean", "nonfinite", "overflow")  # a norm record's ``pre_reduction`` where the rank was checked
+
+
+def facts_of_step(at_step: Sequence[Record]) -> FrozenSet[Fact]:
+    """The kinds of gradient evidence the step's incident records hold."""
+    kinds = {record["kind"] for record in at_step}
+    facts = set()
+    if kinds & {*NORM_KINDS, RecordKind.PRE_REDUCTION}:
+        facts.add(Fact.GRADIENTS)
+    if RecordKind.PRE_REDUCTION in kinds or any(record.get("pre_reduction") in CHECKED for record in at_step
+                                                if record["kind"] in NORM_KINDS):
+        facts.add(Fact.OWN_GRADIENTS)
+    if any(record.get("largest_grad") for record in at_step):
+        facts.add(Fact.LARGEST_GRADIENT)
+    if RecordKind.NONFINITE_LOSS in kinds:
+        facts.add(Fact.LOSS_CHECK)
+    return frozenset(facts)
+
+
+def per_rank(records: Sequence[Record]) -> List[Record]:
+    """One record per rank: a rank writes one pre-reduction record per bad bucket group."""
+    merged: Dict[Any, Record] = {}
+    for record in records:
+        rank = record["rank"].get("global_rank")
+        if rank not in merged:
+            merged[rank] = {**record, "params": list(record["params"]),
+                            "params_total": record.get("params_total", len(record["params"]))}
+        else:
+            merged[rank]["params"] += record["params"]
+            merged[rank]["params_total"] += record.get("params_total", len(record["params"]))
+    return list(merged.values())
+
+
+def _own_before(at_step: Sequence[Record]) -> List[Record]:
+    return per_rank([r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]])
+
+
+def _holders(at_step: Sequence[Record]) -> List[Record]:
+    return [r for r in at_step if r["kind"] in NORM_KINDS and r["params"]]
+
+
+def _holders_after_clean_checks(at_step: Sequence[Record]) -> List[Record]:
+    checked = any(r.get("pre_reduction") in CHECKED for r in at_step if r["kind"] in NORM_KINDS)
+    return _holders(at_step) if checked else []
+
+
+def _magnitude(record: Record) -> float:
+    value = record["largest_grad"]["value"]
+    return abs(value) if isinstance(value, (int, float)) else float("inf")
+
+
+def norm_overflow_origin(at_step: Sequence[Record]) -> List[Record]:
+    """Where no rank held a non-finite gradient: the records of the ranks that held the largest finite
+    gradient, whose square overflowed the grad norm. Best evidence first: pre-reduction records of a norm
+    overflow (their own gradients before the data-parallel collective, where a replica that only received
+    the value through it does not appear); else the grad-norm records whose own float32 sum of squares
+    overflowed, the largest of them; else the largest. Empty when no record names a largest gradient."""
+    before = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r.get("norm_overflow")]
+    if before:
+        return per_rank(before)
+    named = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_GRAD_NORM and r.get("largest_grad")]
+    candidates = [r for r in named if r["largest_grad"]["overflows"]] or named
+    if not candidates:
+        return []
+    top = max(_magnitude(r) for r in candidates)
+    return [r for r in candidates if _magnitude(r) == top]
+
+
+@dataclass(frozen=True)
+class OriginRule:
+    """One row: the ``basis`` it decides, the evidence it needs, when (in words) and the records it
+    selects (none: it does not apply)."""
+
+    basis: OriginBasis
+    needs: Tuple[Fact, ...]
+    when: str
+    select: Callable[[Sequence[Record]], List[Record]]
+
+
+ORIGIN_RULES: Tuple[OriginRule, ...] = (
+    OriginRule(OriginBasis.BEFORE_COLLECTIVE, (Fact.OWN_GRADIENTS,),
+               "some rank's own gradients were non-finite before the data-parallel collective", _own_before),
+    OriginRule(OriginBasis.AFTER_COLLECTIVE, (Fact.GRADIENTS, Fact.OWN_GRADIENTS),
+               "no rank's were, some ranks were checked, and some hold non-finite gradients at the norm",
+               _holders_after_clean_checks),
+    OriginRule(OriginBasis.UNCONFIRMED, (Fact.GRADIENTS,),
+               "no rank was checked before the collective, some hold non-finite gradients", _holders),
+    OriginRule(OriginBasis.NORM_OVERFLOW, (Fact.GRADIENTS,),
+               "no rank holds a non-finite gradient, a largest finite one overflowed the float32 norm",
+               norm_overflow_origin),
+)
+
+
+def decide_gradient_origin(at_step: Sequence[Record]) -> Tuple[OriginBasis, List[Record]]:
+    """The origin as the gradients' records show it, and what it rests on (``NONE``: no rule selects)."""
+    observed = facts_of_step(at_step)
+    for rule in ORIGIN_RULES:
+        if not unobserved(rule.needs, observed):
+            selected = rule.select(at_step)
+            if selected:
+                return rule.basis, selected
+    return OriginBasis.NONE, []

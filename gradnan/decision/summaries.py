@@ -1,0 +1,201 @@
+"""What each rule of ``causes.RULES`` says (its summary, from the evidence) and which ranks it names as
+the origin: the wording of the verdict, one function per rule.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+from ..formats.incident import (
+    Conclusion,
+    OriginBasis,
+    OwnFailure,
+    grew_text,
+    norm_overflow_summary,
+    rejected_loss_summary,
+)
+from ..formats.text import untrusted
+from .evidence import BadWeight, Evidence, StateFault
+
+
+def ranks_of(items: Iterable[BadWeight | StateFault]) -> Tuple[int, ...]:
+    return tuple(sorted({item.rank for item in items}))
+
+
+def model_weights(e: Evidence) -> Tuple[BadWeight, ...]:
+    return tuple(weight for weight in e.bad_weights if weight.copy == "model") or e.bad_weights
+
+
+def weight_holders(e: Evidence) -> Tuple[int, ...]:
+    """The ranks holding the bad weights; of those, the odd replicas where their peers' copies are good."""
+    holders = ranks_of(model_weights(e))
+    lone = tuple(rank for rank in holders if rank in e.lone_weights or rank in e.odd_replicas)
+    return lone or holders
+
+
+def first_weight(e: Evidence, ranks: Tuple[int, ...]) -> str:
+    weight = next(w for w in model_weights(e) if w.rank in ranks)
+    more = len({w.name for w in e.bad_weights}) - 1
+    return weight.text() + (f" (and {more} more parameter(s))" if more > 0 else "")
+
+
+def checkpoint_weights(e: Evidence) -> str:
+    ranks = weight_holders(e)
+    return (f"the weights were already non-finite when the launch began: {first_weight(e, ranks)}"
+            f" on {e.labelled(ranks)}: they came with the checkpoint this launch resumed from (or its"
+            " initialization), not from this step's data or arithmetic")
+
+
+def bad_state(e: Evidence) -> str:
+    ranks = ranks_of(e.state_faults)
+    fault = next(f for f in e.state_faults if f.rank in ranks)
+    weights = f"; the weight it updates is non-finite now: {first_weight(e, weight_holders(e))}" \
+        if e.bad_weights else ""
+    return (f"the optimizer update of step {e.step - 1} wrote a non-finite weight from finite gradients: the"
+            f" optimizer state is bad on {e.labelled(ranks)}: {fault.text()}{weights}. A moment gone bad is"
+            " a corrupted optimizer state (a bad write, a faulty device, a bad resume of optimizer state)")
+
+
+def one_replica_weights(e: Evidence) -> str:
+    ranks = weight_holders(e)
+    return (f"the weights on {e.labelled(ranks)} were non-finite when step {e.step} began while their"
+            f" data-parallel peers' copies of them were not: {first_weight(e, ranks)}; that replica's copy"
+            " went bad after the last update (a bad write, a faulty device)")
+
+
+def later_weights(e: Evidence) -> str:
+    ranks = weight_holders(e)
+    return (f"the weights were non-finite when step {e.step} began, on every replica holding them, and the"
+            f" optimizer state is finite: {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite"
+            f" when this launch began, so written since: by the update of step {e.step - 1} (finite"
+            " gradients and moments: the learning rate, the update arithmetic) or a bad write")
+
+
+def rerun_named(e: Evidence) -> Tuple[int, ...]:
+    """The ranks the rerun names: the loss's stage where it made the value, else the forward origin."""
+    return e.loss_stage if e.rerun is Conclusion.LOSS else e.rerun_origins
+
+
+def diverged(e: Evidence) -> Tuple[int, ...]:
+    """The replicas whose weights differ from their data-parallel peers': those unlike a majority of their
+    peers; without a majority (two replicas), those of the split that produced the non-finite values
+    themselves (the forward origin run again, or their own gradients before the collective): a copy that
+    failed where an equal step on its peer's did not is the odd one; else every rank of the split."""
+    if e.odd_replicas:
+        return e.odd_replicas
+    producers = set(rerun_named(e)) | (set(e.gradient_origin)
+                                         if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE else set())
+    return tuple(rank for rank in e.split_replicas if rank in producers) or e.split_replicas
+
+
+def replicas_disagree(e: Evidence) -> str:
+    ranks = diverged(e)
+    which = ("hold weights unlike their data-parallel peers'" if e.odd_replicas else
+             "hold weights unlike their data-parallel peers', and of the copies that differ only theirs"
+             " produced the non-finite values" if ranks != e.split_replicas else
+             "and their data-parallel peers hold different weights, with no majority to tell which copy is"
+             " right")
+    return (f"{e.labelled(ranks)} {which} (a digest of every weight, read when step {e.step} began): the"
+            " replicas diverged, finite but different; a bad write, a faulty device, or a"
+            " non-deterministic update")
+
+
+def tensor_parallel_collective(e: Evidence) -> str:
+    return (f"the tensor-parallel reduction in {untrusted(e.rerun_module)}: run again in place, every rank's"
+            f" partial sum was finite and the reduced value was not, on {e.labelled(e.rerun_origins)},"
+            f" micro-batch {e.micro_batch}: a transfer or reduction fault")
+
+
+def loss(e: Evidence) -> str:
+    return (f"the loss function made it: run again in place, every module's output was finite and the loss"
+            f" of micro-batch {e.micro_batch} computed from it was not, on {e.labelled(e.loss_stage)}"
+            " (a division by a zero token count, a log of zero); the model, its weights and the device are"
+            " not at fault")
+
+
+def forward_op(e: Evidence) -> str:
+    where = f"in {untrusted(e.rerun_module)}" + (f", after {grew_text(e.grew_in)}" if e.grew_in else "")
+    return (f"a forward operator made it: the failing step, run again in place with the same micro-batches"
+            f" and RNG state, went non-finite again {where} on {e.labelled(e.rerun_origins[:1])}, micro-batch"
+            f" {e.micro_batch}, with finite inputs and finite weights: the data or the numerics (an"
+            " overflow), not a passing fault")
+
+
+FAILED = {OwnFailure.LOSS: "its loss was not",
+           OwnFailure.GRADIENTS: "its own gradients were not (before the data-parallel collective)"}
+
+
+def device(e: Evidence) -> str:
+    failed = FAILED[e.own_failure or OwnFailure.LOSS]
+    return (f"a transient fault: the failing step, run again in place with the same micro-batches and RNG"
+            f" state, was finite on every rank of the replica that failed, although {failed}"
+            f" in the failing pass: suspect the device of {e.labelled(device_origin(e))}")
+
+
+def device_origin(e: Evidence) -> Tuple[int, ...]:
+    return e.gradient_origin or e.rerun_concluded_by
+
+
+def norm_overflow(e: Evidence) -> str:
+    rank = e.gradient_origin[0] if e.gradient_origin else None
+    summary = norm_overflow_summary(e.label(rank) if rank is not None else "a rank", e.largest_grad or {},
+                                    e.largest_before_collective)
+    return summary + (f" (and on {e.labelled(e.gradient_origin[1:])})" if len(e.gradient_origin) > 1 else "")
+
+
+def collective(e: Evidence) -> str:
+    return (f"the data-parallel gradient collective: every rank's own gradients were finite before it"
+            f" (checked on each), and {e.labelled(e.gradient_origin)} held non-finite gradients after it"
+            f" ({untrusted(e.first_in_backward or 'see the table')}): a transfer or reduction fault")
+
+
+def backward_op(e: Evidence) -> str:
+    rank = e.first_rank if e.first_rank is not None else e.gradient_origin[0]
+    forward = (" the step's forward pass and its loss were finite when run again;"
+               if e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE) else "")
+    if e.first_in_backward is None:  # every gradient: from backward's first, the loss's own gradient
+        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_origin)} is"
+                " non-finite before the data-parallel collective, so from backward's first operator on (the"
+                " loss's own gradient, or a loss function whose backward divides by zero)")
+    alone = (f" Only one data-parallel replica of {e.dp_size} produced it, on its own data: if it recurs"
+             " there on restart the operator and that batch, if not the device."
+             if e.dp_size > 1 and len(e.origin_replicas) == 1 else "")
+    return (f"a backward operator made it:{forward} the first non-finite gradient in backward order is"
+            f" {untrusted(e.first_in_backward)} on {e.label(rank)}, before the data-parallel"
+            f" collective.{alone}")
+
+
+def forward_unconfirmed(e: Evidence) -> str:
+    return (f"{e.share_nonfinite:.0%} of the gradients of {e.labelled(e.gradient_origin)} are non-finite:"
+            " the forward pass or the loss already was, but the step was not run again in place to say"
+            " which operator (rerun='auto', the default, with megatron-core's schedules decides it)")
+
+
+def rejected_loss(e: Evidence) -> str:
+    rejected = e.rejected or {}
+    return rejected_loss_summary(rejected.get("global_rank"), rejected.get("micro_batch"),
+                                 rejected.get("loss"), rejected.get("batch"), rejected.get("rerun_skipped"))
+
+
+def unconfirmed(e: Evidence) -> str:
+    return (f"{e.labelled(e.gradient_origin)} hold non-finite gradients, and no check saw each rank's own"
+            " gradients before the data-parallel collective (pre_reduction was off, or no Megatron DDP), so"
+            " who produced them is not known: run with pre_reduction='deferred' (the default)")
+
+
+def not_reproduced(e: Evidence) -> str:
+    return ("run again in place, the step was finite, and neither its loss nor its own gradients were seen"
+            " non-finite to tell a transient fault from a clean replica: a self-test of the replica's devices"
+            " or a capture on a rerun from the checkpoint decides it")
+
+
+def no_gradient(e: Evidence) -> str:
+    if not e.recorded_norm:
+        return ("no gradient was recorded at this step: Megatron's result validation ran it again and the job"
+                " stopped before the grad norm, and no replica's own loss or gradients were seen non-finite")
+    return ("no rank held a non-finite gradient and no largest gradient was recorded (only the norm was"
+            " non-finite): a rank without gradnan's records, or the norm's own reduction")
+
+
+SELFTEST_OR_RERUN = ("run a self-test on the origin's node and replay the captured step on another device, or"
+                     " rerun from the last checkpoint with gradnan's defaults")
