@@ -24,6 +24,7 @@ from gradnan.formats.maps import write as write_map
 from gradnan.formats.records import load as load_records
 from gradnan.formats.schema import append_json_line as append_record
 from gradnan.formats.schema import json_float, write_json_atomic
+from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 
 
@@ -651,3 +652,20 @@ def test_an_overflow_records_loss_finite_is_a_boolean_or_null():
         assert records.from_json({**overflow, "loss_finite": value}, "f:1")["loss_finite"] is value
     with pytest.raises(InputError, match="loss_finite"):
         records.from_json({**overflow, "loss_finite": "no"}, "f:1")
+
+
+@pytest.mark.parametrize("index", [5, "0, 5", [0, "5"], list(range(100_000)), [2**70]])
+def test_a_state_records_bad_weight_index_is_a_listed_problem_not_a_traceback(tmp_path, index):
+    """Issue 47: a state record whose weight has an integer (or huge) ``first_bad_index`` ended in a
+    TypeError inside the evidence code; it is now a problem with its file and line, and the report is
+    made from the rest."""
+    state = {**a_record(2), "kind": "state", "weights_digest": "d", "params_checked": 1,
+             "optimizer_state_total": 0, "optimizer_state_checked": 0, "optimizer_state": []}
+    state["params"][0].update(copy="model", first_bad_index=index)
+    path = tmp_path / RECORDS_DIR / f"{rank_tag(coords(0))}.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(a_record(2)) + "\n" + json.dumps(state) + "\n")
+    files = read_run(tmp_path)
+    assert [problem.split(": ")[0] for problem in files.problems] == [f"{path}:2"]
+    assert "'first_bad_index' null or a list of at most 64 integers" in files.problems[0]
+    assert analyze(files).incident is not None

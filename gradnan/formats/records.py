@@ -81,11 +81,10 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     if not isinstance(params, list):
         raise InputError(f"{where}: a record needs a 'params' list")
     for position, entry in enumerate(params):
-        if not isinstance(entry, dict) or not is_text(entry.get("name")) or not all(
-                optional(entry.get(key), is_int) for key in _PARAM_INTS) or not all(
-                is_int(entry.get(key)) for key in ("nan", "inf")) or not is_stat(entry.get("abs_max_finite")):
-            raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts and a numeric"
-                             " 'abs_max_finite'")
+        if not _is_param(entry):
+            raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts, a numeric"
+                             f" 'abs_max_finite', 'first_bad_index' null or a list of at most {MAX_DIMS}"
+                             " integers, 'near_limit' null or a boolean and 'kind'/'copy' null or text")
     key = _bad_key(record, ("consecutive_skips", "iteration", "optimizer_index", "bucket_group"), is_int)
     if key is not None:
         raise InputError(f"{where}: '{key}' must be an integer")
@@ -113,6 +112,23 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "state":
         _check_state(record, where)
     return record
+
+
+MAX_DIMS = 64  # a tensor index has at most this many dimensions (torch allows 64)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_DIMS and all(is_int(i) for i in value)
+
+
+def _is_param(entry: Any) -> bool:
+    """One offending parameter (or, in a ``state`` record, a bad weight), every field a reader uses."""
+    return (isinstance(entry, dict) and is_text(entry.get("name"))
+            and all(optional(entry.get(key), is_int) for key in _PARAM_INTS)
+            and all(is_int(entry.get(key)) and entry[key] >= 0 for key in ("nan", "inf"))
+            and is_stat(entry.get("abs_max_finite")) and optional(entry.get("first_bad_index"), _is_index)
+            and optional(entry.get("near_limit"), _is_bool)
+            and all(optional(entry.get(key), is_text) for key in ("kind", "copy")))
 
 
 _FLAGS = ("scale_collapsed", "warmup", "loss_finite")
