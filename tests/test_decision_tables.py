@@ -116,7 +116,8 @@ def test_the_gradients_origin_rules_in_order():
 
     pre = record("pre_reduction", 1, ["w"])
     norm = record("nonfinite_grad_norm", 0, ["w"], pre_reduction="clean")
-    assert decide_gradient_origin([norm, pre]) == (OriginBasis.BEFORE_COLLECTIVE, [{**pre, "params_total": 1}])
+    merged = {**pre, "params_total": 1}
+    assert decide_gradient_origin([norm, pre]) == (OriginBasis.BEFORE_COLLECTIVE, [merged])
     assert decide_gradient_origin([norm])[0] is OriginBasis.AFTER_COLLECTIVE
     assert decide_gradient_origin([{**norm, "pre_reduction": "unchecked"}])[0] is OriginBasis.UNCONFIRMED
     big = {"name": "w", "value": 1e30, "overflows": True}
