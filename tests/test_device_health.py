@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from gradnan.formats.incident import health_line
+from gradnan.formats.health import health_line
 from gradnan.formats.text import printable
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run

@@ -14,9 +14,10 @@ from gradnan.decision.causes import decide
 from gradnan.decision.evidence import Evidence
 from gradnan.decision.facts import Fact
 from gradnan.errors import InputError
-from gradnan.formats.incident import Conclusion, growth_log, growth_path
+from gradnan.formats.incident import Conclusion
 from gradnan.formats.magnitude import GROWTH_FACTOR, LIMIT_MARGIN, first_grown_frame, grew, magnitude_text
 from gradnan.formats.records import DTYPE_MAX, from_json
+from gradnan.formats.wording import growth_log, growth_path
 from gradnan.offline.replay import _growth, _upstream, growth_text
 from gradnan.offline.trace_replay import replay
 from gradnan.training.frames import Frame, first_growth

@@ -11,15 +11,16 @@ import torch
 
 from gradnan.decision.replica import conclude, strongest
 from gradnan.errors import InputError
-from gradnan.formats.incident import Conclusion, OriginBasis, describe_largest
+from gradnan.formats.incident import Conclusion, OriginBasis
 from gradnan.formats.maps import ParamSlot
 from gradnan.formats.records import FLOAT32_SQUARE_LIMIT, from_json
+from gradnan.formats.wording import describe_largest
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import RunFiles
 from gradnan.offline.report import format_text
 from gradnan.training.incidents import at_norm
 from gradnan.training.offenders import largest_gradient
-from gradnan.training.rerun import norm_overflowed, observation
+from gradnan.training.rerun_pass import norm_overflowed, observation
 from gradnan.training.scan import abs_max
 
 

@@ -15,7 +15,7 @@ from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
-from gradnan.training.rerun import observation
+from gradnan.training.rerun_pass import observation
 
 from .helpers import records_by_rank
 from .test_report_unit import _files, _record

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnan.formats.incident import health_line, samples_wording
+from gradnan.formats.health import health_line
 from gradnan.formats.layout import RUNUP_DIR, rank_tag
+from gradnan.formats.wording import samples_wording
 from gradnan.offline.analysis import analyze
 from gradnan.offline.batch_view import _decoded
 from gradnan.offline.read import read_run

@@ -6,15 +6,9 @@ from __future__ import annotations
 
 from typing import Iterable, Tuple
 
-from ..formats.incident import (
-    Conclusion,
-    OriginBasis,
-    OwnFailure,
-    grew_text,
-    norm_overflow_summary,
-    rejected_loss_summary,
-)
+from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import untrusted
+from ..formats.wording import grew_text, norm_overflow_summary, rejected_loss_summary
 from .evidence import BadWeight, Evidence, StateFault
 
 

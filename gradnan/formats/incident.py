@@ -7,11 +7,11 @@ conclusion's wording lives here and nowhere else, so a log line and a report hea
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, Mapping, Optional, Tuple, Type
 
 from .layout import step_label
-from .magnitude import LIMIT_MARGIN, magnitude_text
-from .text import listing, shell_word, untrusted
+from .magnitude import magnitude_text
+from .text import untrusted
 
 
 class RecordKind(str, enum.Enum):
@@ -142,67 +142,6 @@ _TRANSIENT_EXPLANATIONS = {
                           " selftest)",
 }
 
-def describe_largest(largest: Optional[Mapping[str, Any]]) -> str:
-    """A record's ``largest_grad`` as a log line and a report name it: "decoder.x.weight[3, 5] = 1e+30"."""
-    if not largest:
-        return "none"
-    index = ", ".join(str(i) for i in largest.get("index") or [])
-    number, name = largest["value"], untrusted(largest["name"])
-    shown = f"{number:.4g}" if isinstance(number, (int, float)) else number
-    return f"{name}[{index}] = {shown}"
-
-
-def norm_overflow_summary(rank: str, largest: Mapping[str, Any], before_collective: bool) -> str:
-    """The verdict's summary for exploding gradients: the rank (``rank_label``), parameter, element, value."""
-    when = " before the data-parallel collective" if before_collective else ""
-    return (f"exploding gradients: {NORM_OVERFLOW_WORDS}: {rank} held the largest gradient{when},"
-            f" {describe_largest(largest)}, whose square passes float32's range; the data or the numerics"
-            " (a diverging loss, a bad batch, a learning rate too high), not one device")
-
-
-def _magnitudes(grew_in: Mapping[str, Any]) -> str:
-    """``2.91 -> 3.9e28``, and whether the output came near its dtype's limit."""
-    text = (f"{magnitude_text(grew_in.get('inputs_abs_max'))} ->"
-            f" {magnitude_text(grew_in.get('output_abs_max'))}")
-    if grew_in.get("near_limit"):
-        text += f", within {LIMIT_MARGIN:g}x of the {_dtype(grew_in)} limit"
-    return text
-
-
-def grew_text(grew_in: Mapping[str, Any]) -> str:
-    """The culprit of a value that grew out of line (a ``rerun`` record's ``grew_in``), as the verdict
-    names it: ``decoder.layers.0.mlp (MLP) grew a value out of line (2.91 -> 3.9e28)``."""
-    return f"{_module(grew_in)} grew a value out of line ({_magnitudes(grew_in)})"
-
-
-def growth_path(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
-    """The magnitude path as a report headline says it: where the value grew, then where it went
-    non-finite (``module``; None: it stayed finite on the ranks traced)."""
-    grown = (f"{_module(grew_in)} grew a value to"
-             f" {magnitude_text(grew_in.get('output_abs_max'))} (from"
-             f" {magnitude_text(grew_in.get('inputs_abs_max'))})")
-    if grew_in.get("near_limit"):
-        grown += f", near the {_dtype(grew_in)} limit"
-    return grown + (f", which went non-finite in {_module(module, module_class)}" if module else "")
-
-
-def _module(module: Any, module_class: Any = None) -> str:
-    """ "decoder.layers.0.mlp (MLP)": a module and its class from a file (a ``grew_in``, or the two)."""
-    if isinstance(module, Mapping):
-        module, module_class = module["module"], module["class"]
-    return f"{untrusted(module)} ({untrusted(module_class)})"
-
-
-def _dtype(grew_in: Mapping[str, Any]) -> str:
-    return untrusted(str(grew_in.get("dtype")).removeprefix("torch."))
-
-
-def growth_log(grew_in: Mapping[str, Any], module: Optional[str], module_class: Optional[str]) -> str:
-    """The magnitude path as a rank's log line says it."""
-    grown = (f"values first grew out of line in {_module(grew_in)}"
-             f" ({_magnitudes(grew_in)})")
-    return grown + (f", then went non-finite in {_module(module, module_class)}" if module else "")
-
 
 class Cause(str, enum.Enum):
     """Where the non-finite value was born: the report's verdict (decided by ``offline.causes.RULES``)."""
@@ -284,38 +223,6 @@ _ACTION_WORDING = {
                            " core_v0.16.1). Megatron's --result-rejected-tracker-filename adds skips only"
                            " for a loss its validate_result rejected twice on one rank",
 }
-
-
-MAX_SAMPLES_SHOWN = 8  # sample indices (and their documents) a log line or the report names
-
-
-def samples_wording(samples: Dict[str, Any], micro_batch: Any) -> str:
-    """Where a failing micro-batch sits in Megatron-LM's data (a ``rerun`` record's ``samples``), in one
-    sentence: its global sample indices on its data-parallel rank, the samples consumed before the
-    iteration, and the documents behind each sample where the dataset is megatron-core's."""
-    where = (f"data-parallel rank {samples['data_parallel_rank']} of {samples['data_parallel_size']},"
-             f" micro-batch {micro_batch}")
-    consumed = f"{samples['consumed']} samples consumed before this iteration"
-    indices = samples.get("indices")
-    if not indices:
-        return f"{where}: {consumed}; sample indices not derived ({samples.get('not_derived')})"
-    shown = ", ".join(map(str, indices[:MAX_SAMPLES_SHOWN]))
-    more = f" and {len(indices) - MAX_SAMPLES_SHOWN} more" if len(indices) > MAX_SAMPLES_SHOWN else ""
-    text = f"{where}: global samples {shown}{more} ({consumed})"
-    sources = [_source_wording(source) for source in (samples.get("sources") or [])[:MAX_SAMPLES_SHOWN]]
-    return text + ("; " + "; ".join(sources) if sources else "")
-
-
-def _source_wording(source: Dict[str, Any]) -> str:
-    blend = (f"blend dataset {untrusted(source['blend_dataset'])} sample {source['blend_sample']}, "
-             if source.get("blend_dataset") is not None else "")
-    documents = listing(source["documents"])
-    more = (f" (of {source['documents_total']})"
-            if (source.get("documents_total") or 0) > len(source["documents"]) else "")
-    path = f" {untrusted(source['dataset_path'])}" if source.get("dataset_path") else ""
-    dataset = untrusted(source["dataset"])
-    return (f"sample {source['index']}: {blend}{dataset}{path} document(s) {documents}{more}"
-            f" from token {source.get('offset')}")
 
 
 class OriginBasis(str, enum.Enum):
@@ -417,90 +324,9 @@ _RUNUP_HEADLINES = {
 }
 
 
-def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optional[str],
-                          rerun_skipped: Optional[str]) -> str:
-    """The verdict's summary of a loss Megatron's check rejected (``--rerun-mode disabled``): what
-    Megatron did, what gradnan could and could not do before Megatron raised."""
-    kept = f"kept the micro-batch ({shell_word(batch)})" if batch else "kept no micro-batch"
-    again = (f"it could not run the step again ({untrusted(rerun_skipped)}): replay the kept micro-batch, or"
-             " run with --rerun-mode validate_results, to tell the data from the device" if rerun_skipped
-             else "the step's forward pass was run again in place (see the rerun)")
-    return (f"Megatron's loss check rejected a non-finite loss ({untrusted(loss)}) on rank {rank},"
-            f" micro-batch {untrusted(micro_batch)}, and raised (--rerun-mode disabled): the forward pass"
-            f" went non-finite on that micro-batch; before that gradnan recorded it and {kept}; {again}")
-
-
 def values(enum_type: Type[enum.Enum]) -> Tuple[str, ...]:
     """The strings a file may carry for ``enum_type``, in declaration order."""
     return tuple(member.value for member in enum_type)
-
-
-# NVML's reading of a device at an incident (a record's ``device_health``): what in it points at the
-# device itself. Hardware throttling is a sign; software caps (power, thermal) and idling are not.
-_HARDWARE_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
-_COUNTED_SIGNS = (
-    ("ecc_volatile_uncorrected", "{n} uncorrected ECC error(s) since the driver loaded"),
-    ("ecc_aggregate_uncorrected", "{n} uncorrected ECC error(s) in the device's lifetime"),
-    ("retired_pages_double_bit", "{n} page(s) retired for double-bit ECC errors"),
-    ("remapped_rows_uncorrectable", "{n} memory row(s) remapped for uncorrectable errors"),
-)
-_FLAGGED_SIGNS = (
-    ("retired_pages_pending", "a page retirement pending (it takes effect at the device's next reset)"),
-    ("remapped_rows_pending", "a row remapping pending (it takes effect at the device's next reset)"),
-    ("remapped_rows_failed", "a row remapping failed"),
-)
-
-
-def _listed(values: Mapping[str, Any], key: str) -> list:
-    """A list value of a reading (a file may hold anything a reader let through: a list of integers or
-    text, or something else, read as none)."""
-    items = values.get(key)
-    return items if isinstance(items, list) else []
-
-
-def health_signs(values: Mapping[str, Any]) -> Tuple[str, ...]:
-    """What in NVML's reading of a device points at the device: XID errors, uncorrected ECC errors,
-    retired or remapped memory, pending or failed repairs, clocks throttled by the hardware."""
-    xids = _listed(values, "xid_errors")
-    signs = [f"XID error(s) {', '.join(str(xid) for xid in xids)}"] if xids else []
-    signs += [words.format(n=values[key]) for key, words in _COUNTED_SIGNS
-              if type(values.get(key)) is int and values[key] > 0]
-    signs += [words for key, words in _FLAGGED_SIGNS if values.get(key) is True]
-    throttled = [reason for reason in _listed(values, "throttle_reasons") if reason in _HARDWARE_THROTTLE]
-    if throttled:
-        signs.append(f"clocks throttled by the hardware ({', '.join(throttled)})")
-    return tuple(signs)
-
-
-def health_evidence(where: str, signs: Tuple[str, ...], unread: int) -> str:
-    """A verdict's evidence line from NVML's reading of an origin device (``where``: host, device, rank)."""
-    if signs:
-        return f"NVML at the incident on {where}: {'; '.join(signs)}: signs of a device fault"
-    partly = f" (in what it could read; {unread} value(s) not read)" if unread else ""
-    return (f"NVML at the incident on {where}: no XID error, uncorrected ECC error, retired or remapped"
-            f" memory or hardware throttling{partly}")
-
-
-_HEALTH_UNITS = (("temperature_c", "{} C"), ("power_w", "{} W"), ("sm_clock_mhz", "SM {} MHz"),
-                 ("mem_clock_mhz", "memory {} MHz"))
-
-
-def health_line(values: Mapping[str, Any], unread: Mapping[str, str]) -> str:
-    """NVML's reading as the report prints it beside the device to drain, every value NVML gave."""
-    parts = [unit.format(untrusted(values[key])) for key, unit in _HEALTH_UNITS if key in values]
-    if "throttle_reasons" in values:
-        parts.append(f"throttle: {listing(_listed(values, 'throttle_reasons')) or 'none'}")
-    ecc = [f"{key.removeprefix('ecc_').replace('_', ' ')} {values[key]}" for key in values
-           if key.startswith("ecc_")]
-    if ecc:
-        parts.append("ECC " + listing(ecc))
-    parts.append(listing(f"{key.replace('_', ' ')} {values[key]}" for key in values
-                         if key.startswith(("retired_pages_", "remapped_rows_"))))
-    if "xid_errors" in values:
-        parts.append(f"XID: {listing(_listed(values, 'xid_errors')) or 'none'}")
-    if unread:
-        parts.append("not read: " + listing(f"{key} ({reason})" for key, reason in unread.items()))
-    return "; ".join(part for part in parts if part)
 
 
 def failing_step_headline(step: int, iteration: Optional[int], kinds) -> str:

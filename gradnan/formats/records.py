@@ -218,7 +218,7 @@ def _check_nonfinite_loss(record: Dict[str, Any], where: str) -> None:
 RERUN_ROLES = values(RerunRole)
 RERUN_CONCLUSIONS = values(Conclusion)  # what a version 1 rerun record wrote
 OWN_FAILURES = values(OwnFailure)
-# a rerun origin's tensor-parallel reduction (``training.rerun.reduction_finding``)
+# a rerun origin's tensor-parallel reduction (``training.rerun_pass.reduction_finding``)
 REDUCTION_FINDINGS = ("partial", "received", "collective")
 
 

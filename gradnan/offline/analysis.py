@@ -33,7 +33,8 @@ from ..decision.facts import missing_text
 from ..decision.origin import decide_gradient_origin
 from ..decision.replica import own_failure_of
 from ..errors import InputError
-from ..formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind, health_evidence
+from ..formats.health import health_evidence
+from ..formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
 from ..formats.layout import host_device, rank_ranges
 from ..formats.text import untrusted
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records

@@ -11,7 +11,8 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequ
 from ..decision.evidence import BadWeight, Evidence, HealthReading, StateFault, View
 from ..decision.facts import Fact
 from ..decision.origin import facts_of_step
-from ..formats.incident import GradientPass, OriginBasis, RecordKind, health_signs
+from ..formats.health import health_signs
+from ..formats.incident import GradientPass, OriginBasis, RecordKind
 from ..formats.layout import AXES, rank_label
 from .gradients import rank_view
 from .read import RunFiles

@@ -14,10 +14,11 @@ import torch
 
 from ..config import GradnanConfig
 from ..events import DescribeBuckets, DescribeContents, Grads, StepState
-from ..formats.incident import RecordKind, describe_largest
+from ..formats.incident import RecordKind
 from ..formats.maps import ParamSlot
 from ..formats.records import FLOAT32_SQUARE_LIMIT, FORWARD_SHARE
 from ..formats.schema import json_float, nonfinite_counts
+from ..formats.wording import describe_largest
 from ..log import logger
 from .capture import CaptureManager
 from .clock import StepClock
