@@ -145,9 +145,11 @@ def _limit(limits: ReplayLimits, device: Optional[str]) -> None:
 def _lower(kind: int, soft: int, hard: Optional[int] = None) -> None:
     """Set a limit, never above the hard limit already in place."""
     _, ceiling = resource.getrlimit(kind)
-    wanted = [soft, hard if hard is not None else soft]
-    resource.setrlimit(kind, tuple(value if ceiling == resource.RLIM_INFINITY else min(value, ceiling)
-                                   for value in wanted))
+
+    def capped(value: int) -> int:
+        return value if ceiling == resource.RLIM_INFINITY else min(value, ceiling)
+
+    resource.setrlimit(kind, (capped(soft), capped(hard if hard is not None else soft)))
 
 
 def _mapped_bytes(field: str) -> int:

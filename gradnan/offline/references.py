@@ -52,7 +52,8 @@ def _scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float = 1.0
     """Megatron's ``ScaledUpperTriangMaskedSoftmax`` on [batches, sq, sk]: a causal mask (key after query
     excluded) after scaling."""
     scaled = inputs * scale
-    return torch.softmax(scaled.masked_fill(_causal(*scaled.shape[-2:], scaled.device), -math.inf), dim=-1)
+    sq, sk = scaled.shape[-2:]
+    return torch.softmax(scaled.masked_fill(_causal(sq, sk, scaled.device), -math.inf), dim=-1)
 
 
 def _bias_gelu(input: torch.Tensor, bias: torch.Tensor, **_: Any) -> torch.Tensor:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -173,7 +173,8 @@ def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]],
     returns uninitialized memory (NaN at replay), the digests of its outputs at capture (null where the
     bundle has none) and at this replay, and, for a fused entry, its class and its reference math's
     digests in the captured dtype here (null without a reference)."""
-    captured = trace.digests or [None] * len(trace.ops)
+    captured: Sequence[Optional[List[Dict[str, Any]]]] = (trace.digests if trace.digests
+                                                          else [None] * len(trace.ops))
     return {"first_nonfinite": trace.first_nonfinite,
             "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
                      "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),

@@ -180,10 +180,11 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
         references[index] = None if computed is None else digests_of(computed)
     found = first.found
     first.check(index, op["op"], finite, decode(op["out"], lookup))
-    if first.found is not found:
-        first.found["fused"] = dict(op["fused"])
+    now = first.found
+    if now is not None and now is not found:
+        now["fused"] = dict(op["fused"])
         if dtype is None:
-            first.found["fused"].update(judge(op, args, kwargs, saved))
+            now["fused"].update(judge(op, args, kwargs, saved))
 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
