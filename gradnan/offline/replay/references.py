@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..formats.trace import REPLAY_PRECISIONS, has_nonfinite
+from ...formats.trace import REPLAY_PRECISIONS, has_nonfinite
 
 _MASKED = -10000.0  # what Megatron's masked softmax kernels (and its unfused mask function) put in
 
