@@ -17,7 +17,7 @@ from .errors import GradnanError, InputError, UsageError
 from .offline.analysis import analyze
 from .offline.frames_view import format_frames
 from .offline.read import collector_paused, map_params, read_run
-from .offline.replay_limits import (
+from .offline.replay.limits import (
     DEFAULT_MAX_CPU_SECONDS,
     DEFAULT_MAX_OPS,
     ReplayLimits,
@@ -171,8 +171,8 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 def _compare_command(args: argparse.Namespace, limits: ReplayLimits) -> str:
     """``gradnan replay BUNDLE --against PYTHON...``: each replay in turn, then the comparison."""
-    from .offline.comparison import capture_versions, compare, format_comparison
-    from .offline.isolation import replay_under
+    from .offline.replay.comparison import capture_versions, compare, format_comparison
+    from .offline.replay.isolation import replay_under
 
     if len(args.against) > MAX_AGAINST:
         raise UsageError(f"--against: at most {MAX_AGAINST} environments in one comparison")
@@ -217,8 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(f"Picture: {shell_word(args.plot)}" if report.incident is not None
                     else "Nothing to plot: no failing step.")
         elif args.command == "replay":
-            from .offline.isolation import replay_isolated
-            from .offline.replay import format_text as replay_text
+            from .offline.replay.command import format_text as replay_text
+            from .offline.replay.isolation import replay_isolated
 
             limits = ReplayLimits(max_memory=args.max_memory or default_max_memory(),
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)

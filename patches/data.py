@@ -111,7 +111,7 @@ def micro_batch_samples(micro_batch: int, data_iterator: Any) -> Optional[Dict[s
                                                   dp_size)[:MAX_SAMPLES]
     dataset = dataset_behind(data_iterator) if indices else None
     sources = None
-    if dataset is not None:
+    if dataset is not None and indices is not None:  # a dataset is looked for only where there are indices
         found = [sample_source(dataset, index) for index in indices]
         sources = found if all(found) else None
     return {"consumed": consumed, "sampler": getattr(args, "dataloader_type", None),

@@ -31,10 +31,11 @@ _LAYER_PREFIX = re.compile(r"(^|\.)layers\.\d+$")
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
-    while type(chunk).__name__ in _WRAPPER_CLASS_NAMES and isinstance(
-        getattr(chunk, "module", None), torch.nn.Module
-    ):
-        chunk = chunk.module
+    while type(chunk).__name__ in _WRAPPER_CLASS_NAMES:
+        inner = getattr(chunk, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        chunk = inner
     return chunk
 
 

@@ -43,7 +43,8 @@ def optimizer_classes() -> List[type]:
 
     def walk(cls: type) -> Iterator[type]:
         yield cls
-        for sub in cls.__subclasses__():
+        subclasses: List[type] = cls.__subclasses__()
+        for sub in subclasses:
             yield from walk(sub)
 
     return list(dict.fromkeys(walk(base)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeGuard
 
 import torch
 
@@ -76,12 +76,25 @@ def set_rng_states(states: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+class _PreHooked(Protocol):
+    """A Megatron DDP chunk's switch for its forward pre-hooks."""
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None: ...
+
+    def enable_forward_pre_hook(self) -> None: ...
+
+
+def _pre_hooked(chunk: torch.nn.Module) -> TypeGuard[_PreHooked]:
+    """Whether the chunk is a Megatron DDP with forward pre-hooks (``overlap_param_gather``)."""
+    return bool(getattr(chunk, "remove_forward_pre_hook_handles", None))
+
+
 @contextlib.contextmanager
 def _forward_pre_hooks_off(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """Megatron DDP's forward pre-hooks (``overlap_param_gather``) finish or start parameter all-gathers:
     off for a diagnostic pass, without a parameter sync (nothing has been updated), as Megatron-LM
     turns them off around evaluation."""
-    hooked = [chunk for chunk in chunks if getattr(chunk, "remove_forward_pre_hook_handles", None)]
+    hooked = [chunk for chunk in chunks if _pre_hooked(chunk)]
     for chunk in hooked:
         chunk.disable_forward_pre_hook(param_sync=False)
     try:
@@ -184,7 +197,7 @@ class KeptStep:
         self.rng = rng_states()
         self._losses: Any = None
         self._rejected_micro_batch: Optional[int] = None
-        model = kwargs.get("model")
+        model: Any = kwargs.get("model")  # a chunk or a list of chunks: a required keyword of the schedule
         self.chunks: List[torch.nn.Module] = list(model) if isinstance(model, list) else [model]
 
     def run(self) -> Any:
@@ -213,7 +226,8 @@ class KeptStep:
 
     def micro_batches(self) -> List[Any]:
         """The items the first data iterator yielded this step, in order (empty without one)."""
-        return list(self._first_iterator().items) if self._first_iterator() is not None else []
+        first = self._first_iterator()
+        return list(first.items) if first is not None else []
 
     def _first_iterator(self) -> Optional[KeepingIterator]:
         return self._kept_iterator[0] if isinstance(self._kept_iterator, list) else self._kept_iterator

@@ -195,6 +195,6 @@ def test_a_wrong_call_is_a_usage_error_and_a_bad_file_an_input_error(tmp_path, m
     with pytest.raises(UsageError, match="--plot needs matplotlib"):
         plot_incident(analyze(RunFiles(tmp_path)), tmp_path / "x.png")
     with pytest.raises(InputError, match="not a bundle directory"):
-        from gradnan.offline.replay import replay_bundle
+        from gradnan.offline.replay.command import replay_bundle
 
         replay_bundle(tmp_path / "no-bundle")

@@ -24,9 +24,9 @@ from torch import nn
 
 from gradnan.formats import bundle
 from gradnan.formats.trace import Trace, TraceError
-from gradnan.offline import references
-from gradnan.offline.replay import format_text, replay_bundle
-from gradnan.offline.trace_replay import replay
+from gradnan.offline.replay import references
+from gradnan.offline.replay.command import format_text, replay_bundle
+from gradnan.offline.replay.trace import replay
 from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.training.capture import ModuleCapture, bundle_contents
 from gradnan.training.error_guard import ErrorGuard

@@ -15,8 +15,8 @@ import pytest
 from gradnan.formats.magnitude import first_grown_frame
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
-from gradnan.offline.replay import format_text as replay_text
-from gradnan.offline.replay import replay_bundle
+from gradnan.offline.replay.command import format_text as replay_text
+from gradnan.offline.replay.command import replay_bundle
 from gradnan.offline.report import format_text
 from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
 

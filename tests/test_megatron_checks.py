@@ -20,7 +20,7 @@ import pytest
 from gradnan.decision.replica import conclusion_of
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
-from gradnan.offline.replay import replay_bundle
+from gradnan.offline.replay.command import replay_bundle
 from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
 

@@ -18,7 +18,7 @@ import pytest
 
 from gradnan.formats import bundle as bundle_format
 from gradnan.formats.layout import MANIFEST
-from gradnan.offline.comparison import format_comparison
+from gradnan.offline.replay.comparison import format_comparison
 
 from .test_replay_safety import X, hostile_bundle, op, t
 

@@ -5,8 +5,8 @@ The attacks of the issue (a view past its storage written through with ``fill_``
 ``clone``, ``embedding_dense_backward`` with index 10^9, a trace of 10^6 ops, 3,000 large ``mm``, a
 zip bomb in ``tensors.pt``) go through the real command (``python -m gradnan replay``) and end in one
 line on stderr and exit code 2; the per-operator checks are shown on the in-process function
-(``trace_replay.replay``: a refused ``TraceError`` naming the op). Each hostile bundle is written by
-the project's own writer (``gradnan.formats.bundle.write``) around a hand-written trace.
+(``gradnan.offline.replay.trace.replay``: a refused ``TraceError`` naming the op). Each hostile bundle is
+written by the project's own writer (``gradnan.formats.bundle.write``) around a hand-written trace.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from gradnan.errors import InputError
 from gradnan.formats import bundle
 from gradnan.formats.layout import TENSORS
 from gradnan.formats.trace import REPLAY_ALLOWLIST, Trace, TraceError
-from gradnan.offline.replay_checks import (
+from gradnan.offline.replay.checks import (
     COMPANION_RULES,
     NO_POSITIONS_READ,
     POSITION_ARGUMENTS,
     POSITION_RULES,
 )
-from gradnan.offline.replay_limits import DEFAULT_MAX_OPS
-from gradnan.offline.trace_replay import replay
+from gradnan.offline.replay.limits import DEFAULT_MAX_OPS
+from gradnan.offline.replay.trace import replay
 
 from .conftest import UNIT_COORDS
 

@@ -15,9 +15,9 @@ from torch import nn
 
 from gradnan.formats.trace import SCHEMA as TRACE
 from gradnan.formats.trace import FirstNonFinite, Trace, TraceError, digest
-from gradnan.offline.comparison import compare, format_comparison, output_difference
-from gradnan.offline.replay import op_digests
-from gradnan.offline.trace_replay import replay
+from gradnan.offline.replay.command import op_digests
+from gradnan.offline.replay.comparison import compare, format_comparison, output_difference
+from gradnan.offline.replay.trace import replay
 from gradnan.training.recorder import OpRecorder
 
 

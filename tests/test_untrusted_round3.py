@@ -239,7 +239,7 @@ def test_a_replay_limit_out_of_range_or_in_other_digits_is_one_line(tmp_path, op
 
 
 def test_the_replay_defaults_are_minutes_and_a_share_of_memory():
-    from gradnan.offline.replay_limits import DEFAULT_MAX_CPU_SECONDS, default_max_memory
+    from gradnan.offline.replay.limits import DEFAULT_MAX_CPU_SECONDS, default_max_memory
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert DEFAULT_MAX_CPU_SECONDS <= 600 and default_max_memory() <= memory // 4

@@ -86,7 +86,7 @@ def as_number(stat: Any) -> Optional[float]:
     return float(stat) if stat is not None and is_stat(stat) else None
 
 
-def entries_growth(entries: Iterable[Tuple[str, str, Any]]) -> Optional[Growth]:
+def entries_growth(entries: Iterable[Tuple[Optional[str], str, Any]]) -> Optional[Growth]:
     """The growth of one module call from its entries' (kind, dtype, abs_max): inputs and weights against
     outputs. None where any measured entry is non-finite, or no output was measured."""
     inputs, outputs = [], []

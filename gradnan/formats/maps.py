@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 from ..errors import InputError
 from .schema import (
@@ -162,7 +162,7 @@ def load(path: FilePath, params: bool = True) -> Dict[str, Any]:
     header = None if params else _header(_head(path), str(path))
     if header is not None:
         return header
-    text = read_text(path)
+    text = read_text(cast(Path, path))  # reads any FilePath (schema.py annotates it with Path)
     return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path), params)
 
 
@@ -198,7 +198,9 @@ class _Rows:
     def _next_char(self) -> str:
         """The next character that is not white space ('' at the end of the file), not consumed."""
         while True:
-            self._at = _SPACE.match(self._text, self._at).end()
+            space = _SPACE.match(self._text, self._at)
+            assert space is not None  # white space or none: the pattern matches everywhere
+            self._at = space.end()
             if self._at < len(self._text) or not self._more():
                 return self._text[self._at:self._at + 1]
 

@@ -1,6 +1,6 @@
 """The ``gradnan.replay`` document's vocabulary (what ``gradnan replay --json`` prints): its schema and the
-verdicts a replay reaches (``gradnan.offline.replay`` decides them; docs/capture-replay.md says what each
-means)."""
+verdicts a replay reaches (``gradnan.offline.replay.command`` decides them; docs/capture-replay.md says
+what each means)."""
 
 from __future__ import annotations
 
@@ -36,4 +36,4 @@ class ReplayVerdict(str, enum.Enum):
 
 COMPARISON = Schema("gradnan.comparison", 1)
 """What ``gradnan replay BUNDLE --against PYTHON --json`` prints: one bundle replayed under other stacks,
-op by op against the capture's digests and against each other (``gradnan.offline.comparison``)."""
+op by op against the capture's digests and against each other (``gradnan.offline.replay.comparison``)."""

@@ -37,7 +37,8 @@ def token_tensor(tensors: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
                   and not t.is_quantized and not t.is_floating_point() and not t.is_complex()
                   and t.dtype != torch.bool]
     named = [item for item in candidates if item[0].rsplit(".", 1)[-1] in TOKEN_NAMES]
-    return (named or candidates or [None])[0]
+    found = named or candidates
+    return found[0] if found else None
 
 
 def load_tokenizer(name: str) -> Callable[[List[int]], str]:

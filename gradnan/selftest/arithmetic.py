@@ -148,7 +148,7 @@ class Tally:
             if self.repeats_without_majority:
                 problems.append(f"no majority in {self.repeats_without_majority} of {self.repeats} repeat(s)"
                                 " (the ranks split evenly: which one is wrong is unknown)")
-            row = {"rank": rank, "agrees": not problems, "outvoted": self.outvoted[rank],
+            row: Dict[str, Any] = {"rank": rank, "agrees": not problems, "outvoted": self.outvoted[rank],
                    "first_outvoted": self.first_outvoted[rank], "checksums": dict(self.checksums[rank])}
             if problems:
                 row["detail"] = "; ".join(problems)

@@ -46,10 +46,10 @@ class SelftestOptions:
         for option, value in counts:
             if value is not None and value < 1:
                 raise UsageError(f"{option} must be at least 1, not {value}")
-        for option, value in (("--seconds", self.seconds), ("--timeout", self.timeout)):
-            if value is not None and not (0 < value <= MAX_SECONDS):
+        for option, seconds in (("--seconds", self.seconds), ("--timeout", self.timeout)):
+            if seconds is not None and not (0 < seconds <= MAX_SECONDS):
                 raise UsageError(f"{option} must be a positive number of seconds up to {MAX_SECONDS:g}"
-                                 f" (a week), not {value:g}")
+                                 f" (a week), not {seconds:g}")
 
 
 class Launch(NamedTuple):

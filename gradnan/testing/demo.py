@@ -11,6 +11,7 @@ captures it into a bundle whose replay names the overflowing operator, and keeps
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Dict
 
 from ..config import resolve_config
 from ..errors import UsageError
@@ -26,17 +27,22 @@ DEMO_RANK = 1
 DEMO_STEP = 2
 
 
+def demo_settings(out_dir: Path) -> Dict[str, Any]:
+    """gradnan's settings in the demo's job."""
+    return {"out_dir": str(out_dir), "log_level": "WARNING"}
+
+
 def demo_job(out_dir: Path) -> TinyGPTJob:
     return TinyGPTJob(
         world_size=2, tp=2, dtype="bf16", steps=3, quiet=True,
         injections=(Injection(DEMO_RANK, DEMO_STEP, DEMO_PARAM, "1e20", where="scale_to"),),
-        gradnan={"out_dir": str(out_dir), "log_level": "WARNING"},
+        gradnan=demo_settings(out_dir),
     )
 
 
 def run_demo(out_dir: Path) -> str:
     out_dir = Path(out_dir).resolve()
-    resolve_config(**demo_job(out_dir).gradnan)  # a bad GRADNAN_* variable fails here, in one line
+    resolve_config(**demo_settings(out_dir))  # a bad GRADNAN_* variable fails here, in one line
     if (out_dir / MAPS_DIR).exists() or (out_dir / RECORDS_DIR).exists():
         raise UsageError(f"{out_dir}: already holds a gradnan run; pass another --out or remove it")
     print(f"Training a tiny Megatron-Core GPT on CPU: 2 processes, TP=2, bf16, 3 steps.\n"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -112,7 +112,7 @@ def rank_runup(rank: int, world_size: int, origin: int) -> Dict[str, Any]:
     """One rank's run-up at ``STEP``, as the training side writes it."""
     coords = coords_of(rank, world_size)
     steady = [0.5 + 0.01 * ((rank + step) % 7) for step in range(1, STEP + 1)]
-    culprit = list(steady)
+    culprit: List[Union[float, str]] = list(steady)
     if rank == origin:
         culprit[-GROWTH_STEPS - 1:] = [steady[0] * 10.0 ** k for k in range(1, GROWTH_STEPS + 1)] + ["nan"]
     group = {"bucket_group": 0, "steps": list(range(1, STEP + 1)),
@@ -194,7 +194,8 @@ def many_tensor_model(count: int, numel: int, layers: int = 100) -> torch.nn.Mod
     model.decoder.layers = torch.nn.ModuleList()
     for layer in range(layers):
         block = torch.nn.Module()
-        block.layer_number = layer + 1
+        # Module.__setattr__ takes any value; torch's stub types it with Tensor | Module only
+        block.layer_number = layer + 1  # type: ignore[assignment]
         block.mlp = torch.nn.Module()
         block.mlp.experts = torch.nn.ModuleList()
         for _ in range(per_layer // 2):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -69,7 +70,7 @@ def enclosing_module(names: Callable[[], Dict[int, str]]) -> Optional[str]:
     """The global name of the innermost model module whose method is on the call stack: the caller of
     ``check`` runs inside it. ``names()``: module id -> global name. Walks Python frames, so it costs
     nothing until a probe is called."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -151,7 +151,8 @@ class OpRecorder(TorchDispatchMode):
 
         return apply
 
-    def _begin_fused(self, cls: type, args: Any, kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool, int]:
+    def _begin_fused(self, cls: Type[torch.autograd.Function], args: Any,
+                     kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool, int]:
         """The entry of a Function about to run, its arguments named by its ``forward``'s signature (so a
         reference can take them by name), whether they are finite (before the call: a kernel may write in
         place), and the index its inner ops start at."""
@@ -216,7 +217,8 @@ class OpRecorder(TorchDispatchMode):
         return entry, self._first.inputs_finite(entry["op"], args, kwargs)
 
 
-def _bound(cls: type, args: Any, kwargs: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
+def _bound(cls: Type[torch.autograd.Function], args: Any,
+           kwargs: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
     """A Function's arguments by the names of its ``forward`` (without ``ctx``, unless it has a
     ``setup_context``); as given where the signature does not bind them."""
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial, reduce
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -42,7 +42,7 @@ from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
 from .weights import finite_flag
 from .window import RecordingWindow
-from .writer import Writer
+from .writer import Writer, Written
 
 
 class Runtime:
@@ -226,7 +226,8 @@ class Runtime:
             self.guarded("trackers", self.board.incident, self.rerun.outcome, record,
                          self.detections.last_pre_reduction)
         if stop is not None:
-            stop_if_asked(self.config, stop)
+            # the detections' records are the writer's Written (incidents.py annotates them as dicts)
+            stop_if_asked(self.config, cast(Written, stop))
 
     def _weights_flag(self, optimizer: Any) -> Optional[torch.Tensor]:
         """Once, at the launch's first step: a device flag, read only at an incident, that says whether the

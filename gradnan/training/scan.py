@@ -26,7 +26,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,7 +61,7 @@ def chunk_elements_for(total_elements: int) -> int:
 
 def _sum(tensor: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """fp16 sums overflow at 65504: accumulate those in fp32. bf16/fp32/fp64 have the range already."""
-    kwargs = {"dtype": torch.float32} if tensor.dtype == torch.float16 else {}
+    kwargs: Dict[str, Any] = {"dtype": torch.float32} if tensor.dtype == torch.float16 else {}
     return tensor.sum(**kwargs) if dim is None else tensor.sum(dim=dim, **kwargs)
 
 
@@ -90,7 +90,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
-def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
+def _spans(tensors: Mapping[int, torch.Tensor], positions: Sequence[int]) -> Tuple[
         List[Tuple[torch.Tensor, List[Tuple[int, int, int]]]], List[int]]:
     """Contiguous views of one storage grouped into one flat span: ``(span, [(index, start, end)])`` with
     offsets inside the span; and the positions of every other tensor, checked one by one."""
@@ -99,7 +99,7 @@ def _spans(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> Tuple[
     for index in positions:
         tensor = tensors[index]
         if tensor.is_contiguous():
-            offset = tensor.storage_offset()
+            offset = int(tensor.storage_offset())
             key = (tensor.data_ptr() - offset * tensor.element_size(), tensor.dtype, tensor.device)
             groups.setdefault(key, []).append((index, offset, offset + tensor.numel()))
         else:
@@ -160,32 +160,38 @@ def _suspects(bad: List[int], rows: List[_Rows], separate: List[int]) -> Tuple[L
 def nonfinite_indices(tensors: Sequence[Optional[torch.Tensor]], chunk: Optional[int] = None) -> List[int]:
     """Positions of the tensors that may hold a NaN/Inf (``locate`` confirms). One host read, and one more
     where several views of one storage shared a bad row."""
-    in_rows, held = _suspect_indices(tensors, chunk)
+    present = _present(tensors)
+    in_rows, held = _suspect_indices(present, chunk)
     if len(in_rows) > 1:  # several tensors shared a bad row: one more read tells them apart
-        device = tensors[in_rows[0]].device
-        flags = torch.stack([finite_flag(tensors[i]).to(device) for i in in_rows]).tolist()
+        device = present[in_rows[0]].device
+        flags = torch.stack([finite_flag(present[i]).to(device) for i in in_rows]).tolist()
         in_rows = [index for index, ok in zip(in_rows, flags) if not ok]
     return sorted(in_rows + held)
 
 
+def _present(tensors: Sequence[Optional[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+    """The tensors the first level checks, by position (in order): not None, not empty, of a scanned
+    dtype."""
+    return {index: tensor for index, tensor in enumerate(tensors)
+            if tensor is not None and tensor.numel() and tensor.dtype in _BITS}
+
+
 @torch.no_grad()
-def _suspect_indices(tensors: Sequence[Optional[torch.Tensor]],
+def _suspect_indices(present: Dict[int, torch.Tensor],
                      chunk: Optional[int]) -> Tuple[List[int], List[int]]:
-    """Every tensor holding a NaN/Inf, as the positions of views in a span's row whose sum is not finite
-    (possibly finite neighbours that share its row, or whose sum overflows), and those of separate tensors
-    whose largest magnitude is not (exactly the bad ones). One host read."""
-    present = [index for index, tensor in enumerate(tensors)
-               if tensor is not None and tensor.numel() and tensor.dtype in _BITS]
-    shared, separate = _spans(tensors, present)
+    """Every tensor of ``present`` (``_present``) holding a NaN/Inf, as the positions of views in a span's
+    row whose sum is not finite (possibly finite neighbours that share its row, or whose sum overflows),
+    and those of separate tensors whose largest magnitude is not (exactly the bad ones). One host read."""
+    shared, separate = _spans(present, list(present))
     chunk = chunk or chunk_elements_for(sum(span.numel() for span, _ in shared))
     rows: List[_Rows] = [(_row_sums(span, chunk), chunk, partial(_in_span, members))
                          for span, members in shared]
     if not rows and not separate:
         return [], []
-    device = rows[0][0].device if rows else tensors[separate[0]].device
+    device = rows[0][0].device if rows else present[separate[0]].device
     flags = [torch.isfinite(sums.to(device, torch.float32)) for sums, _, _ in rows]
     if separate:
-        separate_flags, order = _separate_flags([tensors[i] for i in separate], device)
+        separate_flags, order = _separate_flags([present[i] for i in separate], device)
         flags += separate_flags
         separate = [separate[i] for i in order]
     bad = torch.nonzero(~torch.cat(flags).cpu()).flatten().tolist()  # the flags read once, then found here
@@ -245,7 +251,7 @@ def _runs(tensors: Sequence[torch.Tensor], positions: Sequence[int]) -> List[_Ru
     for position in positions:
         tensor = tensors[position]
         if tensor.is_contiguous():
-            offset = tensor.storage_offset()
+            offset = int(tensor.storage_offset())
             key = (tensor.data_ptr() - offset * tensor.element_size(), tensor.dtype, tensor.device)
             in_storage.setdefault(key, []).append((offset, offset + tensor.numel(), position))
         else:
@@ -383,9 +389,10 @@ def locate(tensor: torch.Tensor, chunk_elements: Optional[int] = None) -> Option
 def find_nonfinite(tensors: Sequence[Optional[torch.Tensor]]) -> List[Tuple[int, NonFinite]]:
     """``(position, NonFinite)`` for every tensor that holds a NaN or Inf, in input order: the suspects of
     the cheap level counted exactly together (``locate_all``). Two host reads."""
-    in_rows, held = _suspect_indices(tensors, None)
+    present = _present(tensors)
+    in_rows, held = _suspect_indices(present, None)
     suspects = sorted(in_rows + held)
-    found = locate_all([tensors[index] for index in suspects]) if suspects else []
+    found = locate_all([present[index] for index in suspects]) if suspects else []
     return [(index, result) for index, result in zip(suspects, found) if result is not None]
 
 

@@ -12,7 +12,7 @@ all pairs, the earliest: nothing before it differs in any pair.
 
 Fused kernels (a ``fused`` entry: work outside the dispatcher) are compared at their boundary: in the
 captured dtype every replay keeps the kernel's saved output, so they never differ there; and against
-their reference math (``gradnan.offline.references``), which each environment computes in the captured
+their reference math (``gradnan.offline.replay.references``), which each environment computes in the captured
 dtype with its own stack: ``fused`` says, per environment, whether the kernel's output and that reference
 are the same (bitwise, or within the tolerance).
 
@@ -28,13 +28,13 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..errors import InputError
-from ..formats import bundle
-from ..formats.layout import MANIFEST
-from ..formats.magnitude import magnitude_text
-from ..formats.replay import COMPARISON
-from ..formats.text import listing, printable_lines, shell_word, untrusted
-from .replay import module_line, operator_text
+from ...errors import InputError
+from ...formats import bundle
+from ...formats.layout import MANIFEST
+from ...formats.magnitude import magnitude_text
+from ...formats.replay import COMPARISON
+from ...formats.text import listing, printable_lines, shell_word, untrusted
+from .command import module_line, operator_text
 
 CAPTURE = "capture"
 _AROUND = 2  # ops shown before and after each op of interest in the table

@@ -34,18 +34,18 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..errors import InputError, UsageError
-from ..formats import bundle
-from ..formats.layout import MANIFEST, host_device
-from ..formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
-from ..formats.records import is_growth
-from ..formats.replay import SCHEMA, ReplayVerdict
-from ..formats.text import printable_lines, shell_word, untrusted
-from ..formats.trace import (
+from ...errors import InputError, UsageError
+from ...formats import bundle
+from ...formats.layout import MANIFEST, host_device
+from ...formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
+from ...formats.records import is_growth
+from ...formats.replay import SCHEMA, ReplayVerdict
+from ...formats.text import printable_lines, shell_word, untrusted
+from ...formats.trace import (
     REPLAY_PRECISIONS,
     Trace,
     TraceError,
@@ -55,7 +55,7 @@ from ..formats.trace import (
     same_values,
     tensors_in,
 )
-from .trace_replay import output_tree, replay
+from .trace import output_tree, replay
 
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
 # uninitialised global memory buffer, written before it is read), not inputs to judge.
@@ -107,10 +107,9 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                   digests: bool = False) -> Dict[str, Any]:
     """Replay a bundle in three precisions and judge, in this process (``gradnan replay`` runs it in a
     child process with limits: ``isolation.replay_isolated``); raises InputError for an unusable bundle
-    or an op the checks refuse (``replay_checks``). ``max_ops``: see ``trace_replay.replay``. ``digests``:
-    the result also holds ``digests``, what ``gradnan.offline.comparison`` compares: each op of the trace
-    with the digests of its outputs in the capture (where the bundle has them) and in this replay in the
-    captured dtype."""
+    or an op the checks refuse (``checks``). ``max_ops``: see ``trace.replay``. ``digests``: the result
+    also holds ``digests``, what ``comparison`` compares: each op of the trace with the digests of its
+    outputs in the capture (where the bundle has them) and in this replay in the captured dtype."""
     manifest, tensors = bundle.load(Path(path))
     bundle.check_replayable(manifest, tensors, str(Path(path) / MANIFEST))
     leaf_names = list(manifest["trace"].get("leaves", {}))
@@ -173,7 +172,8 @@ def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]],
     returns uninitialized memory (NaN at replay), the digests of its outputs at capture (null where the
     bundle has none) and at this replay, and, for a fused entry, its class and its reference math's
     digests in the captured dtype here (null without a reference)."""
-    captured = trace.digests or [None] * len(trace.ops)
+    captured: Sequence[Optional[List[Dict[str, Any]]]] = (trace.digests if trace.digests
+                                                          else [None] * len(trace.ops))
     return {"first_nonfinite": trace.first_nonfinite,
             "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
                      "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..formats.trace import REPLAY_PRECISIONS, has_nonfinite
+from ...formats.trace import REPLAY_PRECISIONS, has_nonfinite
 
 _MASKED = -10000.0  # what Megatron's masked softmax kernels (and its unfused mask function) put in
 
@@ -52,7 +52,8 @@ def _scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float = 1.0
     """Megatron's ``ScaledUpperTriangMaskedSoftmax`` on [batches, sq, sk]: a causal mask (key after query
     excluded) after scaling."""
     scaled = inputs * scale
-    return torch.softmax(scaled.masked_fill(_causal(*scaled.shape[-2:], scaled.device), -math.inf), dim=-1)
+    sq, sk = scaled.shape[-2:]
+    return torch.softmax(scaled.masked_fill(_causal(sq, sk, scaled.device), -math.inf), dim=-1)
 
 
 def _bias_gelu(input: torch.Tensor, bias: torch.Tensor, **_: Any) -> torch.Tensor:

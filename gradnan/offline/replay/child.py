@@ -1,5 +1,5 @@
 """The child process of ``gradnan replay --against PYTHON``, run by that interpreter:
-``python -m gradnan.offline.replay_child SETTINGS`` (JSON: ``bundle``, ``device``, ``limits``, ``result``).
+``python -m gradnan.offline.replay.child SETTINGS`` (JSON: ``bundle``, ``device``, ``limits``, ``result``).
 
 It replays the bundle with digests under the limits (``isolation.replay_outcome``), adds what this
 environment is (``environment``), and writes ``[kind, value]`` as JSON to the ``result`` file, written
@@ -16,7 +16,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .isolation import replay_outcome
-from .replay_limits import ReplayLimits
+from .limits import ReplayLimits
 
 # the distributions whose versions say which stack replayed (``versions`` of the comparison)
 STACK = {"torch": "torch", "megatron_core": "megatron-core", "transformer_engine": "transformer-engine"}

@@ -14,7 +14,7 @@ What a replay cannot do, by construction:
 - Work done outside the dispatcher inside a custom ``torch.autograd.Function`` (Transformer Engine,
   Megatron's fused softmax, apex, flash-attention) is a ``fused`` entry: in the captured dtype its saved
   output stands (what the kernel computed); in float32/float64 the kit's reference math for the class
-  (``gradnan.offline.references``) computes it in that precision where there is one. Either way a fused
+  (``gradnan.offline.replay.references``) computes it in that precision where there is one. Either way a fused
   entry whose inputs were finite and whose output is not is named like an op, and in the captured run
   ``judge`` adds whether the reference goes non-finite too (kernel bug or numerics). A pybind call outside
   any Function is still not seen: its results become leaves where recorded ops consume them.
@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..formats.trace import (
+from ...formats.trace import (
     HALF_TO_FLOAT,
     FirstGrowth,
     FirstNonFinite,
@@ -52,9 +52,9 @@ from ..formats.trace import (
     returns_uninitialized,
     tensors_in,
 )
+from .checks import check_call, check_tensors
+from .limits import trace_too_long
 from .references import compute, judge
-from .replay_checks import check_call, check_tensors
-from .replay_limits import trace_too_long
 
 
 class _Watch(TorchDispatchMode):
@@ -180,10 +180,11 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
         references[index] = None if computed is None else digests_of(computed)
     found = first.found
     first.check(index, op["op"], finite, decode(op["out"], lookup))
-    if first.found is not found:
-        first.found["fused"] = dict(op["fused"])
+    now = first.found
+    if now is not None and now is not found:
+        now["fused"] = dict(op["fused"])
         if dtype is None:
-            first.found["fused"].update(judge(op, args, kwargs, saved))
+            now["fused"].update(judge(op, args, kwargs, saved))
 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
@@ -279,7 +280,7 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     leaves' device by default); every device argument maps to it. Autocast is off: its casts are
     recorded ops already. ``max_ops``: the most ops the forward (the trace, checked before anything runs)
     and the backward (counted as it runs) may each run. Every op is checked before it runs
-    (``replay_checks``). Errors of the ops themselves come back as TraceError naming the op. ``digests``:
+    (``checks``). Errors of the ops themselves come back as TraceError naming the op. ``digests``:
     take the digest of every forward op's outputs as it runs, to compare with the capture's (and, in the
     captured dtype, of each fused entry's reference math)."""
     refusal = None if max_ops is None else trace_too_long(len(trace.ops), max_ops)

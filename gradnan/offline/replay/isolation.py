@@ -1,9 +1,9 @@
 """``gradnan replay`` in a child process with limits: a bundle is untrusted input, and whatever the checks
-before each operator (``replay_checks``) miss, a crash, an allocation bomb or an endless trace ends the
+before each operator (``checks``) miss, a crash, an allocation bomb or an endless trace ends the
 child, never the command: one line on stderr and exit code 2.
 
 The parent reads the manifest alone (JSON, bounded) and refuses a trace longer than ``max_ops`` before
-any process starts; the child loads the tensors, replays (``replay.replay_bundle``) and sends back the
+any process starts; the child loads the tensors, replays (``command.replay_bundle``) and sends back the
 JSON-able result, so text and ``--json`` render exactly what an in-process replay returns. Limits, set in
 the child before it reads anything of the bundle:
 
@@ -20,7 +20,7 @@ whose state the child therefore never shares.
 
 ``replay_under`` runs the same child under another interpreter (``gradnan replay --against PYTHON``: another
 virtual environment, another torch, megatron-core or Transformer Engine): a plain process started from
-that interpreter (``python -m gradnan.offline.replay_child``) with this gradnan's own package on its
+that interpreter (``python -m gradnan.offline.replay.child``) with this gradnan's own package on its
 ``PYTHONPATH`` (a directory holding only a link to it, so nothing else of this environment leaks in),
 the same limits set the same way, its outcome sent back as JSON through a file.
 """
@@ -38,14 +38,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from ..errors import GradnanError, InputError
-from ..formats import bundle
-from ..formats.layout import MANIFEST
-from .replay import checked_device_name, replay_bundle, replay_device
-from .replay_limits import ReplayLimits, trace_too_long
+from ...errors import GradnanError, InputError
+from ...formats import bundle
+from ...formats.layout import MANIFEST
+from .command import checked_device_name, replay_bundle, replay_device
+from .limits import ReplayLimits, trace_too_long
 
 _STDERR_TAIL = 4096
-_PACKAGE = Path(__file__).resolve().parent.parent  # this gradnan, put on another interpreter's path
+_PACKAGE = Path(__file__).resolve().parents[2]  # this gradnan, put on another interpreter's path
 MAX_RESULT_BYTES = 1 << 30  # a result document larger than 1 GiB is no replay's
 
 
@@ -145,9 +145,11 @@ def _limit(limits: ReplayLimits, device: Optional[str]) -> None:
 def _lower(kind: int, soft: int, hard: Optional[int] = None) -> None:
     """Set a limit, never above the hard limit already in place."""
     _, ceiling = resource.getrlimit(kind)
-    wanted = [soft, hard if hard is not None else soft]
-    resource.setrlimit(kind, tuple(value if ceiling == resource.RLIM_INFINITY else min(value, ceiling)
-                                   for value in wanted))
+
+    def capped(value: int) -> int:
+        return value if ceiling == resource.RLIM_INFINITY else min(value, ceiling)
+
+    resource.setrlimit(kind, (capped(soft), capped(hard if hard is not None else soft)))
 
 
 def _mapped_bytes(field: str) -> int:
@@ -200,7 +202,7 @@ def replay_under(python: str, path: Path, device: Optional[str], limits: ReplayL
         stderr = folder / "stderr"
         with open(stderr, "wb") as output:
             try:
-                child = subprocess.Popen([python, "-m", "gradnan.offline.replay_child", json.dumps(settings)],
+                child = subprocess.Popen([python, "-m", "gradnan.offline.replay.child", json.dumps(settings)],
                                          cwd=folder, env=environ, stdin=subprocess.DEVNULL, stdout=output,
                                          stderr=output)
             except OSError as error:
@@ -223,7 +225,7 @@ def replay_under(python: str, path: Path, device: Optional[str], limits: ReplayL
 
 
 def _result_file(path: Path) -> Optional[Tuple[str, Any]]:
-    """What a ``replay_child`` wrote: ``[kind, value]``; None where it wrote nothing usable."""
+    """What a replay ``child`` wrote: ``[kind, value]``; None where it wrote nothing usable."""
     try:
         if path.stat().st_size > MAX_RESULT_BYTES:
             return None

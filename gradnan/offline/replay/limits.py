@@ -36,7 +36,7 @@ class ReplayLimits:
 
 def trace_too_long(ops: int, max_ops: int) -> Optional[str]:
     """Why a trace of ``ops`` operators is not replayed, or None: one wording for the command, which
-    refuses before a child starts, and for ``trace_replay.replay``, which refuses before anything runs."""
+    refuses before a child starts, and for ``trace.replay``, which refuses before anything runs."""
     if ops <= max_ops:
         return None
     return f"the trace has {ops} ops, more than the {max_ops} a replay runs (--max-ops): refused"
