@@ -4,7 +4,7 @@ A trace is one module call written down as the aten operations it dispatched: ea
 (``aten.addmm.default``), its arguments with tensors as references, the names of its outputs, and a flat
 ``name -> tensor`` dict of the tensors the ops started from (inputs, parameters, buffers). Nothing in it is
 pickled code. The training side writes traces (``gradnan.training.recorder``); the offline side replays
-them (``gradnan.offline.trace_replay``); both judge "the first non-finite op" by ``FirstNonFinite`` here,
+them (``gradnan.offline.replay.trace``); both judge "the first non-finite op" by ``FirstNonFinite`` here,
 so the field means the same thing at record time and at replay.
 
 A replay executes only the operators of ``REPLAY_ALLOWLIST`` (and their in-place ``_`` variants): pure
