@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import printed_commands
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import records_by_rank, step_trace, weight_digests
 

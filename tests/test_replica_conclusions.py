@@ -12,7 +12,8 @@ from gradnan.formats.incident import Conclusion, OwnFailure
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.rerun import ReplicaFacts
 
 from .helpers import records_by_rank

@@ -41,7 +41,8 @@ from gradnan.formats.schema import append_json_line, read_text
 from gradnan.formats.trace import REPLAY_ALLOWLIST, allowed_in_replay
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
-from gradnan.testing.toy import Injection, TinyGPTJob, launch
+from gradnan.testing.toy import launch
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import environ_without_gradnan
 from .test_readers_property import (

@@ -20,7 +20,8 @@ from gradnan.formats.layout import RUNUP_DIR, rank_tag
 from gradnan.offline.analysis import analyze
 from gradnan.offline.batch_view import _decoded
 from gradnan.offline.read import read_run
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import environ_without_gradnan
 from .test_next_steps import CORE, _next, _rerun
