@@ -23,7 +23,8 @@ from megatron.core.transformer.utils import attention_mask_func
 from torch import nn
 
 from gradnan.formats import bundle
-from gradnan.formats.trace import Trace, TraceError
+from gradnan.formats.trace import Trace
+from gradnan.formats.trace_ops import TraceError
 from gradnan.offline import references
 from gradnan.offline.replay import format_text, replay_bundle
 from gradnan.offline.trace_replay import replay

@@ -38,7 +38,7 @@ from gradnan.formats.incident import RecordKind
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
 from gradnan.formats.records import load as load_records
 from gradnan.formats.schema import append_json_line, read_text
-from gradnan.formats.trace import REPLAY_ALLOWLIST, allowed_in_replay
+from gradnan.formats.trace_ops import REPLAY_ALLOWLIST, allowed_in_replay
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
 from gradnan.testing.toy import launch
