@@ -31,7 +31,7 @@ import torch
 
 from gradnan.cli import main
 from gradnan.commandline import printable
-from gradnan.config import resolve_config
+from gradnan.config.sources import resolve_config
 from gradnan.errors import ConfigError, InputError
 from gradnan.formats import bundle
 from gradnan.formats.incident import RecordKind

@@ -278,7 +278,8 @@ def test_a_number_option_takes_ascii_digits_only(tmp_path, argv):
 
 @pytest.mark.parametrize("value", ["\u0663", "1_000", "9" * 30])
 def test_a_numeric_setting_from_the_environment_takes_ascii_digits_only(value):
-    from gradnan.config import ConfigError, options_from_env
+    from gradnan.config import ConfigError
+    from gradnan.config.sources import options_from_env
 
     with pytest.raises(ConfigError, match="not an integer"):
         options_from_env({"GRADNAN_RUNUP_STEPS": value})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import resolve_config
+from ..config.sources import resolve_config
 from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
 from ..offline.analysis import analyze
