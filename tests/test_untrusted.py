@@ -37,7 +37,8 @@ from gradnan.formats import bundle
 from gradnan.formats.incident import RecordKind
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
 from gradnan.formats.records import load as load_records
-from gradnan.formats.schema import append_json_line, read_text
+from gradnan.formats.safe_write import append_json_line
+from gradnan.formats.schema import read_text
 from gradnan.formats.trace_ops import REPLAY_ALLOWLIST, allowed_in_replay
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Dict, Sequence
 
 from ..errors import InputError, UsageError
-from ..formats.schema import write_atomic
+from ..formats.safe_write import write_atomic
 from .plot_blocks import (
     DPI,
     EVIDENCE_LEFT_IN,
