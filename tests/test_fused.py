@@ -29,8 +29,8 @@ from gradnan.offline import references
 from gradnan.offline.replay import format_text, replay_bundle
 from gradnan.offline.trace_replay import replay
 from gradnan.patches.module_hooks import ModuleHooks
-from gradnan.training.capture import ModuleCapture, bundle_contents
 from gradnan.training.error_guard import ErrorGuard
+from gradnan.training.module_capture import ModuleCapture, bundle_contents
 from gradnan.training.recorder import OpRecorder
 from tests.conftest import UNIT_COORDS
 
