@@ -47,7 +47,8 @@ from gradnan.patches.model import destroy_model_parallel, global_named_modules, 
 from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.testing.gloo import free_port
 from gradnan.testing.measure import HostSyncCounter
-from gradnan.testing.toy import TinyGPT, TinyGPTJob
+from gradnan.testing.toy import TinyGPT
+from gradnan.testing.toy_job import TinyGPTJob
 from gradnan.training.frames import FrameBuffer, FrameTracer
 
 try:  # python benchmarks/frames.py: the script's folder is on sys.path

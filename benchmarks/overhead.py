@@ -46,7 +46,8 @@ import gradnan
 import gradnan.training.incidents as incident_module
 from gradnan.patches.undo_log import patch_scope
 from gradnan.testing.measure import HostSyncCounter, OperatorCounter, PeakMemory
-from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
+from gradnan.testing.toy import TinyGPT
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
 from gradnan.training.rerun import StepRerun
 from gradnan.training.runup import RunUp

@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import FramesMode, GradnanConfig, OnNonfinite, PreReduction, RerunMode
+from .config import GradnanConfig
+from .config.values import FramesMode, OnNonfinite, PreReduction, RerunMode
 from .errors import (
     AbortRequested,
     ConfigError,

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import NoReturn, Optional, TextIO
 
-from .config import parse_bool
+from .config.sources import parse_bool
 from .errors import GradnanError, UsageError
 from .formats.text import printable, printable_lines, shell_word
 

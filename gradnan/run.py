@@ -23,7 +23,8 @@ from dataclasses import fields
 from typing import List, Optional
 
 from .commandline import OneLineParser, bad_input, boolean, whole_number
-from .config import GradnanConfig, parse_patterns
+from .config import GradnanConfig
+from .config.values import parse_patterns
 from .errors import INTENDED_STOPS, GradnanError, UsageError
 
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..config import PreReduction
+from ..config.values import PreReduction
 from ..events import Events
 from ..formats.maps import ParamSlot
 from .instrumentor import Instrumentor, SurfaceMissing

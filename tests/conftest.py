@@ -145,7 +145,8 @@ def mlp_bundle(tmp_path_factory):
     """A real capture bundle (``gradnan.trace`` v3, with digests): ``decoder.layers.0.mlp`` of the tiny
     Megatron-Core GPT, one process, bf16, step 1. Its trace: view, t, view, mm, _unsafe_view, add, gelu
     (op 6), t, view, mm, _unsafe_view, view."""
-    from gradnan.testing.toy import TinyGPTJob, launch
+    from gradnan.testing.toy import launch
+    from gradnan.testing.toy_job import TinyGPTJob
 
     out = tmp_path_factory.mktemp("mlp_capture")
     launch(TinyGPTJob(world_size=1, dtype="bf16", steps=1, quiet=True,

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import printed_commands
 
@@ -199,8 +200,8 @@ def _failing_capture(monkeypatch, strict: bool):
     """A capture of a plain module whose recording fails inside the training step (as a clone that runs
     out of memory would)."""
     from gradnan.patches.module_hooks import ModuleHooks
-    from gradnan.training.capture import ModuleCapture
     from gradnan.training.error_guard import ErrorGuard
+    from gradnan.training.module_capture import ModuleCapture
 
     def out_of_memory(*args):
         raise RuntimeError("CUDA out of memory (simulated)")
@@ -226,13 +227,13 @@ def test_a_failing_capture_leaves_the_step_unchanged_and_is_logged_once_per_inst
 def test_the_old_capture_mode_name_still_works_with_one_deprecation_warning(monkeypatch, caplog):
     """``on_nonfinite`` clashed with the configuration field of that name; the mode is now ``incident``."""
     from gradnan.patches.module_hooks import ModuleHooks
-    from gradnan.training import capture
+    from gradnan.training import module_capture
     from gradnan.training.error_guard import ErrorGuard
 
-    monkeypatch.setattr(capture, "_warned_renames", set())
+    monkeypatch.setattr(module_capture, "_warned_renames", set())
     with caplog.at_level("WARNING", logger="gradnan"):
-        modes = [capture.ModuleCapture("lin", torch.nn.Linear(2, 2), "on_nonfinite", ErrorGuard(False),
-                                       ModuleHooks()).mode for _ in range(2)]
+        modes = [module_capture.ModuleCapture("lin", torch.nn.Linear(2, 2), "on_nonfinite", ErrorGuard(False),
+                                              ModuleHooks()).mode for _ in range(2)]
     assert modes == ["incident", "incident"]
     warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert warnings == ["capture mode 'on_nonfinite' is deprecated, use 'incident'"
@@ -250,8 +251,8 @@ def test_a_failing_capture_fails_the_step_under_strict(monkeypatch):
 def test_a_detached_capture_leaves_the_module_as_it_found_it():
     """The capture's ``forward`` and gradient hooks go through the undo log: nothing of them is left."""
     from gradnan.patches.module_hooks import ModuleHooks
-    from gradnan.training.capture import ModuleCapture
     from gradnan.training.error_guard import ErrorGuard
+    from gradnan.training.module_capture import ModuleCapture
 
     module = torch.nn.Linear(4, 4)
     capture = ModuleCapture("lin", module, "always", ErrorGuard(True), ModuleHooks()).attach()

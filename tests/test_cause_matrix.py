@@ -17,7 +17,8 @@ from gradnan.formats.incident import Cause
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.testing.plants import Plant, coordinates
-from gradnan.testing.toy import TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import TinyGPTJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 

@@ -152,7 +152,8 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
 
 def test_report_plot_draws_the_origin_rank(demo, tmp_path):
     from gradnan.offline.analysis import analyze
-    from gradnan.offline.plot import ORIGIN, RECEIVED, plot_incident
+    from gradnan.offline.plot import plot_incident
+    from gradnan.offline.plot_grid import ORIGIN, RECEIVED
     from gradnan.offline.read import read_run
 
     out, _ = demo

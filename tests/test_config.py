@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from gradnan.config import ConfigError, GradnanConfig, options_from_env, resolve_config
+from gradnan.config import ConfigError, GradnanConfig
+from gradnan.config.sources import options_from_env, resolve_config
 
 # --- GradnanConfig -----------------------------------------------------------------------------
 
@@ -325,7 +326,7 @@ def test_a_range_with_anything_but_ascii_digits_is_a_config_error(text):
 
 
 def test_a_config_file_may_give_one_step_as_a_number_and_names_itself_in_a_bad_range(tmp_path):
-    from gradnan.config import options_from_file
+    from gradnan.config.sources import options_from_file
 
     good = tmp_path / "good.TOML"
     good.write_text("steps = 5\nranks = [1, \"3-4\"]\n")
@@ -346,7 +347,7 @@ def test_ranges_are_parsed_once_into_intervals_however_wide():
 
 
 def test_modes_are_enums_that_still_compare_as_text():
-    from gradnan.config import FramesMode, PreReduction
+    from gradnan.config.values import FramesMode, PreReduction
 
     config = GradnanConfig(frames="trace", trace_steps="2", pre_reduction="sync")
     assert config.frames is FramesMode.TRACE and config.frames == "trace"

@@ -12,8 +12,10 @@ from typing import Any, Dict
 
 import pytest
 
-from gradnan.config import ConfigError, GradnanConfig, options_from_file, resolve_config
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.config import ConfigError, GradnanConfig
+from gradnan.config.sources import options_from_file, resolve_config
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import gradnan_variables_cleared, records_by_rank
 

@@ -19,7 +19,8 @@ import torch
 import gradnan
 from gradnan.offline.read import read_run
 from gradnan.testing.gloo import free_port, gloo_process, one_job
-from gradnan.testing.toy import Injection, TinyGPT, TinyGPTJob
+from gradnan.testing.toy import TinyGPT
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import gradnan_variables_cleared, records_by_rank
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gradnan.formats.layout import rank_tag
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import assert_clean_elsewhere, assert_origin, records_by_rank
 

@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
 from gradnan.testing.gloo import free_port
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.scan import find_nonfinite, locate, unravel
 
 from .helpers import (

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from gradnan.decision.replica import conclusion_of
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import records_by_rank, step_trace, weight_digests
 

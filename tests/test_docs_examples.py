@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.config import options_from_env, options_from_file, resolve_config
+from gradnan.config.sources import options_from_env, options_from_file, resolve_config
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "parity.md"
 

@@ -18,7 +18,8 @@ import pytest
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
-from gradnan.testing.toy import Injection, TinyGPTJob, launch
+from gradnan.testing.toy import launch
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 pytestmark = pytest.mark.slow
 

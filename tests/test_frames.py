@@ -24,7 +24,8 @@ from packaging.version import Version
 import gradnan
 from gradnan.offline.read import read_run
 from gradnan.patches.instrumentor import megatron_version
-from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 
 from .helpers import records_by_rank
 
@@ -283,7 +284,8 @@ PROBE_JOB = TinyGPTJob(world_size=2, dtype="fp16", steps=3, quiet=True,  # DP=2
 
 def _probe_worker(rank: int, job: TinyGPTJob, port: int, out_dir: str, results_dir: str) -> None:
     from gradnan.testing.gloo import gloo_process, one_job
-    from gradnan.testing.toy import TinyGPT, _module_by_global_name
+    from gradnan.testing.toy import TinyGPT
+    from gradnan.testing.toy_faults import _module_by_global_name
 
     with gloo_process(rank, job.world_size, port), one_job():
         gradnan.check(torch.tensor([float("nan")]), "before install")  # no installation yet: nothing

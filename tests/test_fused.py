@@ -23,13 +23,14 @@ from megatron.core.transformer.utils import attention_mask_func
 from torch import nn
 
 from gradnan.formats import bundle
-from gradnan.formats.trace import Trace, TraceError
+from gradnan.formats.trace import Trace
+from gradnan.formats.trace_ops import TraceError
 from gradnan.offline.replay import references
 from gradnan.offline.replay.command import format_text, replay_bundle
 from gradnan.offline.replay.trace import replay
 from gradnan.patches.module_hooks import ModuleHooks
-from gradnan.training.capture import ModuleCapture, bundle_contents
 from gradnan.training.error_guard import ErrorGuard
+from gradnan.training.module_capture import ModuleCapture, bundle_contents
 from gradnan.training.recorder import OpRecorder
 from tests.conftest import UNIT_COORDS
 

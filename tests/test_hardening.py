@@ -6,7 +6,8 @@ import pytest
 
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
-from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
+from gradnan.testing.toy import launch, launch_many
+from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 
 from .helpers import records_by_rank, step_trace
 

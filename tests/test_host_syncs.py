@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradnan.testing.toy import TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import TinyGPTJob
 
 # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]

@@ -24,10 +24,11 @@ import torch
 from gradnan.commandline import printable
 from gradnan.formats import maps
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
-from gradnan.formats.schema import RefusedPath, append_json_line, held_directory, write_json_atomic
+from gradnan.formats.safe_write import RefusedPath, append_json_line, held_directory, write_json_atomic
 from gradnan.offline.read import MAX_PROBLEMS, read_run
 from gradnan.offline.report import build_report
-from gradnan.testing.toy import Injection, TinyGPTJob, launch
+from gradnan.testing.toy import launch
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import environ_without_gradnan, observed, printed_commands
 from .test_readers_property import PARAM_NAMES, a_map, coords

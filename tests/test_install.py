@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import gradnan
-from gradnan.config import ConfigError, resolve_config
+from gradnan.config import ConfigError
+from gradnan.config.sources import resolve_config
 from gradnan.patches import all_instrumentors
 from gradnan.patches.instrumentor import Instrumentor
 from gradnan.patches.optimizer import optimizer_classes

@@ -223,7 +223,7 @@ def test_offline_commands_run_without_importing_torch_or_megatron(tmp_path, comm
     import sys
 
     from gradnan.formats.layout import records_path
-    from gradnan.formats.schema import append_json_line
+    from gradnan.formats.safe_write import append_json_line
     from gradnan.testing.synthetic import write_run_dir
 
     write_run_dir(tmp_path, 16)

@@ -15,7 +15,8 @@ from gradnan.decision.replica import conclusion_of
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
-from gradnan.testing.toy import Injection, JobFailed, TinyGPTJob, launch, launch_many
+from gradnan.testing.toy import launch, launch_many
+from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 
 from .helpers import records_by_rank
 

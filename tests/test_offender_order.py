@@ -11,7 +11,8 @@ import pytest
 from gradnan.formats.maps import load as load_map
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
-from gradnan.testing.toy import Injection, TinyGPTJob, launch
+from gradnan.testing.toy import launch
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import records_by_rank
 

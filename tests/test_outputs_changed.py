@@ -12,8 +12,8 @@ import torch
 from gradnan.formats import bundle
 from gradnan.offline.replay.command import format_text, replay_bundle
 from gradnan.patches.module_hooks import ModuleHooks
-from gradnan.training.capture import ModuleCapture, bundle_contents
 from gradnan.training.error_guard import ErrorGuard
+from gradnan.training.module_capture import ModuleCapture, bundle_contents
 
 from .conftest import UNIT_COORDS
 

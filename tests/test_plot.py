@@ -16,14 +16,11 @@ from gradnan.testing.synthetic import coords_of, origin_rank, run_files
 matplotlib = pytest.importorskip("matplotlib")
 
 from gradnan.offline.plot import (  # noqa: E402  (matplotlib is an optional extra)
-    FINITE,
-    ORIGIN,
-    RECEIVED,
     draw_incident,
-    parallel_layout,
     plot_incident,
     plot_title,
 )
+from gradnan.offline.plot_grid import FINITE, ORIGIN, RECEIVED, parallel_layout  # noqa: E402
 
 SIZES = (8, 4096, 16384)
 

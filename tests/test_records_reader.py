@@ -22,8 +22,9 @@ from gradnan.formats.maps import load as load_map
 from gradnan.formats.maps import to_json as map_document
 from gradnan.formats.maps import write as write_map
 from gradnan.formats.records import load as load_records
-from gradnan.formats.schema import append_json_line as append_record
-from gradnan.formats.schema import json_float, write_json_atomic
+from gradnan.formats.safe_write import append_json_line as append_record
+from gradnan.formats.safe_write import write_json_atomic
+from gradnan.formats.schema import json_float
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 
@@ -192,7 +193,7 @@ def test_write_json_atomic_keeps_old_file_when_serialization_fails(tmp_path):
 def test_write_json_atomic_cleans_up_when_rename_fails(tmp_path, mocker):
     path = tmp_path / "doc.json"
     path.write_text("old")
-    mocker.patch("gradnan.formats.schema.os.replace", side_effect=OSError("disk gone"))
+    mocker.patch("gradnan.formats.safe_write.os.replace", side_effect=OSError("disk gone"))
     with pytest.raises(OSError, match="disk gone"):
         write_json_atomic(path, {"new": 1})
     assert path.read_text() == "old"

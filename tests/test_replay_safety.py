@@ -25,7 +25,8 @@ import torch
 from gradnan.errors import InputError
 from gradnan.formats import bundle
 from gradnan.formats.layout import TENSORS
-from gradnan.formats.trace import REPLAY_ALLOWLIST, Trace, TraceError
+from gradnan.formats.trace import Trace
+from gradnan.formats.trace_ops import REPLAY_ALLOWLIST, TraceError
 from gradnan.offline.replay.checks import (
     COMPANION_RULES,
     NO_POSITIONS_READ,

@@ -14,7 +14,8 @@ from gradnan.formats.observed import ReplicaObservation
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.rerun_pass import observation
 
 from .helpers import records_by_rank

@@ -18,7 +18,8 @@ from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.replay.command import replay_bundle
 from gradnan.offline.report import build_report, format_text
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import records_by_rank, rerun_block, step_trace
 

@@ -17,7 +17,7 @@ from gradnan.errors import ConfigError
 from gradnan.formats import records, runup
 from gradnan.formats.incident import RunUpFinding
 from gradnan.formats.layout import RECORDS_DIR, RUNUP_DIR
-from gradnan.formats.schema import append_json_line
+from gradnan.formats.safe_write import append_json_line
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report, format_text

@@ -13,7 +13,8 @@ from gradnan.cli import main
 from gradnan.offline.analysis import analyze
 from gradnan.offline.read import read_run
 from gradnan.offline.report import format_text
-from gradnan.testing.toy import TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import TinyGPTJob
 
 from .helpers import records_by_rank
 
@@ -48,7 +49,7 @@ def test_the_rerun_record_locates_the_poisoned_sample_in_the_data(runs, name):
     samples = record["samples"]
     assert (samples["consumed"], samples["data_parallel_rank"], samples["indices"]) == (8, dp_rank, indices)
     # the documents are the dataset's own: what MockGPTDataset reads for each sample
-    from gradnan.testing.toy import MegatronLMData
+    from gradnan.testing.toy_data import MegatronLMData
 
     dataset = MegatronLMData(BASE, 0, 1)
     try:

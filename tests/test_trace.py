@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gradnan.formats.trace import SCHEMA as TRACE
-from gradnan.formats.trace import FirstNonFinite, Trace, TraceError, digest
+from gradnan.formats.trace import Trace, digest
+from gradnan.formats.trace_findings import FirstNonFinite
+from gradnan.formats.trace_ops import TraceError
 from gradnan.offline.replay.command import op_digests
 from gradnan.offline.replay.comparison import compare, format_comparison, output_difference
 from gradnan.offline.replay.trace import replay

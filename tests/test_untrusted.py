@@ -31,17 +31,19 @@ import torch
 
 from gradnan.cli import main
 from gradnan.commandline import printable
-from gradnan.config import resolve_config
+from gradnan.config.sources import resolve_config
 from gradnan.errors import ConfigError, InputError
 from gradnan.formats import bundle
 from gradnan.formats.incident import RecordKind
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
 from gradnan.formats.records import load as load_records
-from gradnan.formats.schema import append_json_line, read_text
-from gradnan.formats.trace import REPLAY_ALLOWLIST, allowed_in_replay
+from gradnan.formats.safe_write import append_json_line
+from gradnan.formats.schema import read_text
+from gradnan.formats.trace_ops import REPLAY_ALLOWLIST, allowed_in_replay
 from gradnan.offline.read import read_run
 from gradnan.offline.report import build_report
-from gradnan.testing.toy import Injection, TinyGPTJob, launch
+from gradnan.testing.toy import launch
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import environ_without_gradnan
 from .test_readers_property import (

@@ -21,7 +21,8 @@ from gradnan.formats.wording import samples_wording
 from gradnan.offline.analysis import analyze
 from gradnan.offline.batch_view import _decoded
 from gradnan.offline.read import read_run
-from gradnan.testing.toy import Injection, TinyGPTJob, launch_many
+from gradnan.testing.toy import launch_many
+from gradnan.testing.toy_job import Injection, TinyGPTJob
 
 from .helpers import environ_without_gradnan, observed
 from .test_next_steps import CORE, _next, _rerun
@@ -278,7 +279,8 @@ def test_a_number_option_takes_ascii_digits_only(tmp_path, argv):
 
 @pytest.mark.parametrize("value", ["\u0663", "1_000", "9" * 30])
 def test_a_numeric_setting_from_the_environment_takes_ascii_digits_only(value):
-    from gradnan.config import ConfigError, options_from_env
+    from gradnan.config import ConfigError
+    from gradnan.config.sources import options_from_env
 
     with pytest.raises(ConfigError, match="not an integer"):
         options_from_env({"GRADNAN_RUNUP_STEPS": value})

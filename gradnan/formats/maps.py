@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 from ..errors import InputError
+from .safe_write import write_json_atomic
 from .schema import (
     FilePath,
     Schema,
@@ -26,7 +27,6 @@ from .schema import (
     parse_json,
     read_prefix,
     read_text,
-    write_json_atomic,
 )
 
 SCHEMA = Schema("gradnan.map", 2)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from ..errors import InputError
 from ..formats import selftest as result_format
 from ..formats.layout import SELFTEST_DIR
-from ..formats.schema import write_json_atomic
+from ..formats.safe_write import write_json_atomic
 
 
 def failing_ranks(checks: Sequence[Dict[str, Any]], unreachable: Optional[Dict[str, Any]],

@@ -13,13 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
-from ..config import resolve_config
+from ..config.sources import resolve_config
 from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
 from ..offline.analysis import analyze
 from ..offline.read import read_run
 from ..offline.report import format_text
-from .toy import Injection, JobFailed, TinyGPTJob, launch
+from .toy import launch
+from .toy_job import Injection, JobFailed, TinyGPTJob
 
 DEMO_PARAM = "decoder.layers.1.self_attention.linear_qkv.weight"
 DEMO_MODULE = "decoder.layers.1.self_attention.core_attention"

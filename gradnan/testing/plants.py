@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import FrozenSet, List, Optional, Tuple
 
 from ..formats.incident import Cause
-from .toy import Injection, TinyGPTJob
+from .toy_job import Injection, TinyGPTJob
 
 Coordinate = Tuple[int, int, int]  # (tp, pp, dp)
 

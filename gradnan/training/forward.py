@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..config import FramesMode, GradnanConfig
+from ..config import GradnanConfig
+from ..config.values import FramesMode
 from ..events import ModuleHooking, NamedModules
 from ..formats.incident import RecordKind
 from ..log import logger

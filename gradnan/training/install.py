@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .. import log
-from ..config import GradnanConfig, resolve_config
+from ..config import GradnanConfig
+from ..config.sources import resolve_config
 from ..errors import InternalError
 from ..log import logger
 from ..patches import Instrumentor, SurfaceMissing, all_instrumentors, split_disabled

@@ -22,19 +22,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..formats.trace import (
+from ..formats.trace import Trace, digests_of, fused_name, tensors_in
+from ..formats.trace_findings import FirstNonFinite
+from ..formats.trace_ops import (
     COLLECTIVE_NAMESPACES,
-    FirstNonFinite,
-    Trace,
     TraceError,
     allowed_in_replay,
-    digests_of,
     encode,
-    fused_name,
     nodes,
     op_inputs,
     op_name,
-    tensors_in,
 )
 from ..patches.undo_log import Patcher
 from .probe import enclosing_module

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from ..config import GradnanConfig, OnNonfinite
+from ..config import GradnanConfig
+from ..config.values import OnNonfinite
 from ..errors import AbortRequested, NonFiniteGradientError
 from .messages import when, where
 from .writer import Written

@@ -10,7 +10,7 @@ launch's (``layout.launch_tag``).
 
 Everything lands inside ``out_dir`` (itself may be a symbolic link: the user chose it): below it no
 symbolic link is followed, and a records file that is a link, a FIFO or a hard link to another file is
-not appended to (``schema.open_directory``, ``RefusedPath``). A shared out dir where someone planted
+not appended to (``safe_write.open_directory``, ``RefusedPath``). A shared out dir where someone planted
 ``records/rank00000....jsonl -> ~victim/.bashrc`` gets a warning naming that path, once; the record is
 not written there and nothing of the victim's file is touched."""
 
@@ -38,7 +38,7 @@ from ..formats.layout import (
     runup_path,
 )
 from ..formats.maps import ParamSlot
-from ..formats.schema import RefusedPath, append_json_line, held_directory, write_json_atomic
+from ..formats.safe_write import RefusedPath, append_json_line, held_directory, write_json_atomic
 from ..log import logger
 
 

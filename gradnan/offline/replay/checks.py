@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ...formats.trace import TraceError
+from ...formats.trace_ops import TraceError
 
 # Tensor arguments that hold positions into another tensor (by schema name; see the module docstring).
 POSITION_ARGUMENTS = frozenset({"index", "indices", "target", "cu_seqlens_q", "cu_seqlens_k", "cum_seq_q",

@@ -45,16 +45,8 @@ from ...formats.magnitude import first_grown_frame, grew, magnitude_text, near_l
 from ...formats.records import is_growth
 from ...formats.replay import SCHEMA, ReplayVerdict
 from ...formats.text import printable_lines, shell_word, untrusted
-from ...formats.trace import (
-    REPLAY_PRECISIONS,
-    Trace,
-    TraceError,
-    has_nonfinite,
-    is_fused,
-    returns_uninitialized,
-    same_values,
-    tensors_in,
-)
+from ...formats.trace import REPLAY_PRECISIONS, Trace, has_nonfinite, is_fused, same_values, tensors_in
+from ...formats.trace_ops import TraceError, returns_uninitialized
 from .trace import output_tree, replay
 
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's

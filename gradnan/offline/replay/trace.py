@@ -33,24 +33,18 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...formats.trace import (
-    HALF_TO_FLOAT,
-    FirstGrowth,
-    FirstNonFinite,
-    Trace,
+from ...formats.trace import HALF_TO_FLOAT, Trace, digest, digests_of, is_fused, tensors_in
+from ...formats.trace_findings import FirstGrowth, FirstNonFinite
+from ...formats.trace_ops import (
     TraceError,
     cast_dtype,
     child_encodings,
     decode,
-    digest,
-    digests_of,
-    is_fused,
     op_inputs,
     op_name,
     refs,
     replayable_op,
     returns_uninitialized,
-    tensors_in,
 )
 from .checks import check_call, check_tensors
 from .limits import trace_too_long
