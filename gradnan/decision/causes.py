@@ -34,7 +34,7 @@ def culprit_of_gradients(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
         return e.first_in_backward
     largest = [e.largest_names[rank] for rank in origin if rank in e.largest_names]
     params = [name for rank in e.gradient_origin if rank in named for name in e.origin_params.get(rank, ())]
-    return (largest or params or [e.first_in_backward])[0]
+    return next(iter(largest + params), e.first_in_backward)
 
 
 def culprit_of_weights(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
@@ -48,7 +48,7 @@ def culprit_of_weights(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
     if e.first_in_backward and e.first_rank in named:
         return e.first_in_backward
     params = [name for rank in e.gradient_origin if rank in named for name in e.origin_params.get(rank, ())]
-    return (params or [e.first_in_backward])[0]
+    return next(iter(params), e.first_in_backward)
 
 
 def culprit_in_forward_module(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:

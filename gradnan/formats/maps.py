@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from .safe_write import write_json_atomic
@@ -162,7 +162,7 @@ def load(path: FilePath, params: bool = True) -> Dict[str, Any]:
     header = None if params else _header(_head(path), str(path))
     if header is not None:
         return header
-    text = read_text(cast(Path, path))  # reads any FilePath (schema.py annotates it with Path)
+    text = read_text(path)
     return from_json(SCHEMA.check(parse_json(text, str(path)), str(path)), str(path), params)
 
 

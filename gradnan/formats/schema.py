@@ -232,7 +232,7 @@ def read_prefix(path: FilePath, count: int) -> bytes:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def read_text(path: Path, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> str:
+def read_text(path: FilePath, max_bytes: int = MAX_READ_BYTES, follow: bool = False) -> str:
     """The one way gradnan reads a file it did not just write: ``read_bytes``, decoded as UTF-8."""
     try:
         return read_bytes(path, max_bytes, follow).decode("utf-8")

@@ -53,10 +53,6 @@ class Problems(list):
         for problem in problems:
             self.append(problem)
 
-    def __iadd__(self, problems: Iterable[str]) -> "Problems":
-        self.extend(problems)
-        return self
-
 
 @dataclass
 class RunFiles:
@@ -176,7 +172,7 @@ def _read_records(path: Path, params: bool, budget: List[int], problems: Problem
     found = []
     for line in records.stream(path):
         if line.record is None:
-            problems.append(line.problem)
+            problems.append(line.problem or f"{path}:{line.number}: unreadable")
         elif params:
             found.append(line.record)
         elif len(line.record["params"]) <= budget[0]:
@@ -302,7 +298,7 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
             record_problems.append(str(exc))
             continue
         files.records[path] = found
-        record_problems += problems
+        record_problems.extend(problems)
         record_problems.total += problems.total - len(problems)
     # lean: a map is read where its rank wrote no records (to know the rank), else when the report needs it
     known = set() if params else {path.name[:-len(RECORDS_SUFFIX)] for path, found in files.records.items()
@@ -330,7 +326,7 @@ def read_run(run_dir: Path, params: bool = True) -> RunFiles:
     if params:
         files.runups = dict(files.all_runups())
         files.runups_unread = []
-    files.problems += record_problems
+    files.problems.extend(record_problems)
     files.problems.total += record_problems.total - len(record_problems)
     return files
 

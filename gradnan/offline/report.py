@@ -28,8 +28,8 @@ def build_report(files: RunFiles, serious_skips: int = SERIOUS_SKIPS,
     return analyze(files, serious_skips, run).to_json()
 
 
-def _rank_label(view: Dict[str, Any]) -> str:
-    return rank_label(view, "after", [axis for axis in AXES if axis in view])
+def _rank_label(view: Optional[Dict[str, Any]]) -> str:
+    return rank_label(view or {}, "after", [axis for axis in AXES if axis in (view or {})])
 
 
 MAX_TABLE_RANKS = 16

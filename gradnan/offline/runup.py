@@ -146,11 +146,12 @@ def decide_ranks(found: Sequence[Optional[RankRunUp]], parameter: Optional[str],
     first: List[RankRunUp] = []
     if grown:
         finding = RunUpFinding.GREW
-        onset = min(rank.onset for rank in grown)
+        onset = min(rank.onset for rank in grown if rank.onset is not None)
         first = [rank for rank in grown if rank.onset == onset]
-        ratio = max(rank.ratio for rank in first)
+        ratio = max(rank.ratio for rank in first if rank.ratio is not None)
     elif decided:
-        finding, onset, ratio = RunUpFinding.SUDDEN, None, max(rank.ratio for rank in decided)
+        finding, onset, ratio = RunUpFinding.SUDDEN, None, max(rank.ratio for rank in decided
+                                                               if rank.ratio is not None)
     else:
         finding, onset, ratio = RunUpFinding.UNDECIDED, None, None
     reason = "no culprit parameter is named" if parameter is None else _reason(ranks, written, step)

@@ -26,7 +26,7 @@ from .frames import FrameTracer, forward_origin
 from .messages import when, where
 from .module_capture import ModuleCall, ModuleCapture, bundle_contents
 from .window import RecordingWindow
-from .writer import Writer
+from .writer import Writer, Written
 
 ARMED_STEPS = 20  # an armed capture whose failure does not recur stops watching after this many steps
 FINDER_STEPS = 3  # the forward-origin finder checks every module call: a few steps at most
@@ -77,7 +77,7 @@ class CaptureManager:
         self.finder: Optional[ForwardOriginFinder] = None
 
     def write_call(self, step: int, capture: ModuleCapture, call: ModuleCall, context: Dict[str, Any],
-                   observed: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+                   observed: Optional[Dict[str, Any]] = None) -> Optional[Written]:
         """One bundle (its manifest with its ``path``); None when nothing more can be written (not recording,
         or a bound reached)."""
         if not self._window.recording():

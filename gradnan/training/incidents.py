@@ -27,7 +27,7 @@ from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params
 from .runup import RunUp
 from .weights import state_fields
-from .writer import Writer
+from .writer import Writer, Written
 
 MAX_RUNUP_FILES = 16  # run-up files a rank writes at most (one per incident step; a run of bad steps: one)
 
@@ -233,7 +233,7 @@ class Detections:
         return extra if health is None else {**extra, "device_health": health}
 
     def _record(self, optimizer: Any, kind: RecordKind, slots: Sequence[ParamSlot], grads: Grads,
-                extra: Dict[str, Any], incident: bool = True) -> Dict[str, Any]:
+                extra: Dict[str, Any], incident: bool = True) -> Written:
         """``incident``: not a routine fp16 skip; its run-up is written (``_runup_file``)."""
         # an fp16 overflow is routine until it repeats: its pre-reduction finding is logged quietly
         pre_reduction = self._flush_deferred(logging.ERROR if kind == RecordKind.NONFINITE_GRAD_NORM
@@ -250,7 +250,7 @@ class Detections:
             "runup": self._runup_file(step) if incident else None, **extra}, step, incident))
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
-                            grads: Grads) -> Dict[str, Any]:
+                            grads: Grads) -> Written:
         """Record and log it; the record, on which to stop if asked."""
         record = self._record(optimizer, RecordKind.NONFINITE_GRAD_NORM, slots, grads,
                               {"grad_norm": json_float(norm)})
@@ -295,7 +295,7 @@ class Detections:
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads,
-                            loss_finite: Optional[bool]) -> Optional[Dict[str, Any]]:
+                            loss_finite: Optional[bool]) -> Optional[Written]:
         """Record and log it; the record when the loss was non-finite or the scale collapsed (first time),
         on which to stop if asked. ``loss_finite``: the step's loss, agreed over the model-parallel group
         (None: not known, the step was not kept)."""

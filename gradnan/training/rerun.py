@@ -26,7 +26,7 @@ import torch
 
 from ..config import GradnanConfig, RerunMode
 from ..decision.replica import conclude, conclusion_of, own_failure_of
-from ..events import MegatronRerun, ModuleHooking, NamedModules, RerunnableStep
+from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
 from ..formats.incident import Conclusion, RecordKind, RerunRole
 from ..formats.observed import ReplicaObservation
 from ..formats.text import shell_word
@@ -140,6 +140,13 @@ class StepRerun:
             logger.info("step %d: no rerun of the failing step: its %s was read after the update (a grad norm"
                         " returned as a device tensor)", self._clock.current(), trigger)
 
+    def _new_hooks(self) -> ModuleHooks:
+        """A fresh set of module hooks: a rerun runs only where hooking is possible (``keeps_steps``)."""
+        new = self._hooking.new
+        if new is None:
+            raise RuntimeError("no module hooking: the rerun cannot trace its passes")
+        return new()
+
     def _watched(self) -> NamedModules:
         return self.config.watched(self._named_modules())
 
@@ -147,7 +154,7 @@ class StepRerun:
     def _pass(self, kept: RerunnableStep, frames_so_far: Callable[[], int]) -> Iterator[MicroBatchCounter]:
         """Around one pass: micro-batches counted, ``in_pass`` set, and the model's buffers as they were
         afterwards."""
-        counter = MicroBatchCounter(kept.chunks, frames_so_far, self._hooking.new())
+        counter = MicroBatchCounter(kept.chunks, frames_so_far, self._new_hooks())
         buffers = buffers_of(kept.chunks)
         self.in_pass = True
         try:
@@ -159,7 +166,7 @@ class StepRerun:
 
     def _traced_pass(self, kept: RerunnableStep) -> PassResult:
         step = self._clock.current()
-        tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._hooking.new()).attach()
+        tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._new_hooks()).attach()
         flags: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
 
         def on_reduction(partial: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -190,6 +197,7 @@ class StepRerun:
         partial_bad, reduced_bad = seen.reduction_in(earliest)
         any_partial_bad, any_reduced_bad = kept.all_reduce([partial_bad, reduced_bad], "max", "tensor")
         reduction = reduction_finding(partial_bad, any_partial_bad, any_reduced_bad)
+        module: Optional[Frame]
         if seen.candidate is not None and seen.key(seen.candidate) <= earliest and reduction != "received":
             role, module = RerunRole.ORIGIN, seen.candidate
         elif reduction == "partial":  # its own partial sum was non-finite (from non-finite weights, say)
@@ -238,7 +246,7 @@ class StepRerun:
         named = dict(self._watched())
         if origin is not None and origin.module in named and self._recording():
             capture = ModuleCapture(origin.module, named[origin.module], "always", self._guard,
-                                    self._hooking.new()).attach()
+                                    self._new_hooks()).attach()
         try:
             with self._pass(kept, lambda: 0) as counter:
                 if capture is not None:
@@ -248,7 +256,7 @@ class StepRerun:
             if capture is not None:
                 capture.detach()
         call = None if capture is None else capture.chosen_call()
-        if call is None:
+        if call is None or capture is None or origin is None:
             return None, None
         element = first_nonfinite_element(call.outputs)
         frames = [frame.to_json()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial, reduce
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -207,7 +207,7 @@ class Runtime:
         if self.window.recording():
             self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
 
-    def _incident(self, trigger: str, stop: Optional[Dict[str, Any]],
+    def _incident(self, trigger: str, stop: Optional[Written],
                   megatron: Optional[MegatronRerun] = None, record: Optional[Dict[str, Any]] = None) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
         the run's first incident goes to TensorBoard and W&B where a tracker is and this rank records
@@ -226,8 +226,7 @@ class Runtime:
             self.guarded("trackers", self.board.incident, self.rerun.outcome, record,
                          self.detections.last_pre_reduction)
         if stop is not None:
-            # the detections' records are the writer's Written (incidents.py annotates them as dicts)
-            stop_if_asked(self.config, cast(Written, stop))
+            stop_if_asked(self.config, stop)
 
     def _weights_flag(self, optimizer: Any) -> Optional[torch.Tensor]:
         """Once, at the launch's first step: a device flag, read only at an incident, that says whether the
