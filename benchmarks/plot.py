@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from gradnan.commandline import printable
-from gradnan.offline.analysis import analyze
-from gradnan.offline.plot import plot_incident
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.plot import plot_incident
 from gradnan.testing.synthetic import run_files
 
 

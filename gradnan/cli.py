@@ -14,9 +14,11 @@ from typing import Any, Dict, Iterable, List, Optional
 from . import selftest
 from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word, whole_number
 from .errors import GradnanError, InputError, UsageError
-from .offline.analysis import analyze
-from .offline.frames_view import format_frames
-from .offline.read import collector_paused, map_params, read_run
+from .offline.incident.analysis import analyze
+from .offline.incident.frames_view import format_frames
+from .offline.incident.read import collector_paused, map_params, read_run
+from .offline.incident.report import format_text
+from .offline.incident.runs import SERIOUS_SKIPS
 from .offline.replay.limits import (
     DEFAULT_MAX_CPU_SECONDS,
     DEFAULT_MAX_OPS,
@@ -25,8 +27,6 @@ from .offline.replay.limits import (
     cpu_seconds,
     default_max_memory,
 )
-from .offline.report import format_text
-from .offline.runs import SERIOUS_SKIPS
 
 DESCRIPTION = ("Forensics for a Megatron-LM run whose grad norm went NaN or Inf: where the value was born"
                " (the rank, the parameter or module, the cause) and what to do next. Start with"
@@ -209,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report = analyze(read_run(args.run_dir, params=False), serious_skips=args.fp16_skips,
                                  run=args.run)
             if args.plot and report.incident is not None:
-                from .offline.plot import plot_incident
+                from .offline.incident.plot import plot_incident
 
                 plot_incident(report, args.plot)
             say(json.dumps(report.to_json(), indent=1) if args.json else format_text(report))
@@ -230,7 +230,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result = replay_isolated(args.bundle, args.device, limits)
                 say(json.dumps(result, indent=1) if args.json else replay_text(result))
         elif args.command == "batch":
-            from .offline.batch_view import format_batch
+            from .offline.incident.batch_view import format_batch
 
             say(format_batch(args.file, args.tokenizer))
         elif args.command == "selftest":

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.read import read_run
 
 
 def environ_without_gradnan() -> Dict[str, str]:

@@ -14,8 +14,8 @@ import random
 import pytest
 
 from gradnan.formats.incident import Cause
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
 from gradnan.testing.plants import Plant, coordinates
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob

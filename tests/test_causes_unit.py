@@ -14,7 +14,7 @@ from gradnan.decision.causes import RULES, decide, rules_table
 from gradnan.decision.evidence import BadWeight, Evidence, StateFault
 from gradnan.decision.facts import Fact, missing_text
 from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
-from gradnan.offline.evidence import replica_digests
+from gradnan.offline.incident.evidence import replica_digests
 
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
 NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)

@@ -151,10 +151,10 @@ def test_selftest_result_written_into_a_run_shows_in_its_report(demo, tmp_path):
 
 
 def test_report_plot_draws_the_origin_rank(demo, tmp_path):
-    from gradnan.offline.analysis import analyze
-    from gradnan.offline.plot import plot_incident
-    from gradnan.offline.plot_grid import ORIGIN, RECEIVED
-    from gradnan.offline.read import read_run
+    from gradnan.offline.incident.analysis import analyze
+    from gradnan.offline.incident.plot import plot_incident
+    from gradnan.offline.incident.plot_grid import ORIGIN, RECEIVED
+    from gradnan.offline.incident.read import read_run
 
     out, _ = demo
     picture = tmp_path / "incident.png"
@@ -184,9 +184,9 @@ def test_a_wrong_call_is_a_usage_error_and_a_bad_file_an_input_error(tmp_path, m
     import sys
 
     from gradnan.errors import InputError, UsageError
-    from gradnan.offline.analysis import analyze
-    from gradnan.offline.plot import plot_incident
-    from gradnan.offline.read import RunFiles
+    from gradnan.offline.incident.analysis import analyze
+    from gradnan.offline.incident.plot import plot_incident
+    from gradnan.offline.incident.read import RunFiles
     from gradnan.testing.demo import run_demo
 
     (tmp_path / "maps").mkdir()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gradnan
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.read import read_run
 from gradnan.testing.gloo import free_port, gloo_process, one_job
 from gradnan.testing.toy import TinyGPT
 from gradnan.testing.toy_job import Injection, TinyGPTJob

@@ -170,8 +170,8 @@ def test_only_the_rank_that_holds_the_nan_scans_it_when_norms_are_not_shared(pai
 def test_a_healthy_fp16_run_from_megatron_lms_initial_loss_scale_is_no_incident(tmp_path):
     """Megatron-LM starts fp16 at a loss scale of 2**32: a healthy run skips steps until the scale has come
     down. Those skips are recorded as the scale warming up, and the report finds no failure."""
-    from gradnan.offline.read import read_run
-    from gradnan.offline.report import build_report
+    from gradnan.offline.incident.read import read_run
+    from gradnan.offline.incident.report import build_report
 
     [outcome] = launch_many([TinyGPTJob(world_size=1, dtype="fp16", initial_loss_scale=2.0 ** 32, steps=20,
                                         gradnan={"out_dir": str(tmp_path)})])

@@ -23,8 +23,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.gloo import free_port
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob

@@ -14,9 +14,9 @@ import pytest
 
 from gradnan.formats.health import health_line
 from gradnan.formats.text import printable
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

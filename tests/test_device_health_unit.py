@@ -9,8 +9,8 @@ import pytest
 
 from gradnan.errors import InputError
 from gradnan.formats.records import from_json
-from gradnan.offline.analysis import analyze
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.report import format_text
 
 from .test_next_steps import _rerun
 from .test_report_unit import _files, _record

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
 from gradnan.testing.toy import launch
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

@@ -22,7 +22,7 @@ import torch
 from packaging.version import Version
 
 import gradnan
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.read import read_run
 from gradnan.patches.instrumentor import megatron_version
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob

@@ -266,7 +266,7 @@ def test_gradnan_frames_selects_by_megatron_lm_iteration_as_trace_steps_count_th
 
 
 def test_gradnan_frames_marks_values_within_2x_of_their_dtypes_largest():
-    from gradnan.offline.frames_view import format_frames
+    from gradnan.offline.incident.frames_view import format_frames
 
     def entry(name, dtype, high):
         return {"name": name, "kind": "output", "dtype": dtype, "abs_min": 0.0, "abs_max": high}

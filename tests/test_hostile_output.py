@@ -25,8 +25,8 @@ from gradnan.commandline import printable
 from gradnan.formats import maps
 from gradnan.formats.layout import MANIFEST, TENSORS, rank_tag
 from gradnan.formats.safe_write import RefusedPath, append_json_line, held_directory, write_json_atomic
-from gradnan.offline.read import MAX_PROBLEMS, read_run
-from gradnan.offline.report import build_report
+from gradnan.offline.incident.read import MAX_PROBLEMS, read_run
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.toy import launch
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

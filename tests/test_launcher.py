@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan

@@ -123,9 +123,9 @@ def test_the_patch_layer_is_read_under_its_installed_name():
 
 
 @pytest.mark.parametrize("module, source", [
-    ("gradnan.offline.report", "from ..training.runtime import Runtime\n"),
-    ("gradnan.offline.report", "def f():\n    import megatron.core\n"),
-    ("gradnan.formats.records", "from ..offline.read import read_run\n"),
+    ("gradnan.offline.incident.report", "from ...training.runtime import Runtime\n"),
+    ("gradnan.offline.incident.report", "def f():\n    import megatron.core\n"),
+    ("gradnan.formats.records", "from ..offline.incident.read import read_run\n"),
     ("gradnan.training.runtime", "from megatron.core import parallel_state\n"),
     ("gradnan.training.install", "def f():\n    import megatron.core.optimizer\n"),
     ("gradnan.patches.undo_log", "from megatron.core import rerun_state_machine\n"),
@@ -182,9 +182,9 @@ def loaded_by_importing(start: str) -> set:
     return seen
 
 
-OFFLINE_ENTRY_POINTS = ("gradnan.cli", "gradnan.offline.report", "gradnan.offline.analysis",
-                        "gradnan.offline.plot", "gradnan.offline.frames_view", "gradnan.offline.read",
-                        "gradnan")
+OFFLINE_ENTRY_POINTS = ("gradnan.cli", "gradnan.offline.incident.report",
+                        "gradnan.offline.incident.analysis", "gradnan.offline.incident.plot",
+                        "gradnan.offline.incident.frames_view", "gradnan.offline.incident.read", "gradnan")
 
 
 @pytest.mark.parametrize("start", OFFLINE_ENTRY_POINTS)

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from gradnan.decision.replica import conclusion_of
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report, format_text
 from gradnan.offline.replay.command import replay_bundle
-from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import launch, launch_many
 from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import shlex
 
-from gradnan.offline.analysis import analyze
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.report import format_text
 
 from .test_report_unit import _files, _record
 
@@ -72,7 +72,7 @@ def test_without_megatron_lms_iteration_there_is_no_option_to_give():
 def test_a_command_naming_a_hostile_run_dir_is_quoted_for_the_shell():
     from pathlib import Path
 
-    from gradnan.offline.read import RunFiles
+    from gradnan.offline.incident.read import RunFiles
 
     records = [_rerun(9, "transient", "node00272", own="loss"), _rerun(1, "after_collective", "n1")]
     files = RunFiles(Path("/tmp/x; touch /tmp/PWNED #"), records={Path("/r.jsonl"): records})

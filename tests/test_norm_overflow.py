@@ -12,9 +12,9 @@ import pytest
 
 from gradnan.cli import main as cli_main
 from gradnan.decision.replica import conclusion_of
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
 from gradnan.testing.toy import launch, launch_many
 from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 

@@ -15,9 +15,9 @@ from gradnan.formats.incident import Conclusion, OriginBasis
 from gradnan.formats.maps import ParamSlot
 from gradnan.formats.records import FLOAT32_SQUARE_LIMIT, from_json
 from gradnan.formats.wording import describe_largest
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import RunFiles
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import RunFiles
+from gradnan.offline.incident.report import format_text
 from gradnan.training.incidents import at_norm
 from gradnan.training.offenders import largest_gradient
 from gradnan.training.rerun_pass import norm_overflowed, observation

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from gradnan.formats.maps import load as load_map
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.toy import launch
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

@@ -10,17 +10,17 @@ import itertools
 
 import pytest
 
-from gradnan.offline.analysis import analyze
+from gradnan.offline.incident.analysis import analyze
 from gradnan.testing.synthetic import coords_of, origin_rank, run_files
 
 matplotlib = pytest.importorskip("matplotlib")
 
-from gradnan.offline.plot import (  # noqa: E402  (matplotlib is an optional extra)
+from gradnan.offline.incident.plot import (  # noqa: E402  (matplotlib is an optional extra)
     draw_incident,
     plot_incident,
     plot_title,
 )
-from gradnan.offline.plot_grid import FINITE, ORIGIN, RECEIVED, parallel_layout  # noqa: E402
+from gradnan.offline.incident.plot_grid import FINITE, ORIGIN, RECEIVED, parallel_layout  # noqa: E402
 
 SIZES = (8, 4096, 16384)
 

@@ -32,9 +32,9 @@ from gradnan.formats.maps import load as load_map
 from gradnan.formats.maps import to_json as map_document
 from gradnan.formats.records import load as load_records
 from gradnan.formats.selftest import load as load_selftest
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import RunFiles, read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import RunFiles, read_run
+from gradnan.offline.incident.report import format_text
 
 # --- a fresh directory per example ------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """File names, atomic/append writers (gradnan.formats.records) and the strict readers
-(gradnan.offline.read)."""
+(gradnan.offline.incident.read)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from gradnan.formats.records import load as load_records
 from gradnan.formats.safe_write import append_json_line as append_record
 from gradnan.formats.safe_write import write_json_atomic
 from gradnan.formats.schema import json_float
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
 
 
 def coords(global_rank: int = 0, **overrides: Any) -> Dict[str, Any]:

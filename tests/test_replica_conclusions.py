@@ -11,9 +11,9 @@ from gradnan.decision.replica import conclude, conclusion_of, own_failure_of
 from gradnan.events import MegatronRerun
 from gradnan.formats.incident import Conclusion, OwnFailure
 from gradnan.formats.observed import ReplicaObservation
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.rerun_pass import observation

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import RunFiles, collector_paused
-from gradnan.offline.report import build_report, format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import RunFiles, collector_paused
+from gradnan.offline.incident.report import build_report, format_text
 
 
 def _record(step, kind, rank=0, params=(), **extra):
@@ -196,7 +196,7 @@ def test_run_identity_keeps_slurm_requeues_and_torchrun_restarts_apart():
 
 
 def test_two_anonymous_jobs_started_together_are_two_launches_told_apart_by_their_rendezvous():
-    from gradnan.offline.runs import split_runs
+    from gradnan.offline.incident.runs import split_runs
 
     def record(rendezvous, started):
         return {"run": {"id": None, "attempt": "0", "started": started, "rendezvous": rendezvous}}

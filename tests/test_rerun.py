@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gradnan.decision.replica import conclusion_of
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report, format_text
 from gradnan.offline.replay.command import replay_bundle
-from gradnan.offline.report import build_report, format_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

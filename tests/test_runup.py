@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from gradnan.formats.layout import RUNUP_DIR
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report, format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report, format_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

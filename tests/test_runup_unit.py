@@ -1,5 +1,6 @@
 """The run-up without a job: the device ring (order, wrap-around), the reader's validation of hostile
-``gradnan.runup`` files (problems, never exceptions), and the growth rule of ``gradnan.offline.runup``."""
+``gradnan.runup`` files (problems, never exceptions), and the growth rule of
+``gradnan.offline.incident.runup``."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from gradnan.formats import records, runup
 from gradnan.formats.incident import RunUpFinding
 from gradnan.formats.layout import RECORDS_DIR, RUNUP_DIR
 from gradnan.formats.safe_write import append_json_line
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report, format_text
-from gradnan.offline.runup import GROWTH_FACTOR, MIN_BASELINE_STEPS, RECENT_STEPS, decide
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report, format_text
+from gradnan.offline.incident.runup import GROWTH_FACTOR, MIN_BASELINE_STEPS, RECENT_STEPS, decide
 from gradnan.training.runup import BucketGroupRing, RunUp
 
 from .test_records_reader import coords

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gradnan.cli import main
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import format_text
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob
 

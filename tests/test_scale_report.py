@@ -11,10 +11,10 @@ import pytest
 from gradnan.cli import main
 from gradnan.formats import maps
 from gradnan.formats.layout import map_path, records_path
-from gradnan.offline import read
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import KEPT_PARAMS, map_params, read_run
-from gradnan.offline.report import build_report, focus_ranks, rank_ranges
+from gradnan.offline.incident import read
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import KEPT_PARAMS, map_params, read_run
+from gradnan.offline.incident.report import build_report, focus_ranks, rank_ranges
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them

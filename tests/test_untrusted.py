@@ -40,8 +40,8 @@ from gradnan.formats.records import load as load_records
 from gradnan.formats.safe_write import append_json_line
 from gradnan.formats.schema import read_text
 from gradnan.formats.trace_ops import REPLAY_ALLOWLIST, allowed_in_replay
-from gradnan.offline.read import read_run
-from gradnan.offline.report import build_report
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.toy import launch
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

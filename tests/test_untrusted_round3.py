@@ -18,9 +18,9 @@ import torch
 from gradnan.formats.health import health_line
 from gradnan.formats.layout import RUNUP_DIR, rank_tag
 from gradnan.formats.wording import samples_wording
-from gradnan.offline.analysis import analyze
-from gradnan.offline.batch_view import _decoded
-from gradnan.offline.read import read_run
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.batch_view import _decoded
+from gradnan.offline.incident.read import read_run
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gradnan.offline.analysis import analyze
-from gradnan.offline.read import read_run
-from gradnan.offline.report import step_headline
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import step_headline
 from gradnan.testing.toy import launch_many
 
 from .helpers import read_board, records_by_rank, wandb_incident, wandb_records, wandb_run_folder

@@ -1,2 +1,7 @@
-"""The offline side: reads run directories and bundles (``gradnan.formats``) and answers from them:
-``report``, ``frames_view``, ``plot``, ``replay``. It never imports the training side or Megatron."""
+"""The offline side, one package per product; each reads run directories or bundles (``gradnan.formats``)
+and never imports the training side or Megatron:
+
+- ``incident``: a run directory's incident, decided by ``gradnan.decision`` and rendered (``gradnan
+  report``, ``--json``, ``--plot``), with ``gradnan frames`` and ``gradnan batch``;
+- ``replay``: a captured bundle replayed op by op (``gradnan replay``, ``--against``).
+"""

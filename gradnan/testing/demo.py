@@ -16,9 +16,9 @@ from typing import Any, Dict
 from ..config.sources import resolve_config
 from ..errors import UsageError
 from ..formats.layout import MAPS_DIR, RECORDS_DIR
-from ..offline.analysis import analyze
-from ..offline.read import read_run
-from ..offline.report import format_text
+from ..offline.incident.analysis import analyze
+from ..offline.incident.read import read_run
+from ..offline.incident.report import format_text
 from .toy import launch
 from .toy_job import Injection, JobFailed, TinyGPTJob
 

@@ -22,7 +22,7 @@ from ..formats import maps, records, runup
 from ..formats.layout import map_path, records_path, runup_path
 from ..formats.maps import ParamSlot
 from ..formats.safe_write import append_json_line, write_json_atomic
-from ..offline.read import RunFiles
+from ..offline.incident.read import RunFiles
 
 TP = 8
 STEP = 12

@@ -38,8 +38,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-from ..errors import InputError, UsageError
-from ..formats.safe_write import write_atomic
+from ...errors import InputError, UsageError
+from ...formats.safe_write import write_atomic
 from .plot_blocks import (
     DPI,
     EVIDENCE_LEFT_IN,

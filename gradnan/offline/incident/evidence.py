@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ..decision.evidence import BadWeight, Evidence, HealthReading, StateFault, View
-from ..decision.facts import Fact
-from ..decision.origin import facts_of_step
-from ..formats.health import health_signs
-from ..formats.incident import GradientPass, OriginBasis, RecordKind
-from ..formats.layout import AXES, rank_label
+from ...decision.evidence import BadWeight, Evidence, HealthReading, StateFault, View
+from ...decision.facts import Fact
+from ...decision.origin import facts_of_step
+from ...formats.health import health_signs
+from ...formats.incident import GradientPass, OriginBasis, RecordKind
+from ...formats.layout import AXES, rank_label
 from .gradients import rank_view
 from .read import RunFiles
 from .verdict import Pattern, RerunFinding

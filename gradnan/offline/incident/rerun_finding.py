@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..decision.replica import PRECEDENCE, conclusion_of, own_failure_of
-from ..formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
+from ...decision.replica import PRECEDENCE, conclusion_of, own_failure_of
+from ...formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
 from .gradients import rank_view
 from .verdict import Concluded, RerunFinding
 

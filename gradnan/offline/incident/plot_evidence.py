@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence, Tuple
 
-from ..formats.incident import OriginBasis, RecordKind
-from ..formats.magnitude import DTYPE_MAX, magnitude_text
+from ...formats.incident import OriginBasis, RecordKind
+from ...formats.magnitude import DTYPE_MAX, magnitude_text
 from .plot_blocks import (
     EVIDENCE_WIDTH_IN,
     TICK_SPACE_IN,

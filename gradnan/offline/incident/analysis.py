@@ -26,17 +26,17 @@ import json
 from pathlib import Path
 from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..decision.actions import Setting, next_steps
-from ..decision.causes import Decision, decide
-from ..decision.evidence import Evidence, HealthReading, View
-from ..decision.facts import missing_text
-from ..decision.origin import decide_gradient_origin
-from ..decision.replica import own_failure_of
-from ..errors import InputError
-from ..formats.health import health_evidence
-from ..formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
-from ..formats.layout import host_device, rank_ranges
-from ..formats.text import untrusted
+from ...decision.actions import Setting, next_steps
+from ...decision.causes import Decision, decide
+from ...decision.evidence import Evidence, HealthReading, View
+from ...decision.facts import missing_text
+from ...decision.origin import decide_gradient_origin
+from ...decision.replica import own_failure_of
+from ...errors import InputError
+from ...formats.health import health_evidence
+from ...formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
+from ...formats.layout import host_device, rank_ranges
+from ...formats.text import untrusted
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .frames_view import frames_summary, probes_summary
 from .gradients import backward_key, capture_settings, module_of, pattern_of, rank_entry, rank_view

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from ..formats.incident import GradientPass
-from ..formats.layout import shown_axes
-from ..formats.records import FORWARD_SHARE
+from ...formats.incident import GradientPass
+from ...formats.layout import shown_axes
+from ...formats.records import FORWARD_SHARE
 from .verdict import Pattern, View
 
 

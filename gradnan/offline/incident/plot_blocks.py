@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Sequence, Tuple
 
-from ..formats.magnitude import magnitude_text
-from ..formats.text import printable, wrap
+from ...formats.magnitude import magnitude_text
+from ...formats.text import printable, wrap
 
 WIDTH_IN = 16.0
 DPI = 100

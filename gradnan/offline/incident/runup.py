@@ -25,8 +25,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..formats.incident import RunUpFinding
-from ..formats.layout import rank_label
+from ...formats.incident import RunUpFinding
+from ...formats.layout import rank_label
 
 GROWTH_FACTOR = 10.0
 RECENT_STEPS = 3

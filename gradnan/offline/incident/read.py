@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from ..errors import InputError
-from ..formats import bundle, maps, records, runup, selftest
-from ..formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, RUNUP_DIR, SELFTEST_DIR
-from ..formats.schema import FilePath
+from ...errors import InputError
+from ...formats import bundle, maps, records, runup, selftest
+from ...formats.layout import BUNDLES_DIR, MANIFEST, MAPS_DIR, RECORDS_DIR, RUNUP_DIR, SELFTEST_DIR
+from ...formats.schema import FilePath
 
 Document = Dict[str, Any]
 KEPT_PARAMS = 1 << 16  # offending-parameter entries kept in memory with params=False (a few per rank)

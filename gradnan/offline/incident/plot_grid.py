@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.layout import AXES, rank_label
+from ...formats.layout import AXES, rank_label
 from .plot_blocks import (
     CHAR_WIDTH,
     DPI,

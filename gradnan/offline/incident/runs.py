@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
-from ..formats.incident import RecordKind
+from ...formats.incident import RecordKind
 
 SERIOUS_SKIPS = 3  # consecutive fp16 loss-scale skips that are a failure (``gradnan report --fp16-skips``)
 RUN_GAP_SECONDS = 300.0

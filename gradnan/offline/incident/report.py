@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..formats.health import health_line
-from ..formats.incident import Action, Conclusion, OriginBasis, RecordKind, failing_step_headline
-from ..formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
-from ..formats.schema import nonfinite_counts
-from ..formats.text import printable_lines, shell_word, untrusted, wrap
-from ..formats.wording import describe_largest, growth_path, samples_wording
+from ...formats.health import health_line
+from ...formats.incident import Action, Conclusion, OriginBasis, RecordKind, failing_step_headline
+from ...formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
+from ...formats.schema import nonfinite_counts
+from ...formats.text import printable_lines, shell_word, untrusted, wrap
+from ...formats.wording import describe_largest, growth_path, samples_wording
 from .analysis import analyze
 from .frames_view import summary_lines
 from .gradients import module_of

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..formats.incident import RecordKind
-from ..formats.layout import rank_label
-from ..formats.records import DTYPE_MAX
-from ..formats.schema import nonfinite_counts
-from ..formats.text import printable_lines, shell_word, untrusted
+from ...formats.incident import RecordKind
+from ...formats.layout import rank_label
+from ...formats.records import DTYPE_MAX
+from ...formats.schema import nonfinite_counts
+from ...formats.text import printable_lines, shell_word, untrusted
 
 
 def _module_text(frame: Dict[str, Any]) -> str:

@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import InputError
-from ..formats.bundle import load_tensors
-from ..formats.incident import RecordKind
-from ..formats.layout import BATCHES_DIR, RECORDS_DIR
-from ..formats.text import printable_lines, untrusted
+from ...errors import InputError
+from ...formats.bundle import load_tensors
+from ...formats.incident import RecordKind
+from ...formats.layout import BATCHES_DIR, RECORDS_DIR
+from ...formats.text import printable_lines, untrusted
 from .read import read_run
 
 MAX_SAMPLES_SHOWN = 8

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ..decision.actions import NextStep
-from ..decision.evidence import HealthReading, View
-from ..decision.facts import Fact
-from ..formats.incident import Cause, Conclusion, GradientPass, OriginBasis, OwnFailure
-from ..formats.schema import Schema
-from ..formats.text import plain
+from ...decision.actions import NextStep
+from ...decision.evidence import HealthReading, View
+from ...decision.facts import Fact
+from ...formats.incident import Cause, Conclusion, GradientPass, OriginBasis, OwnFailure
+from ...formats.schema import Schema
+from ...formats.text import plain
 from .runup import RunUp
 
 SCHEMA = Schema("gradnan.report", 2)
