@@ -32,7 +32,7 @@ from gradnan.offline.incident.read import read_run
 def coords(global_rank: int = 0, **overrides: Any) -> Dict[str, Any]:
     """Rank coordinates shaped like ``rank_coordinates()`` returns on a single process."""
     values: Dict[str, Any] = {
-        "global_rank": global_rank, "world_size": 1, "local_rank": 0, "host": "node-a",
+        "global_rank": global_rank, "world_size": global_rank + 1, "local_rank": 0, "host": "node-a",
         "device": "cpu", "pid": 1234,
         "tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1, "dp": 0, "dp_size": 1,
         "cp": 0, "cp_size": 1, "ep": 0, "ep_size": 1,
@@ -670,3 +670,17 @@ def test_a_state_records_bad_weight_index_is_a_listed_problem_not_a_traceback(tm
     assert [problem.split(": ")[0] for problem in files.problems] == [f"{path}:2"]
     assert "'first_bad_index' null or a list of at most 64 integers" in files.problems[0]
     assert analyze(files).incident is not None
+
+
+@pytest.mark.parametrize("rank, wrong", [
+    (coords(9, world_size=8), "rank.global_rank 9 is outside its group (rank.world_size 8)"),
+    (coords(1, tp=2, tp_size=2), "rank.tp 2 is outside its group (rank.tp_size 2)"),
+    (coords(0, dp=-1), "rank.dp -1 is outside its group"),
+])
+def test_a_record_of_a_rank_outside_its_world_is_a_listed_problem(tmp_path, rank, wrong):
+    """Issue 48 (case 8): a forged state record for rank 9 of 8 took the blame; now it is no record."""
+    path = tmp_path / RECORDS_DIR / "forged.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(a_record(2, rank)) + "\n")
+    files = read_run(tmp_path)
+    assert files.problems == [f"{path}:1: {wrong}"] and not list(files.all_records())

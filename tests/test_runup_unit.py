@@ -294,7 +294,8 @@ def test_a_position_whose_first_replica_cannot_name_the_culprit_is_searched_no_f
                                                                                "global_rank": dp}}
              for dp in range(2)}
     names.update({f"rank0000{2 + dp}_tp0_pp1_dp{dp}_step0000010.json": {
-        **ELSEWHERE, "rank": {**GOOD["rank"], "pp": 1, "dp": dp, "global_rank": 2 + dp}} for dp in range(2)})
+        **ELSEWHERE, "rank": {**GOOD["rank"], "pp": 1, "pp_size": 2, "dp": dp, "global_rank": 2 + dp,
+                              "world_size": 4}} for dp in range(2)})
     run_dir = _run_dir(tmp_path, names)
     read, real = [], runup.read_bytes
     monkeypatch.setattr(runup, "read_bytes",
