@@ -675,7 +675,7 @@ def test_a_state_records_bad_weight_index_is_a_listed_problem_not_a_traceback(tm
 @pytest.mark.parametrize("rank, wrong", [
     (coords(9, world_size=8), "rank.global_rank 9 is outside its group (rank.world_size 8)"),
     (coords(1, tp=2, tp_size=2), "rank.tp 2 is outside its group (rank.tp_size 2)"),
-    (coords(0, dp=-1), "rank.dp -1 is outside its group"),
+    (coords(0, dp=-1), "rank.dp -1 is outside its group (rank.dp_size 1)"),
 ])
 def test_a_record_of_a_rank_outside_its_world_is_a_listed_problem(tmp_path, rank, wrong):
     """Issue 48 (case 8): a forged state record for rank 9 of 8 took the blame; now it is no record."""
