@@ -30,6 +30,8 @@ def evidence(**facts) -> Evidence:
 
 # one case per rule: the facts that make it fire, and the origin it names
 CASES = {
+    "records_conflict": (dict(conflicts=("rank 2's grad-norm record says ...",), conflict_ranks=(2,),
+                              bad_weights=(NAN_WEIGHT,)), (2,)),
     "weights_at_launch": (dict(step=1, launch_first_step=True, bad_weights=(NAN_WEIGHT,),
                                rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.0.mlp.linear_fc2",
                                rerun_origins=(0,)), (1,)),

@@ -101,6 +101,9 @@ class Evidence:
     origin_params: Mapping[int, Tuple[str, ...]] = field(default_factory=dict)
     largest_names: Mapping[int, str] = field(default_factory=dict)
     observed: FrozenSet[Fact] = frozenset()  # the kinds of evidence the run's files hold for this step
+    # what of the step's records contradicts another record, and the ranks whose records do
+    conflicts: Tuple[str, ...] = ()
+    conflict_ranks: Tuple[int, ...] = ()
 
     def label(self, rank: int) -> str:
         return self.labels.get(rank, f"rank {rank}")

@@ -193,3 +193,16 @@ def no_gradient(e: Evidence) -> str:
 
 SELFTEST_OR_RERUN = ("run a self-test on the origin's node and replay the captured step on another device, or"
                      " rerun from the last checkpoint with gradnan's defaults")
+
+
+MAX_CONFLICTS_SHOWN = 3
+
+
+def records_conflict(e: Evidence) -> str:
+    shown = "; ".join(e.conflicts[:MAX_CONFLICTS_SHOWN])
+    left = len(e.conflicts) - MAX_CONFLICTS_SHOWN
+    more = f" (and {left} more)" if left > 0 else ""
+    return (f"the records contradict each other, so no cause is named from them: {shown}{more}. gradnan"
+            " writes each of these facts once and consistently: a run directory that mixes launches, or"
+            " files edited or damaged, read this way")
+

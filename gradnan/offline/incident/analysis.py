@@ -210,7 +210,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     iteration = (rerun.iteration if rerun is not None and rerun.step == step and counted(rerun.iteration)
                  else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
-                           rerun, at_step, overflow_recurs(at_step, launch, step), iterations)
+                           rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
+                           reruns_here)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here, dtypes)

@@ -14,6 +14,7 @@ from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
 from ...formats.layout import AXES, rank_label
+from .conflicts import conflicts_of
 from .gradients import rank_view
 from .read import RunFiles
 from .verdict import Pattern, RerunFinding
@@ -133,9 +134,12 @@ class RankLabels(Mapping):
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
-                recurs: bool, iterations_seen: Tuple[int, ...] = ()) -> Evidence:
-    """The typed facts the rules decide on, from the failing step's records."""
+                recurs: bool, iterations_seen: Tuple[int, ...] = (),
+                reruns: Sequence[Dict[str, Any]] = ()) -> Evidence:
+    """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
+    records)."""
     basis, origin = gradient
+    conflicts = conflicts_of(at_step, states, reruns)
     odd, split = replica_digests(states)
     weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
                               tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"],
@@ -184,7 +188,9 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
-        observed=_observed(at_step, states, rerun, pattern))
+        observed=_observed(at_step, states, rerun, pattern),
+        conflicts=tuple(said for said, _ in conflicts),
+        conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 
 
 def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]],
