@@ -1,7 +1,7 @@
-"""Which ranks the failing step's gradient records point at, and what that rests on: one declared,
-ordered table (``ORIGIN_RULES``, best evidence first) over the step's checked records. The first rule
-whose needs were observed and that selects any record decides (``decide_gradient_origin``); the cause table
-reads its basis and ranks as evidence.
+"""Which ranks the failing step's records point at. The gradients': one declared, ordered table
+(``ORIGIN_RULES``, best evidence first) over the step's checked records; the first rule whose needs were
+observed and that selects any record decides (``decide_gradient_origin``). The rerun's: the forward
+origins among the ranks its records name (``forward_origins``). The cause table reads both as evidence.
 """
 
 from __future__ import annotations
@@ -115,3 +115,18 @@ def decide_gradient_origin(at_step: Sequence[Record]) -> Tuple[OriginBasis, List
             if selected:
                 return rule.basis, selected
     return OriginBasis.NONE, []
+
+
+def forward_origins(records: List[Record]) -> List[Record]:
+    """Of the ranks a rerun named as origins, those of each data-parallel replica's earliest pipeline
+    stage: a forward value flows from the first stage to the last, so a later stage that went non-finite
+    too received it (a stage's input arrives through the point-to-point exchange, not as an argument its
+    hooks see)."""
+    def stage(record: Record) -> int:
+        return record["rank"].get("pp") or 0
+
+    earliest: Dict[Any, int] = {}
+    for record in records:
+        replica = record["rank"].get("dp")
+        earliest[replica] = min(earliest.get(replica, stage(record)), stage(record))
+    return [record for record in records if stage(record) == earliest[record["rank"].get("dp")]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ...decision.origin import forward_origins
 from ...decision.replica import PRECEDENCE, conclusion_of, own_failure_of
 from ...formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
 from .gradients import rank_view
@@ -60,21 +61,6 @@ def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> L
     return [chosen[dp_rank] for dp_rank in sorted(chosen)]
 
 
-def _earliest_stages(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Of the ranks a rerun named as origins, those of each data-parallel replica's earliest pipeline
-    stage: a forward value flows from the first stage to the last, so a later stage that went non-finite
-    too received it (a stage's input arrives through the point-to-point exchange, not as an argument its
-    hooks see)."""
-    def stage(record: Dict[str, Any]) -> int:
-        return record["rank"].get("pp") or 0
-
-    earliest: Dict[Any, int] = {}
-    for record in records:
-        replica = record["rank"].get("dp")
-        earliest[replica] = min(earliest.get(replica, stage(record)), stage(record))
-    return [record for record in records if stage(record) == earliest[record["rank"].get("dp")]]
-
-
 def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -84,7 +70,7 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     step = min(r["step"] for r in reruns)
     at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
     named = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
-    origins = _earliest_stages(named)
+    origins = forward_origins(named)
     later_stages = {id(r) for r in named} - {id(r) for r in origins}
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
