@@ -72,6 +72,14 @@ def a_rerun_record(module: str, klass: str, bundle: Any = None, batch: Any = Non
     return record
 
 
+def a_clean_state_record() -> Dict[str, Any]:
+    """Rank 0's weights and optimizer state, finite, as read at the run's first incident."""
+    record = dict(valid_documents()["pre_reduction"])
+    record.update(kind="state", params=[], params_total=0, weights_digest="d", params_checked=1,
+                  optimizer_state_total=0, optimizer_state_checked=0, optimizer_state=[])
+    return record
+
+
 def _parameter_name(documents: Dict[str, Any], value: str) -> None:
     columns = documents["map"]["param_columns"]
     documents["map"]["params"][0][columns.index("name")] = value
@@ -211,7 +219,8 @@ def test_the_printed_commands_run_nothing_when_pasted(tmp_path):
     files = run_files(valid_documents())
     target = tmp_path / "PWNED"
     rerun = a_rerun_record("m", "C", bundle=f"/nonexistent; touch {target} #", batch=None)
-    files[f"records/{rank_tag(coords(0))}.jsonl"] += json.dumps(rerun).encode() + b"\n"
+    files[f"records/{rank_tag(coords(0))}.jsonl"] += b"".join(
+        json.dumps(record).encode() + b"\n" for record in (rerun, a_clean_state_record()))
     run_dir = write_run(tmp_path / "run", files)
     _, out, _ = cli("report", str(run_dir))
     replays = [line.strip().removeprefix("replay it: ") for line in out.splitlines()

@@ -175,7 +175,8 @@ def test_the_wording_of_the_magnitude_path_in_the_log_headline_and_verdict():
     assert growth_log(near, None, None).endswith("(2.91 -> 6e4, within 16x of the float16 limit)")
     summary = decide(Evidence(step=2, iteration=None, labels={1: "rank 1"}, rerun=Conclusion.REPRODUCIBLE,
                               rerun_module="decoder.layers.1.input_layernorm", rerun_origins=(1,),
-                              micro_batch=0, grew_in=GREW_IN, observed=frozenset({Fact.RERUN}))).summary
+                              micro_batch=0, grew_in=GREW_IN,
+                              observed=frozenset({Fact.RERUN, Fact.STATES}))).summary
     assert ("in decoder.layers.1.input_layernorm, after decoder.layers.0.mlp (MLP) grew a value out of line"
             " (2.91 -> 3.9e28) on rank 1, micro-batch 0") in summary
 

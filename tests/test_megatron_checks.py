@@ -140,6 +140,24 @@ def test_megatrons_loss_check_in_disabled_mode_is_recorded_rerun_and_kept_before
     assert [entry["global_rank"] for entry in report["incident"]["origin"]] == [1]
     assert any("Megatron's loss check rejected a non-finite loss (nan) on rank 0, micro-batch 0" in line
                for line in report["incident"]["verdict"]["evidence"])
+    # the weights were read before Megatron raised (no gradient exists): the forward origin rests on them
+    assert {rank for rank, records in records_by_rank(tmp_path).items()
+            for r in records if r["kind"] == "state" and r["step"] == 2} == {0, 1}
+    assert report["incident"]["verdict"]["rule"] == "forward_operator"
+
+
+@needs_loss_computation
+def test_a_nan_weight_caught_by_megatrons_loss_check_is_the_weight_not_the_forward_operator(tmp_path):
+    """Issue 48 (case 5), on issue 47's table: the loss check ends the step before any gradient; the weights
+    are read there, so the verdict names the bad weight (it was `forward_op` "with finite weights", weights
+    never read, with a skip flag that could not help)."""
+    _raised(BASE.with_(tp=2, dtype="bf16", rerun_mode="disabled",
+                       injections=(Injection(1, 2, f"{FC1}.weight", "nan", where="weight", index=5),)),
+            tmp_path)
+    incident = analyze(read_run(tmp_path)).incident
+    assert incident.verdict.cause.value == "weights", incident.verdict
+    assert FC1 in incident.verdict.summary and 1 in [entry["global_rank"] for entry in incident.origin]
+    assert [step.action.value for step in incident.next_steps][0] == "resume"
 
 
 @needs_loss_computation

@@ -9,7 +9,7 @@ import shlex
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.report import format_text
 
-from .test_report_unit import _files, _record
+from .test_report_unit import _files, _record, clean_states
 
 CORE = "decoder.layers.1.self_attention.core_attention"
 
@@ -24,7 +24,7 @@ def _rerun(rank, conclusion, host, own=None, module=None, iteration=None, megatr
 
 
 def _next(records):
-    analysis = analyze(_files(*records))
+    analysis = analyze(_files(*records, *clean_states(records)))
     return analysis.incident.next_steps, analysis.to_json()["incident"]["next"], format_text(analysis)
 
 

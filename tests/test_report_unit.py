@@ -19,6 +19,15 @@ def _record(step, kind, rank=0, params=(), **extra):
             "params_total": len(params), **extra}
 
 
+def clean_states(records, step=2):
+    """Each recording rank's ``state`` record of a run whose weights and optimizer state were finite when
+    the failing step began (every recording rank reads them at the run's first incident)."""
+    ranks = {record["rank"]["global_rank"]: record["rank"] for record in records}
+    return [{**_record(step, "state", rank), "rank": dict(coords), "weights_digest": "equal",
+             "params_checked": 1, "optimizer_state_total": 0, "optimizer_state_checked": 0,
+             "optimizer_state": []} for rank, coords in sorted(ranks.items())]
+
+
 def _files(*records):
     return RunFiles(Path("/run"), records={Path("/run/records/r.jsonl"): list(records)})
 

@@ -194,6 +194,7 @@ class Runtime:
         if rejected is None:
             return
         micro_batch, message, loss = rejected
+        self._read_state_once()  # the loss check ends the step before any gradient: the weights now
         skipped = ("the step was not kept (rerun off, after the run's rerun, or a loop outside"
                    " megatron-core's schedules)" if kept is None else kept.not_raised_together())
         batch = None
@@ -214,9 +215,7 @@ class Runtime:
         (``record``: its record of it); then the run stops if asked to. A norm read after its step (one
         Megatron returned as a device tensor) comes after the update: that step can no longer be run again
         as it was."""
-        if not self._state_read and self.window.recording():
-            self._state_read = True
-            self.guarded("state", self._read_state)
+        self._read_state_once()
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
                          self.detections.last_at_norm)
@@ -232,6 +231,12 @@ class Runtime:
         """Once, at the launch's first step: a device flag, read only at an incident, that says whether the
         weights the launch began with were finite (one fused pass over them, no host sync)."""
         return finite_flag(self._facts.optimizer_tensors(optimizer, self.known_chunks()).weights)
+
+    def _read_state_once(self) -> None:
+        """At the run's first incident of any kind, on a recording rank: the weights and optimizer state."""
+        if not self._state_read and self.window.recording():
+            self._state_read = True
+            self.guarded("state", self._read_state)
 
     def _read_state(self) -> None:
         """The weights and optimizer state of the stepping optimizer (else the latest built) as the failing
