@@ -108,15 +108,15 @@ def check_rank(rank: Any, where: str) -> None:
     for key in ("host", "device"):
         if not optional(rank.get(key), is_text):
             raise InputError(f"{where}: rank.{key} must be text")
-    for key, size in _RANK_RANGES:
-        value, bound = rank.get(key), rank.get(size)
+    for value, bound in zip(map(rank.get, _COORDINATES), map(rank.get, _SIZES)):
         if value is not None and (value < 0 or (bound is not None and not value < bound)):
+            key, size = next(pair for pair in zip(_COORDINATES, _SIZES) if rank.get(pair[0]) is value)
             raise InputError(f"{where}: rank.{key} {value} is outside its group (rank.{size} {bound})")
 
 
 # a coordinate and the size it must be below: a rank outside its world is no rank of this job
-_RANK_RANGES = (("global_rank", "world_size"), ("tp", "tp_size"), ("pp", "pp_size"), ("dp", "dp_size"),
-                ("cp", "cp_size"), ("ep", "ep_size"))
+_COORDINATES = ("global_rank", "tp", "pp", "dp", "cp", "ep")
+_SIZES = ("world_size", "tp_size", "pp_size", "dp_size", "cp_size", "ep_size")
 
 
 def check_run(run: Any, where: str) -> None:
