@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gradnan.decision.facts import Fact
 from gradnan.decision.origin import ORIGIN_RULES, decide_gradient_origin
 from gradnan.decision.replica import (
     PRECEDENCE,
@@ -22,11 +23,13 @@ from gradnan.decision.replica import (
     strongest,
 )
 from gradnan.errors import InputError
-from gradnan.formats.incident import Conclusion, OriginBasis, OwnFailure
+from gradnan.formats.incident import Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.formats.observed import ReplicaObservation, Seen
 from gradnan.formats.records import from_json
+from gradnan.offline.incident.analysis import analyze
 
 from .helpers import observed
+from .test_report_unit import _files, _record, clean_states
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "docs" / "how-it-works.md").read_text()
@@ -138,3 +141,23 @@ def test_no_cause_or_next_action_is_decided_outside_the_tables():
              if not str(path.relative_to(ROOT)).startswith(DECIDERS)
              for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def test_an_undetermined_verdict_says_what_was_not_observed_and_how_to_observe_it():
+    """No rerun, no state, no pre-reduction check, no maps: the rules that needed them could not fire, and
+    the report says so; a run without data parallelism is not told to compare replicas."""
+    norm = _record(2, "nonfinite_grad_norm", 0, ["a.weight"], pre_reduction="unchecked")
+    norm["rank"].update(dp_size=1)
+    incident = analyze(_files(norm)).incident
+    assert incident.verdict.cause is Cause.UNDETERMINED
+    assert [fact.value for fact in incident.verdict.not_observed] == [
+        "states", "replica_digests", "rerun", "own_gradients", "parameter_maps"]
+    line = incident.verdict.evidence[-1]
+    assert line.startswith("not observed: the weights and optimizer state") and "rerun='auto'" in line
+    with_states = analyze(_files(norm, *clean_states([norm]))).incident.verdict
+    assert not {Fact.REPLICA_DIGESTS, Fact.STATES} & set(with_states.not_observed)
+    assert analysis_json(norm)["incident"]["verdict"]["not_observed"][0] == "states"
+
+
+def analysis_json(*records):
+    return analyze(_files(*records)).to_json()

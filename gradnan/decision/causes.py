@@ -183,7 +183,7 @@ RULES: Tuple[Rule, ...] = (
          _gradient_origin, say.forward_unconfirmed, (act.decide_by(
              "rerun from the last checkpoint with rerun='auto' (the default) so the failing step is run"
              " again in place and its forward operator named"),)),
-    Rule("rejected_loss", Cause.UNDETERMINED, (Fact.LOSS_CHECK,),
+    Rule("rejected_loss", Cause.UNDETERMINED, (),
          "Megatron's loss check rejected a loss and raised, the step not run again",
          lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, say.rejected_loss,
          (act.decide_by("replay the kept micro-batch, or rerun with --rerun-mode validate_results"),),

@@ -26,8 +26,6 @@ class Fact(str, enum.Enum):
     """The weights' digests of two or more data-parallel peers (``state`` records of a replica group)."""
     RERUN = "rerun"
     """The failing step run again in place (``rerun`` records)."""
-    LOSS_CHECK = "loss_check"
-    """Megatron's loss check rejecting a loss (``nonfinite_loss`` records)."""
 
     @property
     def description(self) -> str:
@@ -46,7 +44,6 @@ _DESCRIPTIONS = {
     Fact.STATES: "the weights and optimizer state when the failing step began",
     Fact.REPLICA_DIGESTS: "the weights of two or more data-parallel replicas",
     Fact.RERUN: "the failing step run again in place",
-    Fact.LOSS_CHECK: "a loss rejected by Megatron's loss check",
 }
 
 _HOW = {
@@ -54,10 +51,9 @@ _HOW = {
     Fact.OWN_GRADIENTS: "run with pre_reduction='deferred' (the default) under Megatron's DDP",
     Fact.PARAMETER_MAPS: "keep every rank's gradnan.map files in the run dir",
     Fact.LARGEST_GRADIENT: "keep gradnan installed on every rank (its records name the largest gradient)",
-    Fact.STATES: "record on every rank (record_ranks unset): each reads its weights at the first incident",
-    Fact.REPLICA_DIGESTS: "record on every rank, so that data-parallel peers' weights can be compared",
+    Fact.STATES: "record on every rank (gradnan's ranks unset): each reads its weights at the first incident",
+    Fact.REPLICA_DIGESTS: "with data parallelism, record on every rank, so that peers' weights are compared",
     Fact.RERUN: "run with rerun='auto' (the default) under megatron-core's schedules",
-    Fact.LOSS_CHECK: "nothing: it is Megatron's own check (--rerun-mode)",
 }
 
 

@@ -27,8 +27,6 @@ def facts_of_step(at_step: Sequence[Record]) -> FrozenSet[Fact]:
         facts.add(Fact.OWN_GRADIENTS)
     if any(record.get("largest_grad") for record in at_step):
         facts.add(Fact.LARGEST_GRADIENT)
-    if RecordKind.NONFINITE_LOSS in kinds:
-        facts.add(Fact.LOSS_CHECK)
     return frozenset(facts)
 
 

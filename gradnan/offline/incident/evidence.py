@@ -199,8 +199,9 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
     facts = set(facts_of_step(at_step))
     if states:
         facts.add(Fact.STATES)
-    if any(len(group) > 1 for group in _peer_groups(states).values()):
-        facts.add(Fact.REPLICA_DIGESTS)
+    no_replicas = all((record["rank"].get("dp_size") or 1) <= 1 for record in states)
+    if states and (no_replicas or any(len(group) > 1 for group in _peer_groups(states).values())):
+        facts.add(Fact.REPLICA_DIGESTS)  # compared, or nothing to compare it with
     if rerun is not None:
         facts.add(Fact.RERUN)
     if pattern.gradient_pass is not GradientPass.UNKNOWN:

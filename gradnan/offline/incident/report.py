@@ -250,7 +250,7 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         weights = sorted(entry["params"], key=lambda p: p.get("copy") != "model")  # the model's own first
         names = {p["name"] for p in weights}
         more = f" and {len(names) - 1} more parameter(s)" if len(names) > 1 else ""
-        parts = [f"{untrusted(p['name'])}{p['first_bad_index']} {nonfinite_counts(p)}{more}"
+        parts = [f"{untrusted(p['name'])}{_element(p)} {nonfinite_counts(p)}{more}"
                  for p in weights[:1]]
         parts += [f"{untrusted(f['state'])} of {untrusted(f['name'])}: {f['nan']} NaN, {f['inf']} Inf,"
                   f" {f['negative']} negative"
@@ -263,11 +263,17 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
     if entry["params"] and not entry.get("largest_grad"):
         first = entry["params"][0]
         more = f" and {entry['params_total'] - 1} more parameter(s)" if entry["params_total"] > 1 else ""
-        return f"{untrusted(first['name'])}{first.get('first_bad_index')} {nonfinite_counts(first)}{more}"
+        return f"{untrusted(first['name'])}{_element(first)} {nonfinite_counts(first)}{more}"
     if entry["params_total"] or not entry.get("largest_grad"):
         return f"{entry['params_total']} parameter(s)"
     when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
     return f"largest gradient{when}: {describe_largest(entry['largest_grad'])} (finite)"
+
+
+def _element(param: Dict[str, Any]) -> str:
+    """A parameter's first bad element as ``[0, 7]``; nothing where the record names none."""
+    index = param.get("first_bad_index")
+    return "" if index is None else str(index)
 
 
 def step_headline(incident: Incident) -> str:
