@@ -161,3 +161,20 @@ def test_an_undetermined_verdict_says_what_was_not_observed_and_how_to_observe_i
 
 def analysis_json(*records):
     return analyze(_files(*records)).to_json()
+
+
+def test_the_weights_are_called_equal_across_replicas_only_where_peers_were_compared():
+    """Issue 52: "weights equal across data-parallel replicas" was printed after reading one rank."""
+    norm = _record(2, "nonfinite_grad_norm", 0, ["a.weight"], pre_reduction="clean")  # dp_size 2
+    peer = _record(2, "nonfinite_grad_norm", 1, ["a.weight"], pre_reduction="clean")
+
+    def weights_line(*records):
+        lines = analyze(_files(*records)).incident.verdict.evidence
+        return next(line for line in lines if line.startswith("weights when the step began"))
+
+    assert weights_line(norm, *clean_states([norm])).endswith(
+        "weights not compared across data-parallel replicas (no peer of theirs read them)")
+    assert weights_line(norm, peer, *clean_states([norm, peer])).endswith(
+        "weights equal across data-parallel replicas")
+    alone = {**norm, "rank": {**norm["rank"], "dp_size": 1}}
+    assert weights_line(alone, *clean_states([alone])).endswith("optimizer state finite")

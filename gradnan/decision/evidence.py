@@ -68,6 +68,7 @@ class Evidence:
     state_faults: Tuple[StateFault, ...] = ()
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
+    replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)
     split_replicas: Tuple[int, ...] = ()  # peers whose weights differ with no majority to side with
     # the in-place rerun of the failing step
     rerun: Optional[Conclusion] = None

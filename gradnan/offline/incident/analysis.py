@@ -142,10 +142,13 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                    if e.bad_weights else "every one finite")
         state = (f"bad on rank(s) {rank_ranges(sorted({f.rank for f in e.state_faults}))}" if e.state_faults
                  else "finite")
-        replicas = ("equal across data-parallel replicas" if not (e.odd_replicas or e.split_replicas) else
-                    f"unlike their peers' on rank(s) {rank_ranges(list(e.odd_replicas or e.split_replicas))}")
+        differ = e.odd_replicas or e.split_replicas
+        replicas = ("" if e.replicas_compared is None else
+                    f"; weights unlike their peers' on rank(s) {rank_ranges(list(differ))}" if differ else
+                    "; weights equal across data-parallel replicas" if e.replicas_compared else
+                    "; weights not compared across data-parallel replicas (no peer of theirs read them)")
         lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
-                     f" optimizer state {state}; weights {replicas}")
+                     f" optimizer state {state}{replicas}")
     if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
         lines.append("own gradients non-finite before the data-parallel collective on rank(s)"
                      f" {rank_ranges(list(e.gradient_origin))}")

@@ -140,6 +140,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     records)."""
     basis, origin = gradient
     conflicts = conflicts_of(at_step, states, reruns)
+    compared = (any(len(group) > 1 for group in _peer_groups(states).values())
+                if any((record["rank"].get("dp_size") or 1) > 1 for record in states) else None)
     odd, split = replica_digests(states)
     weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
                               tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"],
@@ -161,6 +163,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
         bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
+        replicas_compared=compared,
         split_replicas=split, rerun=conclusion,
         rerun_module=rerun.module if rerun is not None else None,
         rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
