@@ -207,6 +207,16 @@ def decide_by(what: str) -> ActionRule:
     return decide
 
 
+def decide_rejected_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """A loss Megatron's check rejected, the step not run again: the kept micro-batch where there is one,
+    and Megatron's own rerun."""
+    rerun = "rerun with --rerun-mode validate_results, so that Megatron runs the step again"
+    if not (e.rejected or {}).get("batch"):
+        return decide_by(rerun)(e, s, so_far)
+    return (NextStep(Action.DECIDE, Action.DECIDE.wording(f"look at the kept micro-batch, or {rerun}"),
+                     ("gradnan", "batch", (e.rejected or {})["batch"])),)
+
+
 def next_steps(actions: Sequence[ActionRule], e: Evidence, s: Setting) -> Steps:
     """The steps of a rule's ``actions``, in its order."""
     steps: Steps = ()

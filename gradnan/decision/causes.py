@@ -186,7 +186,7 @@ RULES: Tuple[Rule, ...] = (
     Rule("rejected_loss", Cause.UNDETERMINED, (),
          "Megatron's loss check rejected a loss and raised, the step not run again",
          lambda e: bool(e.rejected_losses), lambda e: e.rejected_losses, say.rejected_loss,
-         (act.decide_by("replay the kept micro-batch, or rerun with --rerun-mode validate_results"),),
+         (act.decide_rejected_loss,),
          basis=OriginBasis.LOSS_CHECK),
     Rule("unconfirmed_holders", Cause.UNDETERMINED, (Fact.GRADIENTS,),
          "ranks hold non-finite gradients, no pre-reduction check ran",

@@ -17,8 +17,11 @@ CHECKED = ("clean", "nonfinite", "overflow")  # a norm record's ``pre_reduction`
 
 
 def facts_of_step(at_step: Sequence[Record]) -> FrozenSet[Fact]:
-    """The kinds of gradient evidence the step's incident records hold."""
+    """The kinds of gradient evidence the step's incident records hold; all of them where Megatron's loss
+    check ended the step before any gradient existed (none was there to see)."""
     kinds = {record["kind"] for record in at_step}
+    if kinds == {RecordKind.NONFINITE_LOSS}:
+        return frozenset({Fact.GRADIENTS, Fact.OWN_GRADIENTS, Fact.LARGEST_GRADIENT})
     facts = set()
     if kinds & {*NORM_KINDS, RecordKind.PRE_REDUCTION}:
         facts.add(Fact.GRADIENTS)

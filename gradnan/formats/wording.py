@@ -106,14 +106,21 @@ def _source_wording(source: Dict[str, Any]) -> str:
             f" from token {source.get('offset')}")
 
 
+def micro_batch_words(micro_batch: Any) -> str:
+    """"micro-batch 3", or "an unnamed micro-batch" where the records name none."""
+    return "an unnamed micro-batch" if micro_batch is None else f"micro-batch {untrusted(micro_batch)}"
+
+
 def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optional[str],
                           rerun_skipped: Optional[str]) -> str:
     """The verdict's summary of a loss Megatron's check rejected (``--rerun-mode disabled``): what
     Megatron did, what gradnan could and could not do before Megatron raised."""
     kept = f"kept the micro-batch ({shell_word(batch)})" if batch else "kept no micro-batch"
-    again = (f"it could not run the step again ({untrusted(rerun_skipped)}): replay the kept micro-batch, or"
-             " run with --rerun-mode validate_results, to tell the data from the device" if rerun_skipped
+    look = "look at the kept micro-batch, or " if batch else ""
+    again = (f"it could not run the step again ({untrusted(rerun_skipped)}): {look}run with --rerun-mode"
+             " validate_results, to tell the data from the device" if rerun_skipped
              else "the step's forward pass was run again in place (see the rerun)")
     return (f"Megatron's loss check rejected a non-finite loss ({untrusted(loss)}) on rank {rank},"
-            f" micro-batch {untrusted(micro_batch)}, and raised (--rerun-mode disabled): the forward pass"
-            f" went non-finite on that micro-batch; before that gradnan recorded it and {kept}; {again}")
+            f" {micro_batch_words(micro_batch)},"
+            f" and raised (--rerun-mode disabled): the forward pass went non-finite on that micro-batch;"
+            f" before that gradnan recorded it and {kept}; {again}")

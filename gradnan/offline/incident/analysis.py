@@ -37,6 +37,7 @@ from ...formats.health import health_evidence
 from ...formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
 from ...formats.layout import host_device, rank_ranges
 from ...formats.text import untrusted
+from ...formats.wording import micro_batch_words
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .frames_view import frames_summary, probes_summary
 from .gradients import backward_key, capture_settings, module_of, pattern_of, rank_entry, rank_view
@@ -164,8 +165,8 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
         lines.append("the largest finite gradient values are near the dtype's limit (overflow)")
     if e.rejected:
         lines.append("Megatron's loss check rejected a non-finite loss"
-                     f" ({untrusted(e.rejected['loss'])}) on rank {e.rejected['global_rank']}, micro-batch"
-                     f" {e.rejected['micro_batch']}, and raised (--rerun-mode disabled)")
+                     f" ({untrusted(e.rejected['loss'])}) on rank {e.rejected['global_rank']},"
+                     f" {micro_batch_words(e.rejected['micro_batch'])}, and raised (--rerun-mode disabled)")
     if e.recurs:
         lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
                      " batch")

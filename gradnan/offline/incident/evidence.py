@@ -191,14 +191,14 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
-        observed=_observed(at_step, states, rerun, pattern),
+        observed=_observed(at_step, states, rerun, pattern, origin),
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 
 
 def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]],
-              rerun: Optional[RerunFinding], pattern: Pattern) -> FrozenSet[Fact]:
-    """The kinds of evidence the failing step's files hold."""
+              rerun: Optional[RerunFinding], pattern: Pattern, origin: Sequence[View]) -> FrozenSet[Fact]:
+    """The kinds of evidence the failing step's files hold, or that it had none of to hold."""
     facts = set(facts_of_step(at_step))
     if states:
         facts.add(Fact.STATES)
@@ -207,8 +207,8 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
         facts.add(Fact.REPLICA_DIGESTS)  # compared, or nothing to compare it with
     if rerun is not None:
         facts.add(Fact.RERUN)
-    if pattern.gradient_pass is not GradientPass.UNKNOWN:
-        facts.add(Fact.PARAMETER_MAPS)
+    if pattern.gradient_pass is not GradientPass.UNKNOWN or not origin:
+        facts.add(Fact.PARAMETER_MAPS)  # counted against, or no origin's gradients to count
     return frozenset(facts)
 
 

@@ -12,7 +12,7 @@ from ...formats.incident import Action, Conclusion, OriginBasis, RecordKind, fai
 from ...formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
 from ...formats.schema import nonfinite_counts
 from ...formats.text import printable_lines, shell_word, untrusted, wrap
-from ...formats.wording import describe_largest, growth_path, samples_wording
+from ...formats.wording import describe_largest, growth_path, micro_batch_words, samples_wording
 from .analysis import analyze
 from .frames_view import summary_lines
 from .gradients import module_of
@@ -259,7 +259,7 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
     if entry.get("own_failure"):
         return f"its own {untrusted(entry['own_failure'])} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:
-        return f"non-finite loss ({entry['loss']}) at micro-batch {entry['micro_batch']}"
+        return f"non-finite loss ({entry['loss']}) at {micro_batch_words(entry['micro_batch'])}"
     if entry["params"] and not entry.get("largest_grad"):
         first = entry["params"][0]
         more = f" and {entry['params_total'] - 1} more parameter(s)" if entry["params_total"] > 1 else ""
