@@ -8,6 +8,7 @@ import copy
 import pytest
 
 from gradnan.errors import InputError
+from gradnan.formats.health import health_signs
 from gradnan.formats.records import from_json
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.report import format_text
@@ -81,3 +82,10 @@ def test_only_the_origin_devices_readings_count():
     analysis = analyze(_files(*records + [bystander]))
     assert analysis.incident.health == () and "NVML" not in format_text(analysis)
 
+
+
+def test_a_hostile_xid_list_is_printed_bounded_in_the_evidence():
+    """Issue 51: NVML lists were capped under Next: but printed whole in Evidence (6,603 lines)."""
+    signs = health_signs({"xid_errors": list(range(100_000)), "throttle_reasons": ["hw_slowdown"] * 50})
+    assert signs[0] == "XID error(s) 0, 1, 2, 3, 4, 5, 6, 7 and 99992 more"
+    assert len(signs[1]) < 200

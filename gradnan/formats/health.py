@@ -40,13 +40,13 @@ def health_signs(values: Mapping[str, Any]) -> Tuple[str, ...]:
     """What in NVML's reading of a device points at the device: XID errors, uncorrected ECC errors,
     retired or remapped memory, pending or failed repairs, clocks throttled by the hardware."""
     xids = _listed(values, "xid_errors")
-    signs = [f"XID error(s) {', '.join(str(xid) for xid in xids)}"] if xids else []
+    signs = [f"XID error(s) {listing(xids)}"] if xids else []
     signs += [words.format(n=values[key]) for key, words in _COUNTED_SIGNS
               if type(values.get(key)) is int and values[key] > 0]
     signs += [words for key, words in _FLAGGED_SIGNS if values.get(key) is True]
     throttled = [reason for reason in _listed(values, "throttle_reasons") if reason in _HARDWARE_THROTTLE]
     if throttled:
-        signs.append(f"clocks throttled by the hardware ({', '.join(throttled)})")
+        signs.append(f"clocks throttled by the hardware ({listing(throttled)})")
     return tuple(signs)
 
 
