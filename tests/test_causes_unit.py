@@ -11,7 +11,7 @@ import pytest
 
 from gradnan.decision.actions import Setting, next_steps
 from gradnan.decision.causes import RULES, decide, rules_table
-from gradnan.decision.evidence import BadWeight, Evidence, StateFault
+from gradnan.decision.evidence import BadWeight, Evidence, RateFault, StateFault
 from gradnan.decision.facts import Fact, missing_text
 from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.offline.incident.evidence import replica_digests
@@ -36,6 +36,7 @@ CASES = {
                                rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.0.mlp.linear_fc2",
                                rerun_origins=(0,)), (1,)),
     "optimizer_state": (dict(bad_weights=(NAN_WEIGHT,), state_faults=(BAD_MOMENT,)), (2,)),
+    "learning_rate": (dict(bad_weights=(NAN_WEIGHT,), rate_fault=RateFault(1, 4, 0, "inf", 1e-4)), (1,)),
     "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
     "later_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",

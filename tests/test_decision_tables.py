@@ -151,7 +151,7 @@ def test_an_undetermined_verdict_says_what_was_not_observed_and_how_to_observe_i
     incident = analyze(_files(norm)).incident
     assert incident.verdict.cause is Cause.UNDETERMINED
     assert [fact.value for fact in incident.verdict.not_observed] == [
-        "states", "replica_digests", "rerun", "own_gradients", "parameter_maps"]
+        "states", "rerun", "own_gradients", "parameter_maps"]
     line = incident.verdict.evidence[-1]
     assert line.startswith("not observed: the weights and optimizer state") and "rerun='auto'" in line
     with_states = analyze(_files(norm, *clean_states([norm]))).incident.verdict

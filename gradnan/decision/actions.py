@@ -120,6 +120,17 @@ def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.RESUME, Action.RESUME.wording(f"the update of {when}, which wrote them")),)
 
 
+def fix_learning_rate(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """The schedule's rate that wrote the weights, and the options that set it."""
+    fault = e.rate_fault
+    if fault is None:
+        return ()
+    return (NextStep(Action.FIX_LEARNING_RATE, Action.FIX_LEARNING_RATE.wording(
+        f"the update of step {fault.step} used {fault.text()}; Megatron-LM sets it with --lr, --min-lr and"
+        " the warm-up and decay options, and a resume takes the checkpoint's scheduler state unless"
+        " --override-opt_param-scheduler")),)
+
+
 def check_interconnect(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     hosts = ", ".join(dict.fromkeys(str(host) for host, _ in s.devices())) or "the ranks named"
     return (NextStep(Action.CHECK_INTERCONNECT, Action.CHECK_INTERCONNECT.wording(hosts)),)

@@ -21,7 +21,7 @@ from ..formats.incident import Cause, Conclusion, OriginBasis
 from . import actions as act
 from . import summaries as say
 from .evidence import Evidence
-from .facts import Fact, unobserved
+from .facts import Fact, first_missing, unobserved
 
 Culprit = Callable[[Evidence, Tuple[int, ...]], Optional[str]]  # (evidence, origin ranks) -> parameter
 
@@ -126,6 +126,12 @@ RULES: Tuple[Rule, ...] = (
          lambda e: bool(e.bad_weights) and bool(e.state_faults), lambda e: say.ranks_of(e.state_faults),
          say.bad_state, (act.resume_before_update, act.selftest_after_launch), culprit_of_weights,
          OriginBasis.STATE),
+    Rule("learning_rate", Cause.OPTIMIZER_UPDATE, (Fact.STATES, Fact.LEARNING_RATES),
+         "a weight is non-finite at a later step, and the update before it used a non-finite learning rate or"
+         " one 100 times the steps' before",
+         lambda e: bool(e.bad_weights) and not e.launch_first_step and e.rate_fault is not None,
+         say.weight_holders, say.learning_rate,
+         (act.resume_before_update, act.fix_learning_rate), culprit_of_weights, OriginBasis.STATE),
     Rule("one_replica_weights", Cause.WEIGHTS, _STATES,
          "a weight is non-finite at a later step on some data-parallel replicas, their peers' copies finite",
          lambda e: any(rank in e.lone_weights + e.odd_replicas
@@ -214,7 +220,7 @@ def decide(evidence: Evidence, rules: Tuple[Rule, ...] = RULES) -> Decision:
     basis = rule.basis or (evidence.gradient_basis if origin and set(origin) <= set(evidence.gradient_origin)
                            else OriginBasis.OWN_FAILURE if origin else OriginBasis.NONE)
     return Decision(rule.id, rule.cause, origin, basis, rule.says(evidence), rule.culprit(evidence, origin),
-                    rule.actions, tuple(missing))
+                    rule.actions, first_missing(missing))
 
 
 def rules_table() -> Dict[str, Tuple[str, str, str]]:

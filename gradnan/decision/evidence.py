@@ -51,6 +51,25 @@ class StateFault:
 
 
 @dataclass(frozen=True)
+class RateFault:
+    """The learning rate an update used where it could only write non-finite weights: non-finite, or
+    ``RATE_JUMP`` times the largest of the steps kept before it (``earlier``)."""
+
+    rank: int
+    step: int
+    group: int
+    rate: Any  # as the record wrote it: a number, "inf", "nan"
+    earlier: Optional[float] = None
+
+    def text(self) -> str:
+        was = "" if self.earlier is None else f", up from at most {self.earlier:.3g} in the steps before it"
+        return f"{untrusted(self.rate)} (param group {self.group}, step {self.step}, rank {self.rank}{was})"
+
+
+RATE_JUMP = 100.0
+
+
+@dataclass(frozen=True)
 class Evidence:
     """Every fact a rule may use, read once from the failing step's records (``evidence.evidence_of``).
     Ranks are global ranks; ``labels`` names each one for the wording ("rank 3 (tp1 pp0 dp1) on h cpu")."""
@@ -66,6 +85,7 @@ class Evidence:
     launch_first_step: bool = False
     bad_weights: Tuple[BadWeight, ...] = ()
     state_faults: Tuple[StateFault, ...] = ()
+    rate_fault: Optional[RateFault] = None  # the update of the step before used a rate that explains them
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
     replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)

@@ -24,6 +24,8 @@ class Fact(str, enum.Enum):
     """The weights and optimizer state when the failing step began (``state`` records)."""
     REPLICA_DIGESTS = "replica_digests"
     """The weights' digests of two or more data-parallel peers (``state`` records of a replica group)."""
+    LEARNING_RATES = "learning_rates"
+    """The learning rates of the steps before the failing one (``state`` records' ``learning_rates``)."""
     RERUN = "rerun"
     """The failing step run again in place (``rerun`` records)."""
 
@@ -43,6 +45,7 @@ _DESCRIPTIONS = {
     Fact.LARGEST_GRADIENT: "the largest finite gradient",
     Fact.STATES: "the weights and optimizer state when the failing step began",
     Fact.REPLICA_DIGESTS: "the weights of two or more data-parallel replicas",
+    Fact.LEARNING_RATES: "the learning rates of the last steps",
     Fact.RERUN: "the failing step run again in place",
 }
 
@@ -53,8 +56,19 @@ _HOW = {
     Fact.LARGEST_GRADIENT: "keep gradnan installed on every rank (its records name the largest gradient)",
     Fact.STATES: "record on every rank (gradnan's ranks unset): each reads its weights at the first incident",
     Fact.REPLICA_DIGESTS: "with data parallelism, record on every rank, so that peers' weights are compared",
+    Fact.LEARNING_RATES: "record on every rank with this gradnan (state records carry them since records v2)",
     Fact.RERUN: "run with rerun='auto' (the default) under megatron-core's schedules",
 }
+
+
+# facts that come with another: not said missing where that one is (the state records carry them)
+COMES_WITH = {Fact.LEARNING_RATES: Fact.STATES, Fact.REPLICA_DIGESTS: Fact.STATES}
+
+
+def first_missing(facts: Iterable[Fact]) -> Tuple[Fact, ...]:
+    """``facts`` without those that come with another of them."""
+    listed = tuple(facts)
+    return tuple(fact for fact in listed if COMES_WITH.get(fact) not in listed)
 
 
 def missing_text(facts: Iterable[Fact]) -> str:

@@ -206,3 +206,13 @@ def records_conflict(e: Evidence) -> str:
             " writes each of these facts once and consistently: a run directory that mixes launches, or"
             " files edited or damaged, read this way")
 
+
+def learning_rate(e: Evidence) -> str:
+    ranks = weight_holders(e)
+    fault = e.rate_fault
+    rate = fault.text() if fault is not None else "a bad learning rate"
+    return (f"the optimizer update of step {e.step - 1} wrote non-finite weights with the learning rate"
+            f" {rate}: {first_weight(e, ranks)} on {e.labelled(ranks)}, on every replica holding it, the"
+            " gradients and moments finite: the learning-rate schedule or what feeds it, not the data or a"
+            " device")
+

@@ -183,6 +183,8 @@ class Action(str, enum.Enum):
     """The interconnect and the communication library on the hosts that received corrupted values."""
     TUNE_NUMERICS = "tune_numerics"
     """Change the numerics (learning rate, clipping, loss scale, dtype) where no batch is to blame."""
+    FIX_LEARNING_RATE = "fix_learning_rate"
+    """Correct the learning-rate schedule whose rate made the update write non-finite weights."""
     CAPTURE = "capture"
     """Run again from the last checkpoint with capture set on the origin, to get the failing call."""
     DRAIN = "drain"
@@ -210,6 +212,7 @@ _ACTION_WORDING = {
     Action.CHECK_INTERCONNECT: "check the interconnect and the communication library of {subject}"
                                " (NCCL_DEBUG=INFO, the fabric's error counters), then self-test there",
     Action.TUNE_NUMERICS: "change the numerics, not the data: {subject}",
+    Action.FIX_LEARNING_RATE: "fix the learning rate before restarting: {subject}",
     Action.CAPTURE: "to see the failing call ({subject}), restart from the last checkpoint with the"
                     " GRADNAN_CAPTURE_* settings printed at the end",
     Action.DECIDE: "to decide it: {subject}",

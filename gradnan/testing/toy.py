@@ -28,6 +28,7 @@ import torch
 from .gloo import free_port, gloo_process, one_job
 from .toy_data import POISON_TOKEN_FROM_END, MegatronLMData, _batches, _poison_token_row
 from .toy_faults import (
+    _apply_learning_rate_injections,
     _apply_main_grad_injections,
     _apply_memory_buffer_injections,
     _apply_optimizer_state_injections,
@@ -189,6 +190,7 @@ class TinyGPT:
                     return StepResult(step, None, None, False)
             _apply_main_grad_injections(job, rank, step, chunks, optimizer, self.result)
             _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, self.result)
+            _apply_learning_rate_injections(job, rank, step, optimizer, self.result)
             update_successful, grad_norm, _ = optimizer.step()
         finally:
             for hook in hooks:

@@ -191,6 +191,15 @@ def _apply_weight_injections(job, rank, step, chunks, optimizer, result) -> None
         result.injected.append({**dataclasses.asdict(injection), "index": index})
 
 
+def _apply_learning_rate_injections(job, rank, step, optimizer, result) -> None:
+    """Every param group's learning rate set to the injection's value for this step's update on (and
+    after) it, as a broken schedule would: ``target`` is not used."""
+    for injection in _due(job, rank, step, "learning_rate"):
+        for group in optimizer.param_groups:
+            group["lr"] = injection.number()
+        result.injected.append(dataclasses.asdict(injection))
+
+
 def _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, result) -> None:
     """A rank whose optimizer does not hold the element (another rank's distributed-optimizer shard) plants
     nothing and lists nothing in ``result.injected``: plant on every rank to corrupt the owner's."""

@@ -44,6 +44,8 @@ class Injection:
     - ``"tp_reduction"``: the result of module ``target``'s tensor-parallel reduction (a row-parallel
       linear's all-reduce of its partial sums) on this rank: what a faulty transfer or reduction delivers
       from finite partial sums;
+    - ``"learning_rate"``: every param group's learning rate set to ``value`` right before
+      ``optimizer.step()`` (and left so), as a broken schedule does (``target`` is not used);
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
       count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
       is not used; the rank is any of the replica's last pipeline stage).

@@ -351,11 +351,13 @@ class Detections:
                      f"; not run again: {rerun_skipped}" if rerun_skipped else "", record.path)
         return record
 
-    def state(self, held: StepState, ids_by_name: Dict[str, int],
-              at_launch: Optional[torch.Tensor]) -> Dict[str, Any]:
-        """The weights and optimizer state as the failing step found them (``weights.state_fields``): the
-        ``state`` record, and a log line where a weight or a moment was already bad."""
+    def state(self, held: StepState, ids_by_name: Dict[str, int], at_launch: Optional[torch.Tensor],
+              learning_rates: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The weights and optimizer state as the failing step found them (``weights.state_fields``) and
+        the learning rates of the last steps: the ``state`` record, and a log line where a weight or a
+        moment was already bad."""
         found, extra = state_fields(held, ids_by_name, at_launch)
+        extra = {**extra, "learning_rates": learning_rates}
         record = self._writer.record(RecordKind.STATE, self._clock.current(), found, extra)
         if found:
             first = found[0]

@@ -37,6 +37,7 @@ from .forward import ForwardWatch
 from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
+from .rates import LearningRates
 from .rerun import StepRerun
 from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
@@ -63,6 +64,7 @@ class Runtime:
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
                                     self.module_hooking)
         self.norms = PendingNorms()
+        self.rates = LearningRates()
         self.board = IncidentBoard(config, self.clock, self.writer, facts)
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
@@ -128,6 +130,7 @@ class Runtime:
         self.norms.settle(wait=True)  # the last step's norm, if nothing zeroed the gradients in between
         self.optimizer_built(optimizer, slots)
         self.clock.begin(optimizer)
+        self.guarded("learning rate", self.rates.keep, self.clock.current(optimizer), optimizer)
         if self.clock.current(optimizer) == 1 and self.config.detect and self._launch_weights is None:
             self._launch_weights = self.guarded("state", self._weights_flag, optimizer)
         self.guarded("frames", self.forward.flush)  # every forward of this step is done
@@ -245,7 +248,7 @@ class Runtime:
         if optimizer is not None and self.config.detect:
             held = self._facts.optimizer_tensors(optimizer, self.known_chunks())
             if held.weights or held.slots:
-                self.detections.state(held, self.ids_by_name(), self._launch_weights)
+                self.detections.state(held, self.ids_by_name(), self._launch_weights, self.rates.to_json())
 
     # -- the step's schedule (its forward pass may be run again) ------------------------------------
 

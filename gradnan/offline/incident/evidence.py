@@ -6,9 +6,10 @@ of the origin's devices.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ...decision.evidence import BadWeight, Evidence, HealthReading, StateFault, View
+from ...decision.evidence import RATE_JUMP, BadWeight, Evidence, HealthReading, RateFault, StateFault, View
 from ...decision.facts import Fact
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
@@ -161,7 +162,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
         launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
-        bad_weights=weights, state_faults=faults, lone_weights=_lone_weights(states, at_step),
+        bad_weights=weights, state_faults=faults, rate_fault=rate_fault(states, step),
+        lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
         replicas_compared=compared,
         split_replicas=split, rerun=conclusion,
@@ -196,6 +198,28 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 
 
+def _rate(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else float(value or "nan")
+
+
+def rate_fault(states: Sequence[Dict[str, Any]], step: int) -> Optional[RateFault]:
+    """The first rank (by rank) whose update of step ``step - 1`` used a non-finite learning rate, or one
+    ``RATE_JUMP`` times the largest finite positive one of the steps it kept before it."""
+    for record in states:
+        kept = record.get("learning_rates") or []
+        used = next((entry for entry in kept if entry["step"] == step - 1), None)
+        if used is None:
+            continue
+        before = [rate for entry in kept if entry["step"] < step - 1 for rate in map(_rate, entry["lr"])
+                  if math.isfinite(rate) and rate > 0]
+        earlier = max(before, default=None)
+        for group, written in enumerate(used["lr"]):
+            rate = _rate(written) if written is not None else 0.0
+            if not math.isfinite(rate) or (earlier is not None and abs(rate) >= RATE_JUMP * earlier):
+                return RateFault(record["rank"].get("global_rank"), step - 1, group, written, earlier)
+    return None
+
+
 def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]],
               rerun: Optional[RerunFinding], pattern: Pattern, origin: Sequence[View]) -> FrozenSet[Fact]:
     """The kinds of evidence the failing step's files hold, or that it had none of to hold."""
@@ -207,6 +231,8 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
         facts.add(Fact.REPLICA_DIGESTS)  # compared, or nothing to compare it with
     if rerun is not None:
         facts.add(Fact.RERUN)
+    if any(record.get("learning_rates") for record in states):
+        facts.add(Fact.LEARNING_RATES)
     if pattern.gradient_pass is not GradientPass.UNKNOWN or not origin:
         facts.add(Fact.PARAMETER_MAPS)  # counted against, or no origin's gradients to count
     return frozenset(facts)

@@ -42,8 +42,8 @@ from ...errors import InputError, UsageError
 from ...formats import bundle
 from ...formats.layout import MANIFEST, host_device
 from ...formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
-from ...formats.records import is_growth
 from ...formats.replay import SCHEMA, ReplayVerdict
+from ...formats.rerun_record import is_growth
 from ...formats.text import printable_lines, shell_word, untrusted
 from ...formats.trace import REPLAY_PRECISIONS, Trace, has_nonfinite, is_fused, same_values, tensors_in
 from ...formats.trace_ops import TraceError, returns_uninitialized
