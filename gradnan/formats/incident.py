@@ -144,7 +144,7 @@ _TRANSIENT_EXPLANATIONS = {
 
 
 class Cause(str, enum.Enum):
-    """Where the non-finite value was born: the report's verdict (decided by ``offline.causes.RULES``)."""
+    """Where the non-finite value was born: the report's verdict (decided by ``decision.causes.RULES``)."""
 
     WEIGHTS = "weights"
     """A weight was non-finite when the step began (a checkpoint, a bad write), or replicas' copies differ."""
