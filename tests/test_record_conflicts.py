@@ -35,7 +35,9 @@ def test_a_norm_record_claiming_a_pre_reduction_finding_that_was_never_written()
     assert (verdict.cause.value, verdict.rule) == ("undetermined", "records_conflict")
     assert [entry["global_rank"] for entry in origin] == [0]
     assert "rank 0's grad-norm record says its own gradients were non-finite" in verdict.summary
-    assert "checked on each" not in text
+    assert "checked on each" not in text and "own gradients were finite before" not in text
+    assert "Origin (their records contradict each other):" in text
+    assert verdict.evidence[0].startswith("records disagree: rank 0's grad-norm record says")
 
 
 def test_equal_digests_beside_one_replicas_nan_weight():

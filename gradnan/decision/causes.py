@@ -115,7 +115,8 @@ RULES: Tuple[Rule, ...] = (
          "two of the step's records contradict each other (a claim of one that another refutes)",
          lambda e: bool(e.conflicts), lambda e: e.conflict_ranks, say.records_conflict,
          (act.decide_by("read one launch of the run directory (gradnan report --run), or rerun from the last"
-                        " checkpoint with gradnan's defaults into an empty run directory"),)),
+                        " checkpoint with gradnan's defaults into an empty run directory"),),
+         basis=OriginBasis.CONFLICT),
     Rule("weights_at_launch", Cause.WEIGHTS, _STATES,
          "a weight is non-finite, and it was already at the launch's first step",
          lambda e: bool(e.bad_weights) and e.launch_first_step, say.weight_holders, say.checkpoint_weights,

@@ -252,6 +252,8 @@ class OriginBasis(str, enum.Enum):
     """Their weights, or their optimizer state, were non-finite when the failing step began (``state``)."""
     REPLICAS = "replicas"
     """Their weights differed from their data-parallel peers' when the failing step began (``state``)."""
+    CONFLICT = "conflict"
+    """Their records contradict another record of the step: nothing is concluded from them."""
     NONE = "none"
     """No rank held a non-finite gradient."""
 
@@ -273,6 +275,7 @@ _BASIS_TEXT = {
     OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
     OriginBasis.RERUN: "named by the failing step, run again in place",
+    OriginBasis.CONFLICT: "their records contradict each other",
 }
 
 

@@ -134,6 +134,9 @@ def _health_evidence(readings: Sequence[HealthReading]) -> List[str]:
             for reading in readings]
 
 
+MAX_CONFLICT_LINES = 8
+
+
 def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
     """What the decision rests on, fact by fact (none of them a competing verdict); for an undetermined
     one, what was not observed and how to observe it."""
@@ -150,7 +153,9 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                     "; weights not compared across data-parallel replicas (no peer of theirs read them)")
         lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
                      f" optimizer state {state}{replicas}")
-    if e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
+    if e.conflicts:  # what the records say of the gradients' origin is in question
+        lines += [f"records disagree: {conflict}" for conflict in e.conflicts[:MAX_CONFLICT_LINES]]
+    elif e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
         lines.append("own gradients non-finite before the data-parallel collective on rank(s)"
                      f" {rank_ranges(list(e.gradient_origin))}")
     elif e.gradient_basis is OriginBasis.AFTER_COLLECTIVE:
