@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .text import untrusted
 
@@ -35,6 +35,12 @@ MANIFEST = "manifest.json"
 TENSORS = "tensors.pt"
 
 AXES = ("tp", "pp", "dp", "cp", "ep")
+
+
+def peers_key(coords: Mapping[str, Any], across: str) -> Tuple[Any, ...]:
+    """What the ranks of one group along ``across`` share (``"dp"``: data-parallel peers; ``"tp"``: a
+    tensor-parallel group): every coordinate but that one."""
+    return tuple(coords.get(axis) for axis in AXES if axis != across)
 
 
 def shown_axes(coords: Mapping[str, Any]) -> List[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict, FrozenSet, List, Sequence, Tuple
 
 from ...formats.incident import RecordKind
-from ...formats.layout import AXES
+from ...formats.layout import peers_key
 from ...formats.text import untrusted
 
 Record = Dict[str, Any]
@@ -38,10 +38,6 @@ def _pre_reduction_claims(at_step: Sequence[Record]) -> List[Conflict]:
     return found
 
 
-def _peers(coords: Record, without: str) -> Tuple[Any, ...]:
-    return tuple(coords.get(axis) for axis in AXES if axis != without)
-
-
 def _digests_and_weights(states: Sequence[Record]) -> List[Conflict]:
     """Data-parallel peers with equal digests of their weights hold bitwise equal weights: one cannot hold
     a non-finite model weight its peer holds finite."""
@@ -49,7 +45,7 @@ def _digests_and_weights(states: Sequence[Record]) -> List[Conflict]:
     found: List[Conflict] = []
     for record in states:
         bad = frozenset(p["name"] for p in record["params"] if p.get("copy", "model") == "model")
-        key = (_peers(record["rank"], "dp"), record["weights_digest"])
+        key = (peers_key(record["rank"], "dp"), record["weights_digest"])
         first, first_bad = seen.setdefault(key, (record, bad))
         if bad != first_bad:
             name = sorted(bad ^ first_bad)[0]
@@ -65,7 +61,7 @@ def _reductions(reruns: Sequence[Record]) -> List[Conflict]:
     groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
     for record in reruns:
         if record.get("reduction"):
-            groups.setdefault(_peers(record["rank"], "tp"), {}).setdefault(record["reduction"], []).append(
+            groups.setdefault(peers_key(record["rank"], "tp"), {}).setdefault(record["reduction"], []).append(
                 _rank(record))
     return [(f"rank {said['collective'][0]}'s rerun found every partial sum of a tensor-parallel reduction"
              f" finite, and rank {said['partial'][0]}'s found its own partial sum non-finite",

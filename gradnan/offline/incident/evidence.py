@@ -14,7 +14,7 @@ from ...decision.facts import Fact
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
-from ...formats.layout import AXES, rank_label
+from ...formats.layout import peers_key, rank_label
 from .conflicts import conflicts_of
 from .gradients import rank_view
 from .read import RunFiles
@@ -53,7 +53,7 @@ def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, 
     copy went bad alone."""
     bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
     peers = _peer_groups(states)
-    finite_forward = {_peer_key(r["rank"]) for r in at_step
+    finite_forward = {peers_key(r["rank"], "dp") for r in at_step
                       if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True}
     lone = set()
     for key, group in peers.items():
@@ -64,11 +64,6 @@ def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, 
     return tuple(sorted(lone))
 
 
-def _peer_key(coords: Dict[str, Any]) -> Tuple[Any, ...]:
-    """What data-parallel peers share: every coordinate but ``dp``."""
-    return tuple(coords.get(axis) for axis in AXES if axis != "dp")
-
-
 def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Data-parallel peers (equal coordinates but ``dp``) compared by their weights' digests: the ranks
     whose digest differs from a strict majority's (``odd``), and the ranks of groups that differ with no
@@ -76,7 +71,7 @@ def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], 
     groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
     for record in states:
         coords = record["rank"]
-        digests = groups.setdefault(_peer_key(coords), {})
+        digests = groups.setdefault(peers_key(coords, "dp"), {})
         digests.setdefault(record["weights_digest"], []).append(coords.get("global_rank"))
     odd: List[int] = []
     split: List[int] = []
@@ -193,7 +188,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
-        observed=_observed(at_step, states, rerun, pattern, origin),
+        observed=_observed(at_step, states, rerun, pattern, origin, compared),
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 
@@ -221,14 +216,15 @@ def rate_fault(states: Sequence[Dict[str, Any]], step: int) -> Optional[RateFaul
 
 
 def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]],
-              rerun: Optional[RerunFinding], pattern: Pattern, origin: Sequence[View]) -> FrozenSet[Fact]:
-    """The kinds of evidence the failing step's files hold, or that it had none of to hold."""
+              rerun: Optional[RerunFinding], pattern: Pattern, origin: Sequence[View],
+              compared: Optional[bool]) -> FrozenSet[Fact]:
+    """The kinds of evidence the failing step's files hold, or that it had none of to hold
+    (``compared``: ``Evidence.replicas_compared``)."""
     facts = set(facts_of_step(at_step))
     if states:
         facts.add(Fact.STATES)
-    no_replicas = all((record["rank"].get("dp_size") or 1) <= 1 for record in states)
-    if states and (no_replicas or any(len(group) > 1 for group in _peer_groups(states).values())):
-        facts.add(Fact.REPLICA_DIGESTS)  # compared, or nothing to compare it with
+    if states and compared is not False:
+        facts.add(Fact.REPLICA_DIGESTS)  # compared, or no replicas to compare them with
     if rerun is not None:
         facts.add(Fact.RERUN)
     if any(record.get("learning_rates") for record in states):
@@ -239,10 +235,10 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
 
 
 def _peer_groups(states: Sequence[Dict[str, Any]]) -> Dict[Tuple[Any, ...], List[Any]]:
-    """The ranks of each group of data-parallel peers that read their state (``_peer_key``)."""
+    """The ranks of each group of data-parallel peers that read their state (``peers_key``)."""
     peers: Dict[Tuple[Any, ...], List[Any]] = {}
     for record in states:
-        peers.setdefault(_peer_key(record["rank"]), []).append(record["rank"].get("global_rank"))
+        peers.setdefault(peers_key(record["rank"], "dp"), []).append(record["rank"].get("global_rank"))
     return peers
 
 
