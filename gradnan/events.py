@@ -68,6 +68,10 @@ class StepState:
     stepped: List[ParamTensors]
 
 
+def _no_group() -> Optional[Any]:
+    return None
+
+
 def _no_optimizer_tensors(optimizer: Any, chunks: Sequence[torch.nn.Module]) -> StepState:
     return StepState([], [], [])
 
@@ -84,7 +88,8 @@ class ModelFacts:
     wandb: the training loop's own W&B run on this rank (Megatron-LM's: the ``wandb`` module, initialised),
     or None.
     optimizer_tensors: the weights and an optimizer's state (``StepState``), read at an incident to tell a
-    weight or an update gone bad from a bad step."""
+    weight or an update gone bad from a bad step.
+    replica_group: this rank's data-parallel process group (its peers hold the same weights), or None."""
 
     coords: Callable[[], Dict[str, Any]]
     versions: Callable[[], Dict[str, Any]]
@@ -95,6 +100,7 @@ class ModelFacts:
     tensorboard: Callable[[], Optional[Any]] = _no_tracker
     wandb: Callable[[], Optional[Any]] = _no_tracker
     optimizer_tensors: Callable[[Any, Sequence[torch.nn.Module]], StepState] = _no_optimizer_tensors
+    replica_group: Callable[[], Optional[Any]] = _no_group
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,8 @@ class Events(Protocol):
     def grad_norm_tensor(self, norm: torch.Tensor, on_nonfinite: Callable[[float], None]) -> None: ...
 
     def gradients_zeroing(self) -> None: ...
+
+    def host_waited(self) -> None: ...
 
     def keeps_steps(self) -> bool: ...
 

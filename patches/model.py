@@ -227,7 +227,17 @@ def optimizer_tensors(optimizer: Any, chunks: Sequence[torch.nn.Module]):
     return param_tensors(optimizer, chunks)
 
 
+def data_parallel_group() -> Optional[Any]:
+    """Megatron's data-parallel group (without context parallelism), once its parallel state is set up."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group()
+
+
 MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
                             named_modules=global_named_modules, observed_grad=model_grad,
                             param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard,
-                            wandb=megatron_lm_wandb, optimizer_tensors=optimizer_tensors)
+                            wandb=megatron_lm_wandb, optimizer_tensors=optimizer_tensors,
+                            replica_group=data_parallel_group)

@@ -98,7 +98,10 @@ class OptimizerInstrumentor(Instrumentor):
             target = runtime.stepping_optimizer() or optimizer
             if isinstance(norm, torch.Tensor):
                 runtime.grad_norm_tensor(norm, partial(on_nonfinite_norm, target))
-            elif not is_finite_number(norm):
+                return
+            if norm is not None:  # read as a number: the host has just waited for the device
+                runtime.host_waited()
+            if not is_finite_number(norm):
                 on_nonfinite_norm(target, norm)
 
         def make_norm_wrapper(original):

@@ -55,6 +55,11 @@ class GradnanConfig:
     device (the run-up), written at an incident so the report can tell whether the culprit's gradients grew
     before the NaN; 0: off. Needs ``pre_reduction`` (it reuses that check's read)."""
 
+    replica_check_every: int = 100
+    """Every this many steps, as the optimizer step begins, data-parallel replicas compare a digest of their
+    weights (one asynchronous all-reduce of two integers, read at the next check); a replica whose weights
+    differ is recorded (``replica_divergence``) with the parameter and its first differing element; 0: off."""
+
     max_params_per_record: int = 64
     """Offending parameters listed in full per record; the rest are only counted."""
 
@@ -192,6 +197,8 @@ class GradnanConfig:
                               " 'max_batch_bytes' must be >= 0")
         if not 0 <= self.runup_steps <= MAX_RUNUP_STEPS:
             raise ConfigError(f"gradnan config field 'runup_steps' must be 0 (off) to {MAX_RUNUP_STEPS}")
+        if self.replica_check_every < 0:
+            raise ConfigError("gradnan config field 'replica_check_every' must be >= 0 (0: off)")
         if self.max_params_per_record < 1:
             raise ConfigError("gradnan config field 'max_params_per_record' must be >= 1")
         if self.skip_warn_after < 1:

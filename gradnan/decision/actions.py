@@ -114,6 +114,13 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
 
 
+def resume_before_divergence(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Before the replica check that saw the replicas differ (the corruption came after the check before)."""
+    before = (f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
+              + ", the replica check that saw the replicas differ")
+    return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
+
+
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the update that wrote the bad weights."""
     when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")

@@ -51,6 +51,12 @@ def culprit_of_weights(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
     return next(iter(params), e.first_in_backward)
 
 
+def culprit_of_divergence(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """The first parameter whose replicas' copies differed."""
+    found = e.divergence
+    return found.weights[0].name if found is not None and found.weights else None
+
+
 def culprit_in_forward_module(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
     """The origin's first offending parameter inside the module that grew a value or went non-finite."""
     named = set(origin)
@@ -142,6 +148,12 @@ RULES: Tuple[Rule, ...] = (
          "a weight is non-finite at a later step on every replica holding it, the optimizer state finite",
          lambda e: bool(e.bad_weights), say.weight_holders, say.later_weights, _WEIGHTS, culprit_of_weights,
          OriginBasis.STATE),
+    Rule("replica_diverged", Cause.REPLICA_DIVERGENCE, (),
+         "at a periodic replica check, a data-parallel replica's weights differed from its peers'"
+         " (replica_divergence records), no weight non-finite",
+         lambda e: e.divergence is not None, say.divergence_ranks, say.replica_divergence,
+         (act.drain, act.selftest_beside_drain, act.resume_before_divergence), culprit_of_divergence,
+         OriginBasis.REPLICA_CHECK),
     Rule("replicas_disagree", Cause.WEIGHTS, (Fact.STATES, Fact.REPLICA_DIGESTS),
          "every weight finite, but data-parallel replicas' weights differ (digest)",
          lambda e: bool(e.odd_replicas or e.split_replicas), say.diverged, say.replicas_disagree, _WEIGHTS,

@@ -70,6 +70,41 @@ RATE_JUMP = 100.0
 
 
 @dataclass(frozen=True)
+class DivergedWeight:
+    """A parameter whose copy on ``rank`` differed from its data-parallel peers' (a ``replica_divergence``
+    record): its first differing element and the values there, where they were located."""
+
+    rank: int
+    name: str
+    index: Optional[Tuple[int, ...]]
+    value: Any  # as the record wrote it: a number, "inf", "nan", or None (not located)
+    majority_value: Any
+
+    def text(self) -> str:
+        if self.index is None:
+            return (f"{untrusted(self.name)} (its first differing element not located: the copies agreed"
+                    " again when it was searched)")
+        where = f"{untrusted(self.name)}[{', '.join(map(str, self.index))}]"
+        held = ("" if self.majority_value is None
+                else f" where the majority holds {untrusted(self.majority_value)}")
+        return f"{where} = {untrusted(self.value)} on rank {self.rank}{held}"
+
+
+@dataclass(frozen=True)
+class ReplicaDivergence:
+    """The first periodic replica check that saw data-parallel replicas differ (``replica_divergence``
+    records): the ranks whose weights differ (from a strict majority's, else every peer's), the peers
+    compared, how many agreed (None: no majority), the step the result was read at, the parameters."""
+
+    ranks: Tuple[int, ...]
+    replicas: int
+    agreeing: Optional[int]
+    read_at_step: int
+    weights: Tuple[DivergedWeight, ...]
+    params_total: int
+
+
+@dataclass(frozen=True)
 class Evidence:
     """Every fact a rule may use, read once from the failing step's records (``evidence.evidence_of``).
     Ranks are global ranks; ``labels`` names each one for the wording ("rank 3 (tp1 pp0 dp1) on h cpu")."""
@@ -90,6 +125,8 @@ class Evidence:
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
     replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)
     split_replicas: Tuple[int, ...] = ()  # peers whose weights differ with no majority to side with
+    # the first periodic replica check that saw data-parallel replicas differ (at this step)
+    divergence: Optional[ReplicaDivergence] = None
     # the in-place rerun of the failing step
     rerun: Optional[Conclusion] = None
     rerun_module: Optional[str] = None

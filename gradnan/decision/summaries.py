@@ -94,6 +94,26 @@ def replicas_disagree(e: Evidence) -> str:
             " non-deterministic update")
 
 
+def divergence_ranks(e: Evidence) -> Tuple[int, ...]:
+    return e.divergence.ranks if e.divergence is not None else ()
+
+
+def replica_divergence(e: Evidence) -> str:
+    found = e.divergence
+    assert found is not None  # the rule fires on it
+    ranks = found.ranks
+    which = (f"differed from the copy {found.agreeing} of the {found.replicas} data-parallel replicas hold"
+             if found.agreeing is not None else
+             f"differed across the {found.replicas} data-parallel replicas, with no majority to tell which"
+             " copy is wrong: every one is named")
+    first = found.weights[0].text() if found.weights else "(no parameter named)"
+    more = f" (and {found.params_total - 1} more parameter(s))" if found.params_total > 1 else ""
+    read = "" if found.read_at_step == e.step else f", read at step {found.read_at_step}"
+    return (f"the weights on {e.labelled(ranks)} {which} at the replica check of step {e.step}{read}: {first}"
+            f"{more}. Replicas apply equal updates to equal weights, so that copy was corrupted since the"
+            " check before (silent data corruption of its memory or device); a finite wrong value trains on")
+
+
 def tensor_parallel_collective(e: Evidence) -> str:
     return (f"the tensor-parallel reduction in {untrusted(e.rerun_module)}: run again in place, every rank's"
             f" partial sum was finite and the reduced value was not, on {e.labelled(e.rerun_origins)},"

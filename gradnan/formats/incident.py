@@ -34,6 +34,9 @@ class RecordKind(str, enum.Enum):
     STATE = "state"
     """At the run's first incident, before any update: this rank's non-finite weights (model parameters and
     the optimizer's main copies), its optimizer state's faults and a digest of its weights."""
+    REPLICA_DIVERGENCE = "replica_divergence"
+    """At a periodic replica check, this rank's weights differed from its data-parallel peers' (or, with no
+    majority among them, the peers' weights differed): the parameters, their first differing element."""
 
 
 INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION,
@@ -160,6 +163,9 @@ class Cause(str, enum.Enum):
     """Every input of a collective finite on every rank, its output non-finite on some."""
     DEVICE = "device"
     """Not reproduced when the step was run again in place: a transient fault of the device."""
+    REPLICA_DIVERGENCE = "replica_divergence"
+    """A data-parallel replica's weights differed from its peers' at a periodic replica check, every weight
+    finite or not: a silent corruption of that replica's memory or device, which trains on."""
     NORM_OVERFLOW = "norm_overflow"
     """Every gradient finite; the grad norm's float32 sum of squares overflowed (exploding gradients)."""
     UNDETERMINED = "undetermined"
@@ -252,6 +258,9 @@ class OriginBasis(str, enum.Enum):
     """Their weights, or their optimizer state, were non-finite when the failing step began (``state``)."""
     REPLICAS = "replicas"
     """Their weights differed from their data-parallel peers' when the failing step began (``state``)."""
+    REPLICA_CHECK = "replica_check"
+    """Their weights differed from their data-parallel peers' at a periodic replica check
+    (``replica_divergence``)."""
     CONFLICT = "conflict"
     """Their records contradict another record of the step: nothing is concluded from them."""
     NONE = "none"
@@ -276,6 +285,7 @@ _BASIS_TEXT = {
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
     OriginBasis.RERUN: "named by the failing step, run again in place",
     OriginBasis.CONFLICT: "their records contradict each other",
+    OriginBasis.REPLICA_CHECK: "weights unlike their data-parallel peers' at a periodic replica check",
 }
 
 

@@ -1,7 +1,7 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
 Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
-``nonfinite_loss``, ``state``
+``nonfinite_loss``, ``state``, ``replica_divergence``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -110,6 +110,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_nonfinite_loss(record, where)
     elif record.get("kind") == "state":
         _check_state(record, where)
+    elif record.get("kind") == "replica_divergence":
+        _check_divergence(record, where)
     return record
 
 
@@ -184,6 +186,33 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
                          " 'name'/'state' and counts 'nan'/'inf'/'negative', and 'learning_rates' absent,"
                          f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
                          f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls")
+
+
+MAX_DIVERGED_PARAMS, MAX_DIFFERING_RANKS = 64, 1024  # far above what gradnan writes: 4 and 64
+
+
+def _is_diverged(entry: Any) -> bool:
+    """One parameter of a ``replica_divergence`` record: its first differing element where located."""
+    return (isinstance(entry, dict) and is_text(entry.get("name"))
+            and all(optional(entry.get(key), is_int) for key in ("numel", "flat"))
+            and optional(entry.get("index"), _is_index)
+            and all(optional(entry.get(key), is_stat) for key in ("value", "majority_value")))
+
+
+def _check_divergence(record: Dict[str, Any], where: str) -> None:
+    ranks, diverged = record.get("differing_ranks"), record.get("diverged")
+    if (not all(is_int(record.get(key)) for key in ("read_at_step", "replicas", "differing_total",
+                                                     "diverged_total"))
+            or not optional(record.get("agreeing"), is_int)
+            or not (isinstance(ranks, list) and len(ranks) <= MAX_DIFFERING_RANKS and all(map(is_int, ranks)))
+            or not (isinstance(diverged, list) and len(diverged) <= MAX_DIVERGED_PARAMS
+                    and all(map(_is_diverged, diverged)))):
+        raise InputError(f"{where}: a replica_divergence record needs integers 'read_at_step', 'replicas',"
+                         " 'differing_total' and 'diverged_total', 'agreeing' null or an integer, a"
+                         f" 'differing_ranks' list of at most {MAX_DIFFERING_RANKS} integers and a 'diverged'"
+                         f" list of at most {MAX_DIVERGED_PARAMS} objects with a text 'name', 'numel'/'flat'"
+                         " null or integers, 'index' null or a list of integers and 'value'/'majority_value'"
+                         " null or numbers")
 
 
 def _check_largest(largest: Any, where: str) -> None:

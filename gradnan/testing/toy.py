@@ -28,6 +28,7 @@ import torch
 from .gloo import free_port, gloo_process, one_job
 from .toy_data import POISON_TOKEN_FROM_END, MegatronLMData, _batches, _poison_token_row
 from .toy_faults import (
+    _apply_bit_flip_injections,
     _apply_learning_rate_injections,
     _apply_main_grad_injections,
     _apply_memory_buffer_injections,
@@ -177,6 +178,7 @@ class TinyGPT:
         step = len(self.result.steps) + 1
         _apply_scale_injections(job, rank, step, chunks, self.result)
         _apply_weight_injections(job, rank, step, chunks, optimizer, self.result)
+        _apply_bit_flip_injections(job, rank, step, chunks, optimizer, self.result)
         _apply_memory_buffer_injections(job, rank, step, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
         self.result.injected += [dataclasses.asdict(injection) for injection in _due(job, rank, step, "loss")]

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..training.scan import integer_view
 from .toy_job import Injection, TinyGPTJob
 
 
@@ -189,6 +190,38 @@ def _apply_weight_injections(job, rank, step, chunks, optimizer, result) -> None
                 if start <= index < end and copy is not param:
                     copy.view(-1)[index - start] = injection.number()
         result.injected.append({**dataclasses.asdict(injection), "index": index})
+
+
+EXPONENT_LOWEST_BIT = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def _kept_shared_copy(optimizer, param) -> torch.Tensor:
+    """The copy of ``param`` that data-parallel replicas share and that outlives the step: the whole fp32
+    main copy a mixed-precision optimizer steps (without a distributed optimizer; it writes the model
+    parameter at each update), else the model parameter itself (fp32 training; the distributed optimizer's
+    gathered parameter, until its next gather)."""
+    from gradnan.patches.optimizer_params import param_tensors
+
+    held = param_tensors(optimizer)
+    return next((tensors.main for slot, tensors in zip(held.slots, held.stepped)
+                 if tensors.model is param and tensors.main is not None and slot.shard is None), param)
+
+
+def _apply_bit_flip_injections(job, rank, step, chunks, optimizer, result) -> None:
+    """Flip bit ``value`` ("exponent": its exponent's lowest, which doubles or halves a finite value) of
+    element ``index`` (default 0) of the kept shared copy of parameter ``target`` (``_kept_shared_copy``)
+    before the step's forward: a silent corruption of one replica's weights, finite."""
+    for injection in _due(job, rank, step, "bit_flip"):
+        param = _param_by_global_name(chunks, injection.target)
+        if param is None:
+            raise ValueError(f"no parameter named {injection.target} on this rank")
+        copy, index = _kept_shared_copy(optimizer, param), injection.index or 0
+        bit = EXPONENT_LOWEST_BIT[copy.dtype] if injection.value == "exponent" else int(injection.value)
+        with torch.no_grad():
+            bits = integer_view(copy).view(-1)
+            bits[index] ^= torch.tensor(1 << bit, dtype=torch.int64).to(bits.dtype)
+        result.injected.append({**dataclasses.asdict(injection), "index": index,
+                                "copy": "model" if copy is param else "main"})
 
 
 def _apply_learning_rate_injections(job, rank, step, optimizer, result) -> None:

@@ -37,6 +37,11 @@ class Injection:
       parameter and in every copy the optimizer steps (its fp32 main copy, or this rank's
       distributed-optimizer shard where it holds the element), as a corrupted checkpoint or a bad write
       leaves a weight;
+    - ``"bit_flip"``: flip bit ``value`` (a number, or "exponent": the lowest exponent bit, which doubles or
+      halves the value) of element ``index`` of parameter ``target`` before the step's forward, in the copy
+      data-parallel replicas share that outlives the step (a mixed-precision optimizer's fp32 main copy
+      without a distributed optimizer, else the model parameter): a silent, finite corruption of one
+      replica's weights;
     - ``"optimizer_state"``: set element ``index`` (default 0) of the optimizer's ``state`` tensor
       (``exp_avg_sq``, ``exp_avg``) of parameter ``target`` right before ``optimizer.step()``, where this
       rank's optimizer holds that element: the update then writes a bad weight from finite gradients (a

@@ -25,6 +25,7 @@ from .clock import StepClock
 from .health import DeviceHealth
 from .messages import describe_params, is_power_of_two, when, where
 from .offenders import largest_gradient, offending_params
+from .replicas import Divergence
 from .runup import RunUp
 from .weights import state_fields
 from .writer import Writer, Written
@@ -369,6 +370,19 @@ class Detections:
             logger.error("%s: the optimizer state on %s is bad: %s of %s holds %d NaN, %d Inf and %d negative"
                          " value(s); record: %s", when(record), where(record), fault["state"], fault["name"],
                          fault["nan"], fault["inf"], fault["negative"], record.path)
+        return record
+
+    def replica_divergence(self, found: Divergence, read_at: int) -> Written:
+        """This rank's weights differed from its data-parallel peers' at a replica check: the record, and an
+        error log line naming the first differing parameter and element."""
+        record = self._writer.record(RecordKind.REPLICA_DIVERGENCE, found.step, [],
+                                     found.record_fields(read_at))
+        first = found.params[0] if found.params else {}
+        logger.error("%s: the weights on %s differ from its %d data-parallel peers'%s: %s at %s (%s, the"
+                     " majority's %s); %d parameter(s) differ; record: %s", when(record), where(record),
+                     found.replicas - 1, "" if found.agreeing else " (no majority: which copy is wrong is not"
+                     " known)", first.get("name"), first.get("index"), first.get("value"),
+                     first.get("majority_value"), found.params_total, record.path)
         return record
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:

@@ -38,6 +38,7 @@ from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rates import LearningRates
+from .replicas import Divergence, ReplicaCheck, names_to_compare
 from .rerun import StepRerun
 from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
@@ -65,6 +66,7 @@ class Runtime:
                                     self.module_hooking)
         self.norms = PendingNorms()
         self.rates = LearningRates()
+        self.replicas = ReplicaCheck(config.replica_check_every if config.detect else 0, facts.replica_group)
         self.board = IncidentBoard(config, self.clock, self.writer, facts)
         self._lock = threading.Lock()
         self._chunks: List["weakref.ref[torch.nn.Module]"] = []
@@ -131,6 +133,8 @@ class Runtime:
         self.optimizer_built(optimizer, slots)
         self.clock.begin(optimizer)
         self.guarded("learning rate", self.rates.keep, self.clock.current(optimizer), optimizer)
+        if self.replicas.due(self.clock.current(optimizer)):
+            self.guarded("replica check", self._check_replicas, optimizer)
         if self.clock.current(optimizer) == 1 and self.config.detect and self._launch_weights is None:
             self._launch_weights = self.guarded("state", self._weights_flag, optimizer)
         self.guarded("frames", self.forward.flush)  # every forward of this step is done
@@ -229,6 +233,31 @@ class Runtime:
                          self.detections.last_pre_reduction)
         if stop is not None:
             stop_if_asked(self.config, stop)
+
+    def host_waited(self) -> None:
+        """Inside the optimizer step, before the update, the host has just waited for the device (a grad norm
+        read as a number): a replica check started at this step's beginning is read now."""
+        optimizer = self.clock.stepping()
+        if optimizer is not None:
+            self.guarded("replica check", self._replica_divergence, optimizer,
+                         self.replicas.host_waited(partial(self._weights_compared, optimizer)))
+
+    def _check_replicas(self, optimizer: Any) -> None:
+        """On every data-parallel peer at once (a collective): the last check's result if still pending,
+        then this step's."""
+        found = self.replicas.at_step(self.clock.current(optimizer), self._facts.iteration(),
+                                      partial(self._weights_compared, optimizer))
+        self._replica_divergence(optimizer, found)
+
+    def _weights_compared(self, optimizer: Any) -> List[Tuple[str, torch.Tensor]]:
+        held = self._facts.optimizer_tensors(optimizer, self.known_chunks())
+        return names_to_compare(held.weights, [slot.name for slot in held.slots if slot.is_expert])
+
+    def _replica_divergence(self, optimizer: Any, found: Optional[Divergence]) -> None:
+        """Its record, written by each rank whose weights differ (every peer's where no majority agrees)."""
+        mine = found is not None and self.writer.coords()["global_rank"] in found.ranks
+        if found is not None and mine and self.window.recording():
+            self.detections.replica_divergence(found, self.clock.current(optimizer))
 
     def _weights_flag(self, optimizer: Any) -> Optional[torch.Tensor]:
         """Once, at the launch's first step: a device flag, read only at an incident, that says whether the

@@ -97,7 +97,7 @@ def _digest_chunks(tensors: Sequence[torch.Tensor]) -> Iterator[List[torch.Tenso
         yield run
 
 
-def _bit_sum(chunk: List[torch.Tensor]) -> torch.Tensor:
+def bit_sum(chunk: List[torch.Tensor]) -> torch.Tensor:
     """The integer sum of the chunk's bit patterns (int64): one tensor summed where it is, several copied
     back to back first (``torch._chunk_cat``: one kernel, not one per tensor)."""
     if len(chunk) == 1:
@@ -121,7 +121,7 @@ def weights_digest(weights: Sequence[Tuple[str, torch.Tensor]]) -> str:
     for name, _ in named:
         digest.update(name.encode() + b"\0")
     for key in sorted(groups, key=str):  # one read per dtype and device
-        for value in torch.stack([_bit_sum(chunk) for chunk in _digest_chunks(groups[key])]).tolist():
+        for value in torch.stack([bit_sum(chunk) for chunk in _digest_chunks(groups[key])]).tolist():
             digest.update(int(value).to_bytes(8, "little", signed=True))
     return digest.hexdigest()[:16]
 

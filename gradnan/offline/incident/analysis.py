@@ -153,6 +153,14 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                     "; weights not compared across data-parallel replicas (no peer of theirs read them)")
         lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
                      f" optimizer state {state}{replicas}")
+    if e.divergence is not None:
+        found = e.divergence
+        agree = (f"{found.agreeing} of {found.replicas} agree on the other copy" if found.agreeing is not None
+                 else f"no majority among {found.replicas}")
+        lines.append(f"replica check of step {e.step} (read at step {found.read_at_step}): weights unlike"
+                     f" their data-parallel peers' on rank(s) {rank_ranges(list(found.ranks))} ({agree});"
+                     f" {found.params_total} parameter(s) differ: "
+                     + "; ".join(weight.text() for weight in found.weights[:MAX_CONFLICT_LINES]))
     if e.conflicts:  # what the records say of the gradients' origin is in question
         lines += [f"records disagree: {conflict}" for conflict in e.conflicts[:MAX_CONFLICT_LINES]]
     elif e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
@@ -190,10 +198,11 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
                     dtypes: Dict[Tuple[Any, str], str]) -> List[View]:
     """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
     (a ``state`` record's params), its rejected loss, what of its replica's own failed (its ``rerun``
-    record), or its coordinates alone."""
+    record), or its coordinates alone (from any record of it in ``reruns``: a ``replica_divergence`` one)."""
     by_rank: Dict[Any, View] = {r["rank"].get("global_rank"): {
         **rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
-        "own_failure": _own_failure(r)} for r in reruns}
+        "own_failure": _own_failure(r), **({"diverged": r["diverged"]} if "diverged" in r else {})}
+        for r in reruns}
     by_rank.update((entry["global_rank"], entry) for entry in rejected)
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
@@ -215,15 +224,18 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                          _params_per_rank(files, {entry["global_rank"] for entry in gradient_origin}))
     rerun = rerun_finding(launch)
     reruns_here = [r for r in launch if r.get("kind") == RecordKind.RERUN and r["step"] == step]
-    iterations = iterations_of(list(at_step) + reruns_here, rerun, step)
+    divergences = sorted((files.full(r) for r in launch
+                          if r.get("kind") == RecordKind.REPLICA_DIVERGENCE and r["step"] == step),
+                         key=lambda r: r["rank"].get("global_rank", -1))
+    iterations = iterations_of(list(at_step) + reruns_here + divergences, rerun, step)
     iteration = (rerun.iteration if rerun is not None and rerun.step == step and counted(rerun.iteration)
                  else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
                            rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
-                           reruns_here)
+                           reruns_here, divergences)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
-    origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here, dtypes)
+    origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes)
     named = {entry["global_rank"] for entry in origin}
     # the table's counts are those of the first rank holding each parameter: the decided origin's first
     parameters = _parameters_by_module(sorted(gradient_origin,
@@ -235,7 +247,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                              if key not in ("params", "params_total", "kind", "largest_grad")},
                             entry["params"])
                   for entry in gradient_origin if entry["global_rank"] not in listed]
-    recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states}
+    recorded = {r["rank"].get("global_rank") for r in at_step + reruns_here + states + divergences}
     health = health_readings(at_step, origin)
     lines = _evidence_lines(evidence, decision) + _selftest_evidence(origin, selftests)
     verdict = Verdict(decision.cause, decision.summary, tuple(lines + _health_evidence(health)),
@@ -252,7 +264,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                       reran=rerun is not None, megatron_reran=bool(rerun is not None and rerun.megatron))
     return Incident(
         step=step, iteration=iteration,
-        kinds=tuple(sorted({r["kind"] for r in at_step})) or (RecordKind.RERUN.value,),
+        kinds=tuple(sorted({r["kind"] for r in at_step + divergences})) or (RecordKind.RERUN.value,),
         origin_basis=decision.basis, origin=tuple(origin),
         receivers=tuple(sorted(receivers, key=lambda view: view["global_rank"])),
         silent=tuple(rank_view(ranks[rank]) for rank in sorted(ranks) if rank not in recorded),
@@ -300,8 +312,10 @@ def _runup(files: RunFiles, launch: List[Dict[str, Any]], step: int,
 
 def _marks_failure(record: Dict[str, Any]) -> bool:
     """An incident record, or a ``rerun`` record: written only at an incident, it is the only record of one
-    where Megatron's validation ran the step again and exited before the grad norm."""
-    return record.get("kind") in INCIDENT_KINDS or record.get("kind") == RecordKind.RERUN
+    where Megatron's validation ran the step again and exited before the grad norm; or a
+    ``replica_divergence`` record: a replica corrupted, whether or not anything went non-finite."""
+    return record.get("kind") in INCIDENT_KINDS or record.get("kind") in (RecordKind.RERUN,
+                                                                          RecordKind.REPLICA_DIVERGENCE)
 
 
 def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[str] = None) -> Report:

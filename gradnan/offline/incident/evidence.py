@@ -9,7 +9,17 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ...decision.evidence import RATE_JUMP, BadWeight, Evidence, HealthReading, RateFault, StateFault, View
+from ...decision.evidence import (
+    RATE_JUMP,
+    BadWeight,
+    DivergedWeight,
+    Evidence,
+    HealthReading,
+    RateFault,
+    ReplicaDivergence,
+    StateFault,
+    View,
+)
 from ...decision.facts import Fact
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
@@ -88,6 +98,24 @@ def replica_digests(states: Sequence[Dict[str, Any]]) -> Tuple[Tuple[int, ...], 
     return tuple(sorted(odd)), tuple(sorted(split))
 
 
+def replica_divergence(divergences: Sequence[Dict[str, Any]]) -> Optional[ReplicaDivergence]:
+    """The step's ``replica_divergence`` records (each written by a rank whose weights differed) as one
+    finding: the ranks they name (every record names them all, up to its cap, and each names itself), the
+    first record's counts, and each writer's differing parameters."""
+    if not divergences:
+        return None
+    first = divergences[0]
+    named = {rank for record in divergences for rank in record["differing_ranks"]}
+    named |= {record["rank"].get("global_rank") for record in divergences}
+    weights = tuple(DivergedWeight(record["rank"].get("global_rank"), entry["name"],
+                                   None if entry.get("index") is None else tuple(entry["index"]),
+                                   entry.get("value"), entry.get("majority_value"))
+                    for record in divergences for entry in record["diverged"])
+    ranks = tuple(sorted(rank for rank in named if isinstance(rank, int)))
+    return ReplicaDivergence(ranks, first["replicas"], first.get("agreeing"), first["read_at_step"], weights,
+                             first["diverged_total"])
+
+
 def overflow_recurs(at_step: Sequence[Dict[str, Any]], launch: Sequence[Dict[str, Any]], step: int) -> bool:
     """An fp16 overflow that fails again at the next step, where no update was applied in between: the same
     numerics, other data."""
@@ -131,9 +159,10 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
                 recurs: bool, iterations_seen: Tuple[int, ...] = (),
-                reruns: Sequence[Dict[str, Any]] = ()) -> Evidence:
+                reruns: Sequence[Dict[str, Any]] = (),
+                divergences: Sequence[Dict[str, Any]] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
-    records)."""
+    records; ``divergences``: its ``replica_divergence`` records)."""
     basis, origin = gradient
     conflicts = conflicts_of(at_step, states, reruns)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
@@ -161,7 +190,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
         replicas_compared=compared,
-        split_replicas=split, rerun=conclusion,
+        split_replicas=split, divergence=replica_divergence(divergences), rerun=conclusion,
         rerun_module=rerun.module if rerun is not None else None,
         rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
         loss_stage=_loss_ranks(rerun, ranks) if rerun is not None else (),

@@ -256,6 +256,11 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
                   f" {f['negative']} negative"
                   for f in entry.get("optimizer_state", [])[:2]]
         return "; ".join(parts) or "its weights differ from its data-parallel peers'"
+    if entry.get("kind") == RecordKind.REPLICA_DIVERGENCE:
+        first = entry["diverged"][0] if entry.get("diverged") else None
+        named = "" if first is None else f": {untrusted(first['name'])}" + (
+            "" if first.get("index") is None else f"[{', '.join(map(str, first['index']))}]")
+        return f"its weights differ from its data-parallel peers'{named}"
     if entry.get("own_failure"):
         return f"its own {untrusted(entry['own_failure'])} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:
