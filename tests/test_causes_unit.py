@@ -11,7 +11,14 @@ import pytest
 
 from gradnan.decision.actions import Setting, next_steps
 from gradnan.decision.causes import RULES, decide, rules_table
-from gradnan.decision.evidence import BadWeight, Evidence, RateFault, StateFault
+from gradnan.decision.evidence import (
+    BadWeight,
+    DivergedWeight,
+    Evidence,
+    RateFault,
+    ReplicaDivergence,
+    StateFault,
+)
 from gradnan.decision.facts import Fact, missing_text
 from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.offline.incident.evidence import replica_digests
@@ -19,6 +26,8 @@ from gradnan.offline.incident.evidence import replica_digests
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
 NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)
 BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq", 0, 0, 1)
+FLIPPED = DivergedWeight(2, "decoder.layers.0.mlp.linear_fc1.weight", (0, 5), 0.0654296875, 0.032470703125)
+DIVERGED = ReplicaDivergence((2,), 3, 2, 5, (FLIPPED,), 1)
 LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
 
 
@@ -39,6 +48,7 @@ CASES = {
     "learning_rate": (dict(bad_weights=(NAN_WEIGHT,), rate_fault=RateFault(1, 4, 0, "inf", 1e-4)), (1,)),
     "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
     "later_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
+    "replica_diverged": (dict(divergence=DIVERGED), (2,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
                                rerun_origins=(3,)), (3,)),
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,
@@ -158,6 +168,44 @@ def test_two_replicas_that_differ_name_the_one_that_failed():
     assert decide(evidence(**split, rerun_origins=(0, 1))).origin == (0, 1)
     undecided = decide(evidence(**split))
     assert undecided.origin == (0, 1) and "no majority to tell which copy is right" in undecided.summary
+
+
+def test_a_diverged_replica_is_named_with_its_parameter_element_and_values_and_drained():
+    decided = decide(evidence(divergence=DIVERGED))
+    assert decided.cause is Cause.REPLICA_DIVERGENCE and decided.basis is OriginBasis.REPLICA_CHECK
+    assert decided.culprit == FLIPPED.name
+    assert ("linear_fc1.weight[0, 5] = 0.0654296875 on rank 2 where the majority holds 0.032470703125"
+            in decided.summary)
+    assert "the copy 2 of the 3 data-parallel replicas hold" in decided.summary
+    origin = ({"global_rank": 2, "host": "h", "device": "cuda:2"},)
+    steps = next_steps(decided.actions, evidence(divergence=DIVERGED),
+                       Setting(origin, {2: origin[0]}, "run"))
+    assert [step.action for step in steps] == [Action.DRAIN, Action.SELFTEST, Action.RESUME]
+    assert "older than step 5 (iteration 105), the replica check that saw the replicas differ" in steps[2].text
+
+
+def test_two_replicas_that_differ_are_both_named_and_which_is_wrong_is_not_claimed():
+    both = ReplicaDivergence((0, 1), 2, None, 7, (DivergedWeight(0, "w", (3,), 1.0, None),
+                                                  DivergedWeight(1, "w", (3,), 2.0, None)), 1)
+    decided = decide(evidence(divergence=both))
+    assert decided.origin == (0, 1)
+    assert "no majority to tell which copy is wrong" in decided.summary and "majority holds" not in \
+        decided.summary
+    assert "read at step 7" in decided.summary
+
+
+def test_a_divergence_whose_copies_agreed_again_says_its_element_was_not_located():
+    healed = ReplicaDivergence((1,), 4, 3, 10, (DivergedWeight(1, "w", None, None, None),), 2)
+    decided = decide(evidence(divergence=healed))
+    assert "first differing element not located" in decided.summary and "and 1 more parameter" in \
+        decided.summary
+
+
+def test_non_finite_weights_outrank_the_replica_check_that_also_saw_them():
+    """A NaN in one replica's weight also makes its digest differ: the state record's finding is the more
+    specific one."""
+    decided = decide(evidence(bad_weights=(NAN_WEIGHT,), lone_weights=(1,), divergence=DIVERGED))
+    assert decided.rule == "one_replica_weights"
 
 
 def test_docs_table_is_the_rule_table():

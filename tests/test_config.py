@@ -22,6 +22,7 @@ def test_defaults_match_the_documented_values():
         "detect": True,
         "pre_reduction": "auto",
         "runup_steps": 32,
+        "replica_check_every": 100,
         "max_params_per_record": 64,
         "skip_warn_after": 3,
         "strict": False,
