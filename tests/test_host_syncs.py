@@ -3,7 +3,8 @@
 megatron-core (DP=2, bf16, overlapped reduction with several buckets). ``pre_reduction="sync"`` adds one
 read per bucket group per step, and none per parameter; frame tracing one read per step in all, however
 many module calls and tensors it measures. The run-up ring (on at the defaults) adds none either, also
-once it wraps around."""
+once it wraps around; nor does the replica check, checked at every step, its result read at the step's grad
+norm or, with a norm given as a tensor, at the next check."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def counts(tmp_path_factory):
             JOB.with_(gradnan={"out_dir": str(root / "frames"), "frames": "detect"}),
             JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"}),
             JOB.with_(gradnan={"out_dir": str(root / "runup_wraps"), "runup_steps": 2}),
-            TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")})]
+            TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")}),
+            JOB.with_(gradnan={"out_dir": str(root / "replicas"), "replica_check_every": 1}),
+            TENSOR_NORM.with_(gradnan={"out_dir": str(root / "replicas_tensor_norm"),
+                                       "replica_check_every": 1})]
     outcomes = launch_many(jobs)
     return [{rank: [s.host_syncs for s in result.steps] for rank, result in outcome.items()}
             for outcome in outcomes], outcomes[0][0].bucket_groups
@@ -40,7 +44,7 @@ def test_defaults_add_no_host_sync_on_healthy_steps(counts):
 
 
 def test_a_grad_norm_given_as_a_tensor_is_checked_without_a_host_sync(counts):
-    (*_, tensor_without, tensor_defaults), _ = counts
+    (*_, tensor_without, tensor_defaults, _, _), _ = counts
     assert tensor_defaults == tensor_without
     assert all(count > 0 for count in tensor_without[0])
 
@@ -63,3 +67,11 @@ def test_the_runup_ring_adds_no_host_sync_also_when_it_wraps_around(counts):
     """``runup_steps=2`` over 4 steps: every row is overwritten, its index counted on the host."""
     (without, _, _, _, _, wraps, *_), _ = counts
     assert wraps == without
+
+
+def test_the_replica_check_adds_no_host_sync_even_at_every_step(counts):
+    """``replica_check_every=1``: every step digests the weights, starts the all-reduce and reads the last
+    one, with the norm read as a number (at it) and as a tensor (at the next check)."""
+    (without, *_, tensor_without, _, replicas, replicas_tensor_norm), _ = counts
+    assert replicas == without
+    assert replicas_tensor_norm == tensor_without
