@@ -2,7 +2,8 @@
 identical with and without it, at the defaults, with the pre-reduction check in sync mode, with capture
 armed on several modules (across activation recompute), on a run where it detects and scans an injected
 NaN, and on runs whose failing step it runs again in place (the rerun), with dropout drawing from the RNG,
-where fp16 skips the step and training goes on, and where bf16 applies it."""
+where fp16 skips the step and training goes on, and where bf16 applies it; with the replica check at every
+step."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def outcomes(tmp_path_factory):
         mode = {"tp2_bf16_pre_reduction_sync": {"pre_reduction": "sync"},
                 "tp2_bf16_capture_armed": {"capture_modules": "decoder.layers.*.mlp,"
                                                               "decoder.layers.0.self_attention",
-                                           "capture_retain": True}}.get(name, {})
+                                           "capture_retain": True},
+                # the replica check at every step, through fp16 skips and the rerun
+                "dp2_fp16_distopt": {"replica_check_every": 1},
+                "dp2_fp16_dropout_rerun": {"replica_check_every": 1}}.get(name, {})
         jobs += [job, job.with_(gradnan={"out_dir": str(root / name), **mode})]
     results = launch_many(jobs)
     return {name: (results[2 * i], results[2 * i + 1], root / name) for i, name in enumerate(CASES)}
@@ -76,3 +80,11 @@ def test_the_injected_run_was_really_detected(outcomes):
     _, with_kit, run_dir = outcomes["pp2_fp32_nan"]
     assert any((run_dir / "records").glob("*.jsonl"))
     assert "nan" in step_trace(with_kit)[1][1][1]
+
+
+def test_the_replica_check_at_every_step_sees_the_replicas_equal(outcomes):
+    """Also through fp16 skips and the in-place rerun of the failing step: no false alarm."""
+    for name in ("dp2_fp16_distopt", "dp2_fp16_dropout_rerun"):
+        _, _, run_dir = outcomes[name]
+        kinds = {record["kind"] for records in records_by_rank(run_dir).values() for record in records}
+        assert "replica_divergence" not in kinds
