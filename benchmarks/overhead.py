@@ -14,12 +14,15 @@ Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is t
    i.e. its every call traced; each mode installed, one untimed step, one timed step, then one step with
    the kit's own time clocked, whose device synchronizations stay out of the timed one), reported as
    medians and the median of the per-round ratios.
-2. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
+2. The replica check alone (issue 49): one check's digest of the weights, its all-reduce and its read, timed,
+   with its operators and host syncs, and its share of a healthy step at the default cadence
+   (``replica_check_every``).
+3. The localization scan alone, one parameter's gradient holding a NaN: gradnan's scan over the
    ``main_grad`` views, over separate tensors (fp16/bf16 main copies, distributed-optimizer shards), the
    hand-made recipe's per-parameter ``torch.isnan(g).any()`` loop, the floor: one finite check over
    the contiguous grad buffer (every gradient byte read once), and a plain device copy of that buffer.
    Throughput in GB/s of gradient bytes, host syncs and peak extra memory of each.
-3. The incident (``--incident``): a forward overflow in an fp16 copy of the model (the step is skipped, the
+4. The incident (``--incident``): a forward overflow in an fp16 copy of the model (the step is skipped, the
    weights stay), the failing step timed without the kit and with it (detection, the rerun of the step's
    forward pass, the capture and the files), the extra in forward passes of that model; and the operators
    the failing step dispatches (on a GPU: kernel launches) without and with the kit, in forward passes,
@@ -44,11 +47,14 @@ import torch
 
 import gradnan
 import gradnan.training.incidents as incident_module
+from gradnan.config import GradnanConfig
+from gradnan.patches.model import global_named_parameters
 from gradnan.patches.undo_log import patch_scope
 from gradnan.testing.measure import HostSyncCounter, OperatorCounter, PeakMemory
 from gradnan.testing.toy import TinyGPT
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
+from gradnan.training.replicas import ReplicaCheck, compared_weights
 from gradnan.training.rerun import StepRerun
 from gradnan.training.runup import RunUp
 from gradnan.training.scan import abs_max, find_nonfinite, finite_flag
@@ -161,6 +167,27 @@ def runup_write_cost(model: TinyGPT, steps: int, device: torch.device) -> Dict[s
     seconds = [_timed(partial(write, step), device) for step in range(steps)]
     return {"bucket_groups": len(groups), "buckets": sum(len(g.buckets) for g in groups),
             "median_s": statistics.median(seconds)}
+
+
+def replica_check_cost(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
+    """The replica check alone (``replicas.py``), on this one-process job's weights (its group of one
+    stands in for the data-parallel peers: the same kernels, an all-reduce of 16 bytes): one check started
+    and its result read, timed with the device waited for, ``reps`` times; its operators and host syncs.
+    At the default cadence its cost per step is the median divided by ``replica_check_every``."""
+    weights = compared_weights(global_named_parameters(model.chunks), [])
+    group = torch.distributed.group.WORLD
+
+    def check() -> None:
+        assert not ReplicaCheck.start(1, None, weights, group).differed()
+
+    check()
+    seconds = [_timed(check, device) for _ in range(reps)]
+    with OperatorCounter() as operators:
+        check()
+    with HostSyncCounter() as syncs:
+        check()
+    return {"params": len(weights), "median_s": statistics.median(seconds), "operators": operators.total,
+            "host_syncs": syncs.total, "every": GradnanConfig().replica_check_every}
 
 
 def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
@@ -322,6 +349,13 @@ def _table(results: Dict[str, Any]) -> str:
         lines.append(f"| {size} | {runup['median']:.3f} [{low:.3f}, {high:.3f}] | "
                      f"{100 * runup['kit_share_difference']:+.2f} points | {100 * share:.3f}%"
                      f" ({write['median_s'] * 1e6:.0f} us, {write['buckets']}) |")
+    lines += ["", "| size | replica check: median (ms) | operators | host syncs | parameters |"
+              " every (steps) | per step at that cadence |", "|---|---|---|---|---|---|---|"]
+    for size, entry in results["sizes"].items():
+        check = entry["replica_check"]
+        share = check["median_s"] / (check["every"] * entry["steps"]["median_s"]["off"])
+        lines.append(f"| {size} | {check['median_s'] * 1e3:.3f} | {check['operators']:,} |"
+                     f" {check['host_syncs']} | {check['params']} | {check['every']} | {100 * share:.4f}% |")
     lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | peak extra (% of grad bytes) "
               "|", "|---|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
@@ -377,6 +411,7 @@ def main() -> None:
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
             entry["runup_write"] = runup_write_cost(model, 200, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
+            entry["replica_check"] = replica_check_cost(model, args.scan_reps, device)
             results["sizes"][size] = entry
             from gradnan.patches.model import destroy_model_parallel
 

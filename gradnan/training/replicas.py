@@ -40,7 +40,7 @@ Weights = List[Tuple[str, torch.Tensor]]
 
 
 @dataclass
-class _Check:
+class Check:
     """One check in flight: its step, the per-parameter sums it kept on the device, the all-reduce's result
     and where it lands on the host."""
 
@@ -139,7 +139,7 @@ class ReplicaCheck:
 
     def __init__(self, every: int, group: Callable[[], Any]) -> None:
         self._every, self._group = every, group
-        self._pending: Optional[_Check] = None
+        self._pending: Optional[Check] = None
 
     def due(self, step: int) -> bool:
         """A check is due, or the last one's result is to be read."""
@@ -154,10 +154,9 @@ class ReplicaCheck:
         size = torch.distributed.get_world_size(group) if group is not None else 1
         if size < 2:
             return None
-        named = [(name, tensor) for name, tensor in weights()
-                 if tensor.numel() and tensor.dtype in SCANNED_DTYPES]
+        named = weights()
         found = self._read(dict(named), group, size)
-        self._pending = self._start(step, iteration, named, group)
+        self._pending = self.start(step, iteration, named, group)
         return found
 
     @torch.no_grad()
@@ -178,7 +177,8 @@ class ReplicaCheck:
         return self._locate(pending, now, group, size)
 
     @staticmethod
-    def _start(step: int, iteration: Optional[int], named: Weights, group: Any) -> _Check:
+    def start(step: int, iteration: Optional[int], named: Weights, group: Any) -> Check:
+        """One check: the sums, the digest and its all-reduce started (what benchmarks/overhead.py times)."""
         sums = torch.stack([bit_sum([tensor]) for _, tensor in named])
         odd = torch.arange(1, 2 * len(named), 2, dtype=torch.int64, device=sums.device)
         digest = torch.sum(sums * odd)  # integers wrap: still exact, still equal on equal replicas
@@ -193,10 +193,10 @@ class ReplicaCheck:
             host.copy_(result, non_blocking=True)
             landed = torch.cuda.Event()
             landed.record()
-        return _Check(step, iteration, [name for name, _ in named], sums, result, work, host, landed)
+        return Check(step, iteration, [name for name, _ in named], sums, result, work, host, landed)
 
     @staticmethod
-    def _locate(check: _Check, now: Dict[str, torch.Tensor], group: Any, size: int) -> Divergence:
+    def _locate(check: Check, now: Dict[str, torch.Tensor], group: Any, size: int) -> Divergence:
         """On every peer alike (each collective's use is decided from gathered values, the same on all)."""
         ranks = torch.distributed.get_process_group_ranks(group)
         rows = _all_gather(check.sums, group, size)
@@ -228,8 +228,9 @@ class ReplicaCheck:
                           differing, tuple(params), len(unequal))
 
 
-def names_to_compare(weights: Weights, expert_names: Sequence[str]) -> Weights:
-    """The weights every data-parallel peer holds alike: expert parameters are replicated over the
-    expert-data-parallel group instead, and left out."""
+def compared_weights(weights: Weights, expert_names: Sequence[str]) -> Weights:
+    """The weights every data-parallel peer holds alike, of the dtypes whose bits are summed: expert
+    parameters are replicated over the expert-data-parallel group instead, and left out."""
     experts = set(expert_names)
-    return [(name, tensor) for name, tensor in weights if name not in experts]
+    return [(name, tensor) for name, tensor in weights
+            if name not in experts and tensor.numel() and tensor.dtype in SCANNED_DTYPES]

@@ -38,7 +38,7 @@ from .health import DeviceHealth
 from .incidents import Detections
 from .norms import DeviceScalar, PendingNorms
 from .rates import LearningRates
-from .replicas import Divergence, ReplicaCheck, names_to_compare
+from .replicas import Divergence, ReplicaCheck, compared_weights
 from .rerun import StepRerun
 from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
@@ -251,7 +251,7 @@ class Runtime:
 
     def _weights_compared(self, optimizer: Any) -> List[Tuple[str, torch.Tensor]]:
         held = self._facts.optimizer_tensors(optimizer, self.known_chunks())
-        return names_to_compare(held.weights, [slot.name for slot in held.slots if slot.is_expert])
+        return compared_weights(held.weights, [slot.name for slot in held.slots if slot.is_expert])
 
     def _replica_divergence(self, optimizer: Any, found: Optional[Divergence]) -> None:
         """Its record, written by each rank whose weights differ (every peer's where no majority agrees)."""
