@@ -684,3 +684,33 @@ def test_a_record_of_a_rank_outside_its_world_is_a_listed_problem(tmp_path, rank
     path.write_text(json.dumps(a_record(2, rank)) + "\n")
     files = read_run(tmp_path)
     assert files.problems == [f"{path}:1: {wrong}"] and not list(files.all_records())
+
+
+def a_divergence_record(**overrides: Any) -> Dict[str, Any]:
+    """A ``replica_divergence`` record as ``Detections.replica_divergence`` writes it."""
+    from gradnan.training.replicas import Divergence
+
+    found = Divergence(4, None, 3, 2, (1,), ({"name": "decoder.layers.0.mlp.linear_fc1.weight", "numel": 64,
+                                               "flat": 9, "index": [1, 1], "value": 0.5,
+                                               "majority_value": 0.25},), 1)
+    return {**records.to_json("replica_divergence", 4, None, coords(1, dp=1, dp_size=3), {}, [], 0,
+                              found.record_fields(read_at=4)), **overrides}
+
+
+def test_a_replica_divergence_record_is_read_and_reported_and_a_malformed_one_named(tmp_path):
+    assert records.from_json(a_divergence_record(), "f:1")["diverged"][0]["flat"] == 9
+    for bad in ({"read_at_step": "4"}, {"agreeing": 1.5}, {"differing_ranks": ["1"]},
+                {"differing_ranks": list(range(2000))}, {"diverged": [{"name": 3}]},
+                {"diverged": [{"name": "w", "index": "1, 1"}]}, {"diverged": [{"name": "w", "value": [1]}]},
+                {"diverged": None}):
+        with pytest.raises(InputError, match="replica_divergence"):
+            records.from_json(a_divergence_record(**bad), "f:1")
+    path = tmp_path / RECORDS_DIR / f"{rank_tag(coords(1, dp=1, dp_size=3))}.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(a_divergence_record()) + "\n"
+                    + json.dumps(a_divergence_record(diverged=[{"name": 3}])) + "\n")
+    files = read_run(tmp_path)
+    assert [problem.split(": ")[0] for problem in files.problems] == [f"{path}:2"]
+    incident = analyze(files).incident
+    assert incident is not None and incident.verdict.cause.value == "replica_divergence"
+    assert "linear_fc1.weight[1, 1] = 0.5 on rank 1 where the majority holds 0.25" in incident.verdict.summary
