@@ -101,17 +101,21 @@ def divergence_ranks(e: Evidence) -> Tuple[int, ...]:
 def replica_divergence(e: Evidence) -> str:
     found = e.divergence
     assert found is not None  # the rule fires on it
-    ranks = found.ranks
-    which = (f"differed from the copy {found.agreeing} of the {found.replicas} data-parallel replicas hold"
-             if found.agreeing is not None else
-             f"differed across the {found.replicas} data-parallel replicas, with no majority to tell which"
-             " copy is wrong: every one is named")
-    first = found.weights[0].text() if found.weights else "(no parameter named)"
+    first = [weight for weight in found.weights if found.weights and weight.name == found.weights[0].name]
+    if found.agreeing is not None:
+        which = f"differed from the copy {found.agreeing} of the {found.replicas} data-parallel replicas hold"
+        located, corrupted = first[:1], "that copy was"
+    else:
+        which = (f"differ from each other ({found.replicas} data-parallel replicas, no majority: which copy"
+                 " is wrong cannot be told)")
+        located, corrupted = first, "one of these copies was"
+    named = "; ".join(weight.text() for weight in located) or "(no parameter named)"
     more = f" (and {found.params_total - 1} more parameter(s))" if found.params_total > 1 else ""
     read = "" if found.read_at_step == e.step else f", read at step {found.read_at_step}"
-    return (f"the weights on {e.labelled(ranks)} {which} at the replica check of step {e.step}{read}: {first}"
-            f"{more}. Replicas apply equal updates to equal weights, so that copy was corrupted since the"
-            " check before (silent data corruption of its memory or device); a finite wrong value trains on")
+    return (f"the weights on {e.labelled(found.ranks)} {which} at the replica check of step {e.step}{read}:"
+            f" {named}{more}. Replicas apply equal updates to equal weights, so {corrupted} corrupted since"
+            " the check before (silent data corruption of memory or a device); a finite wrong value trains"
+            " on")
 
 
 def tensor_parallel_collective(e: Evidence) -> str:

@@ -378,11 +378,12 @@ class Detections:
         record = self._writer.record(RecordKind.REPLICA_DIVERGENCE, found.step, [],
                                      found.record_fields(read_at))
         first = found.params[0] if found.params else {}
-        logger.error("%s: the weights on %s differ from its %d data-parallel peers'%s: %s at %s (%s, the"
-                     " majority's %s); %d parameter(s) differ; record: %s", when(record), where(record),
-                     found.replicas - 1, "" if found.agreeing else " (no majority: which copy is wrong is not"
-                     " known)", first.get("name"), first.get("index"), first.get("value"),
-                     first.get("majority_value"), found.params_total, record.path)
+        majority = (f", the majority's {first.get('majority_value')}" if found.agreeing
+                    else "; no majority: which copy is wrong is not known")
+        logger.error("%s: the weights on %s differ from its %d data-parallel peer(s)': %s at %s (%s%s); %d"
+                     " parameter(s) differ; record: %s", when(record), where(record), found.replicas - 1,
+                     first.get("name"), first.get("index"), first.get("value"), majority, found.params_total,
+                     record.path)
         return record
 
     def _capture_after(self, record: Dict[str, Any], local_params: int) -> None:
