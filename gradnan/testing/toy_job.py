@@ -48,7 +48,9 @@ class Injection:
       ``optimizer.step()`` (and left so), as a broken schedule does (``target`` is not used);
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
       count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
-      is not used; the rank is any of the replica's last pipeline stage).
+      is not used; the rank is any of the replica's last pipeline stage);
+    - ``"loss_after_report"``: as ``"loss"``, but the loss function reports (for logging) the finite zero
+      sum before it divides: the loss backward uses is NaN, the one reported finite.
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     ``transient``: a ``"forward"`` or ``"backward"`` fault that fires in the step's first pass only, as a
     glitch would: a rerun of the same step (``gradnan``'s, or Megatron's own) does not meet it again.
