@@ -6,8 +6,8 @@ what it takes to run the same step's forward pass again: a reference to every mi
 iterators yield, the RNG states it started from (torch's, CUDA's and Megatron's model-parallel tracker),
 the losses it returned (what the loss function reported for logging) and the losses backward used (what
 ``forward_step_calc_loss`` returned, told by ``result_validation``'s wrapper of it: a loss function may
-report a finite value and hand backward a NaN). No tensor is copied and nothing is read from the device. ``KeptStep.forward``
-is that second pass, made at a detection before the optimizer applies anything.
+report a finite value and hand backward a NaN). No tensor is copied and nothing is read from the device.
+``KeptStep.forward`` is that second pass, made at a detection before the optimizer applies anything.
 """
 
 from __future__ import annotations

@@ -216,7 +216,8 @@ def test_a_loss_reported_finite_but_nan_for_backward_is_the_loss_function(runs):
     loss function and the batch to look at (it was `backward_op`, "the loss was finite when run again",
     with only a self-test to do)."""
     incident = analyze(read_run(runs["validate_results_loss_after_report"])).incident
-    assert (incident.verdict.cause.value, incident.verdict.rule) == ("loss", "loss_function"), incident.verdict
+    verdict = incident.verdict
+    assert (verdict.cause.value, verdict.rule) == ("loss", "loss_function"), verdict
     assert "micro-batch 1" in incident.verdict.summary
     assert [step.action.value for step in incident.next_steps][:2] == ["fix_loss", "inspect_batch"]
 
@@ -228,7 +229,8 @@ def test_a_loss_reported_finite_rejected_by_megatrons_check_in_disabled_mode_is_
     _raised(BASE.with_(dtype="bf16", rerun_mode="disabled", micro_batches=2, injections=LOSS_AFTER_REPORT),
             tmp_path)
     incident = analyze(read_run(tmp_path)).incident
-    assert (incident.verdict.cause.value, incident.verdict.rule) == ("loss", "loss_function"), incident.verdict
+    verdict = incident.verdict
+    assert (verdict.cause.value, verdict.rule) == ("loss", "loss_function"), verdict
     assert "micro-batch 1" in incident.verdict.summary
     assert {entry["global_rank"] for entry in incident.origin} == {0, 1}
 
