@@ -21,9 +21,11 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
 - ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
   element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
   weight gone bad (a bad write, a faulty device);
-- ``PLANT_LOSS=RANK[,RANK...]:ITERATION``: the loss function of those ranks divides its loss by a zero
-  token count (as a loss function that divides by its own count of valid tokens does for a micro-batch without
-  one): NaN from a finite model output. Plant it on every rank of the last pipeline stage of a replica.
+- ``PLANT_LOSS=RANK[,RANK...]:ITERATION[:after_report]``: the loss function of those ranks divides its loss
+  by a zero token count (as a loss function that divides by its own count of valid tokens does for a
+  micro-batch without one): NaN from a finite model output. Plant it on every rank of the last pipeline
+  stage of a replica. ``after_report``: it reports (``lm loss``, for logging) before it divides, so only the
+  loss backward uses is NaN, the reported one finite.
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
 iteration N only: a one-off glitch that a rerun does not meet again). Names are global
@@ -186,7 +188,8 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
                 self.register_forward_pre_hook(_writing(param, weight[1], weight[3]))
             if loss and str(rank) in loss.split(":")[0].split(","):
                 main = sys.modules["__main__"]
-                main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1])
+                main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1],
+                                                   loss.split(":")[2:] == ["after_report"])
 
         DistributedDataParallel.__init__ = init
 
@@ -203,7 +206,7 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
                         main.view(-1)[0] = value
         return hook
 
-    def _dividing_by_zero(loss_func, spec):
+    def _dividing_by_zero(loss_func, spec, after_report):
         fired = []
 
         def divided(loss_mask, output_tensor, *args, **kwargs):
@@ -216,7 +219,8 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
             def nan(value):  # the loss and what it reports (Megatron-LM logs it, gradnan reads it)
                 return value * 0 / no_token if torch.is_floating_point(value) else value
 
-            return (nan(result[0]), *result[1:-1], {key: nan(value) for key, value in result[-1].items()})
+            report = result[-1] if after_report else {key: nan(value) for key, value in result[-1].items()}
+            return (nan(result[0]), *result[1:-1], report)
 
         return divided
 

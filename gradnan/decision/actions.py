@@ -114,6 +114,21 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
 
 
+def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Each outlying row (at most ``MAX_DRAINED``) where it is held."""
+    held = list(dict.fromkeys((row.name, row.row, row.token, row.rank) for row in e.outlying_rows))
+    return tuple(NextStep(Action.RESTORE_ROW, Action.RESTORE_ROW.wording(
+        f"row {row} of {untrusted(name)} (token {token}) on {e.label(rank)}"))
+        for name, row, token, rank in held[:MAX_DRAINED])
+
+
+def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Where the rerun failed again in the step's forward pass (the row is read where the data holds its
+    token): the skip trains past the data until the row is restored. Not where every step fails through it
+    (a tied output layer reads every row: a norm overflow, or the rerun's loss)."""
+    return skip_iteration(e, s, so_far) if e.rerun_module else ()
+
+
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the update that wrote the bad weights."""
     when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")

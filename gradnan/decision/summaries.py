@@ -65,6 +65,21 @@ def later_weights(e: Evidence) -> str:
             " gradients and moments: the learning rate, the update arithmetic) or a bad write")
 
 
+def row_holders(e: Evidence) -> Tuple[int, ...]:
+    return tuple(sorted({row.rank for row in e.outlying_rows}))
+
+
+def outlying_row(e: Evidence) -> str:
+    first = e.outlying_rows[0]
+    more = len(e.outlying_rows) - 1
+    failed = (f"; run again in place, the step went non-finite again in {untrusted(e.rerun_module)},"
+              f" micro-batch {e.micro_batch}" if e.rerun_module else "")
+    return (f"a token's row of the vocabulary's weights is far out of range when step {e.step} began:"
+            f" {first.text()} on {e.label(first.rank)}" + (f" (and {more} more row(s))" if more > 0 else "")
+            + f"{failed}. No trained row is that large (a bad write, a corrupted checkpoint): it overflows"
+            " wherever the token is read, and in every step where the output layer shares the embedding")
+
+
 def rerun_named(e: Evidence) -> Tuple[int, ...]:
     """The ranks the rerun names: the loss's stage where it made the value, else the forward origin."""
     return e.loss_stage if e.rerun is Conclusion.LOSS else e.rerun_origins

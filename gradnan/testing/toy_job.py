@@ -37,6 +37,8 @@ class Injection:
       parameter and in every copy the optimizer steps (its fp32 main copy, or this rank's
       distributed-optimizer shard where it holds the element), as a corrupted checkpoint or a bad write
       leaves a weight;
+    - ``"row"``: as ``"weight"``, every element of row ``index`` of the 2-D parameter ``target`` (a token's
+      row of the word embedding or the output layer; row ``index`` of this rank's vocabulary shard);
     - ``"optimizer_state"``: set element ``index`` (default 0) of the optimizer's ``state`` tensor
       (``exp_avg_sq``, ``exp_avg``) of parameter ``target`` right before ``optimizer.step()``, where this
       rank's optimizer holds that element: the update then writes a bad weight from finite gradients (a
@@ -90,6 +92,7 @@ class TinyGPTJob:
     recompute: bool = False
     position_embedding: str = "learned_absolute"
     vocab_size: int = 64
+    tied_embeddings: bool = False  # the output layer reads the word embedding's (no output_layer.weight)
     seq_length: int = 16
     micro_batch_size: int = 2
     seed: int = 1234

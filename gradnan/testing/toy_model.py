@@ -64,7 +64,8 @@ def _build_chunks(job: TinyGPTJob):
     chunks = [GPTModel(config=config,
                        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
                        vocab_size=job.vocab_size, max_sequence_length=job.seq_length,
-                       position_embedding_type=job.position_embedding, **chunk(vp_stage))
+                       position_embedding_type=job.position_embedding,
+                       share_embeddings_and_output_weights=job.tied_embeddings, **chunk(vp_stage))
               for vp_stage in range(job.vpp)]
     return config, chunks
 
