@@ -21,6 +21,9 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
 - ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
   element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
   weight gone bad (a bad write, a faulty device);
+- ``PLANT_ROW=RANK:ITERATION:PARAMETER:ROW[:VALUE]``: as ``PLANT_WEIGHT``, every element of row ROW of
+  that 2-D parameter (``embedding.word_embeddings.weight``: a token's row of this rank's vocabulary shard)
+  set to VALUE (default 1e30);
 - ``PLANT_LOSS=RANK[,RANK...]:ITERATION[:after_report]``: the loss function of those ranks divides its loss
   by a zero token count (as a loss function that divides by its own count of valid tokens does for a
   micro-batch without one): NaN from a finite model output. Plant it on every rank of the last pipeline
@@ -178,14 +181,19 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
         from gradnan.patches.model import global_named_parameters
 
         weight, loss = _planted("PLANT_WEIGHT", float("nan")), os.environ.get("PLANT_LOSS")
+        row = _planted("PLANT_ROW", 1e30)
+        if row is not None:  # NAME:ROW[:VALUE] -> the row, then the value
+            name, index, *value = row[2].split(":")
+            row = (row[0], row[1], name, float(value[0]) if value else 1e30, int(index))
         original = DistributedDataParallel.__init__
         rank = int(os.environ.get("RANK", "0"))
 
         def init(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            if weight is not None and weight[0] == rank:
-                param = dict(global_named_parameters([self]))[weight[2]]
-                self.register_forward_pre_hook(_writing(param, weight[1], weight[3]))
+            for planted in (weight, row):
+                if planted is not None and planted[0] == rank:
+                    param = dict(global_named_parameters([self]))[planted[2]]
+                    self.register_forward_pre_hook(_writing(param, planted[1], planted[3], *planted[4:]))
             if loss and str(rank) in loss.split(":")[0].split(","):
                 main = sys.modules["__main__"]
                 main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1],
@@ -193,17 +201,22 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
         DistributedDataParallel.__init__ = init
 
-    def _writing(param, spec, value):
+    def _writing(param, spec, value, row=None):
+        """The first element (or every element of ``row``) of ``param`` and of its optimizer's fp32 copy."""
         fired = []
 
         def hook(module, args):
             if _due(spec, fired):
                 fired.append(_iteration())
+                main = getattr(param, "main_param", None)  # the fp32 copy Megatron's optimizer steps
                 with torch.no_grad():
-                    param.view(-1)[0] = value
-                    main = getattr(param, "main_param", None)  # the fp32 copy Megatron's optimizer steps
-                    if main is not None:
-                        main.view(-1)[0] = value
+                    for tensor in (param, main):
+                        if tensor is None:
+                            continue
+                        if row is None:
+                            tensor.view(-1)[0] = value
+                        else:
+                            tensor.view(param.shape)[row] = value
         return hook
 
     def _dividing_by_zero(loss_func, spec, after_report):
@@ -226,7 +239,7 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
-    if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_LOSS"):
+    if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_ROW") or os.environ.get("PLANT_LOSS"):
         _plant_state_faults()
     if os.environ.get("PLANT_POISON"):
         _plant_poisoned_samples()
