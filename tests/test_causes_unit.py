@@ -11,7 +11,7 @@ import pytest
 
 from gradnan.decision.actions import Setting, next_steps
 from gradnan.decision.causes import RULES, decide, rules_table
-from gradnan.decision.evidence import BadWeight, Evidence, RateFault, StateFault
+from gradnan.decision.evidence import BadWeight, Evidence, OutlyingRow, RateFault, StateFault
 from gradnan.decision.facts import Fact, missing_text
 from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.offline.incident.evidence import replica_digests
@@ -19,6 +19,7 @@ from gradnan.offline.incident.evidence import replica_digests
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
 NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)
 BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq", 0, 0, 1)
+HUGE_ROW = OutlyingRow(1, "embedding.word_embeddings.weight", 5, 37, 1e30, 0.05)
 LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
 
 
@@ -39,6 +40,8 @@ CASES = {
     "learning_rate": (dict(bad_weights=(NAN_WEIGHT,), rate_fault=RateFault(1, 4, 0, "inf", 1e-4)), (1,)),
     "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
     "later_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
+    "embedding_row": (dict(outlying_rows=(HUGE_ROW,), odd_replicas=(1,), gradient_origin=(1,),
+                           gradient_basis=OriginBasis.NORM_OVERFLOW, largest_grad=LARGEST), (1,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
                                rerun_origins=(3,)), (3,)),
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,
