@@ -19,7 +19,7 @@ from gradnan.offline.incident.evidence import replica_digests
 LABELS = {rank: f"rank {rank}" for rank in range(8)}
 NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0, 7), 1, 0)
 BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq", 0, 0, 1)
-HUGE_ROW = OutlyingRow(1, "embedding.word_embeddings.weight", 5, 37, 1e30, 0.05)
+HUGE_ROW = OutlyingRow(1, "embedding.word_embeddings.weight", 5, 37, 1e30, 0.05, every_step=True)
 LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
 
 

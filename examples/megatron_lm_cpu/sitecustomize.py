@@ -21,9 +21,9 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
 - ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
   element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
   weight gone bad (a bad write, a faulty device);
-- ``PLANT_ROW=RANK:ITERATION:PARAMETER:ROW[:VALUE]``: as ``PLANT_WEIGHT``, every element of row ROW of
-  that 2-D parameter (``embedding.word_embeddings.weight``: a token's row of this rank's vocabulary shard)
-  set to VALUE (default 1e30);
+- ``PLANT_ROW=RANK[,RANK...]:ITERATION:PARAMETER:ROW[:VALUE]``: as ``PLANT_WEIGHT``, every element of row
+  ROW of that 2-D parameter (``embedding.word_embeddings.weight``: a token's row of this rank's vocabulary
+  shard) set to VALUE (default 1e30);
 - ``PLANT_LOSS=RANK[,RANK...]:ITERATION[:after_report]``: the loss function of those ranks divides its loss
   by a zero token count (as a loss function that divides by its own count of valid tokens does for a
   micro-batch without one): NaN from a finite model output. Plant it on every rank of the last pipeline
@@ -181,12 +181,13 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
         from gradnan.patches.model import global_named_parameters
 
         weight, loss = _planted("PLANT_WEIGHT", float("nan")), os.environ.get("PLANT_LOSS")
-        row = _planted("PLANT_ROW", 1e30)
-        if row is not None:  # NAME:ROW[:VALUE] -> the row, then the value
-            name, index, *value = row[2].split(":")
-            row = (row[0], row[1], name, float(value[0]) if value else 1e30, int(index))
-        original = DistributedDataParallel.__init__
         rank = int(os.environ.get("RANK", "0"))
+        row = None
+        if os.environ.get("PLANT_ROW"):  # RANK[,RANK...]:ITERATION:NAME:ROW[:VALUE]
+            at, iteration, name, index, *value = os.environ["PLANT_ROW"].split(":")
+            if str(rank) in at.split(","):
+                row = (rank, iteration, name, float(value[0]) if value else 1e30, int(index))
+        original = DistributedDataParallel.__init__
 
         def init(self, *args, **kwargs):
             original(self, *args, **kwargs)

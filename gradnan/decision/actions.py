@@ -123,10 +123,12 @@ def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Where the rerun failed again in the step's forward pass (the row is read where the data holds its
-    token): the skip trains past the data until the row is restored. Not where every step fails through it
-    (a tied output layer reads every row: a norm overflow, or the rerun's loss)."""
-    return skip_iteration(e, s, so_far) if e.rerun_module else ()
+    """Where only the data reads the rows (an untied embedding's, read where the data holds the token) and
+    the rerun failed again in the forward pass: the skip trains past that data. Never where every step
+    reads one (the output layer's, or an embedding tied to it): the next step fails the same way."""
+    if not e.rerun_module or any(row.every_step for row in e.outlying_rows):
+        return ()
+    return skip_iteration(e, s, so_far)
 
 
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:

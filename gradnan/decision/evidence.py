@@ -46,6 +46,7 @@ class OutlyingRow:
     token: int
     largest: Any  # as the record wrote it: a number, "inf", "nan"
     median: Any
+    every_step: bool = True  # every forward pass reads it (the output layer's, or tied to it)
 
     def text(self) -> str:
         return (f"row {self.row} of {untrusted(self.name)} (token {self.token}): largest magnitude"

@@ -77,7 +77,8 @@ def outlying_row(e: Evidence) -> str:
     return (f"a token's row of the vocabulary's weights is far out of range when step {e.step} began:"
             f" {first.text()} on {e.label(first.rank)}" + (f" (and {more} more row(s))" if more > 0 else "")
             + f"{failed}. No trained row is that large (a bad write, a corrupted checkpoint): it overflows"
-            " wherever the token is read, and in every step where the output layer shares the embedding")
+            + (" in every step (the output layer reads every row)" if first.every_step else
+               " wherever the data holds the token"))
 
 
 def rerun_named(e: Evidence) -> Tuple[int, ...]:

@@ -172,11 +172,12 @@ MAX_ROWS = 64  # far above what gradnan writes (8)
 
 
 def _is_row(entry: Any) -> bool:
-    """An outlying vocabulary row: its weight's name, the shard's row count, the row, its largest magnitude
-    and the rows' median."""
+    """An outlying vocabulary row: its weight's name, the shard's row count, the row, its largest magnitude,
+    the rows' median and whether every step reads it."""
     return (isinstance(entry, dict) and is_text(entry.get("name")) and is_int(entry.get("rows"))
             and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"]
-            and is_stat(entry.get("largest")) and is_stat(entry.get("median")))
+            and is_stat(entry.get("largest")) and is_stat(entry.get("median"))
+            and isinstance(entry.get("every_step"), bool))
 
 
 def _is_rows(value: Any) -> bool:
@@ -201,7 +202,8 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
                          f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
                          f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls, and 'outlying_rows'"
                          f" absent, null or a list of at most {MAX_ROWS} objects with a text 'name', integer"
-                         " 'rows' and 'row' (0 <= row < rows) and numeric 'largest' and 'median'")
+                         " 'rows' and 'row' (0 <= row < rows), numeric 'largest' and 'median' and a boolean"
+                         " 'every_step'")
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -148,8 +148,11 @@ def outlying_rows(weights: Sequence[Tuple[str, torch.Tensor]]) -> List[Dict[str,
     vocabulary shard's token r) that are non-finite or whose largest magnitude is ``ROW_OUTLIER`` times the
     median row's: a row set to 1e30 (a bad write, a corrupted checkpoint) overflows wherever its token is
     read, or, through a tied output layer, in every step, every other weight finite. ``rows``: the shard's
-    row count (the token is ``tp * rows + row``). One reduction per row and one host read per weight."""
+    row count (the token is ``tp * rows + row``); ``every_step``: every forward pass reads the row (the
+    output layer's, or an embedding this rank holds no separate output layer beside: tied to it). One
+    reduction per row and one host read per weight."""
     found: List[Dict[str, Any]] = []
+    untied = any(name == "output_layer.weight" for name, _ in weights)
     for name, tensor in weights:
         if name not in VOCABULARY_ROWS or tensor.ndim != 2 or not tensor.shape[0]:
             continue
@@ -159,7 +162,9 @@ def outlying_rows(weights: Sequence[Tuple[str, torch.Tensor]]) -> List[Dict[str,
         rows = torch.nonzero(outlying).flatten()[:MAX_ROWS]
         values = largest[rows].tolist()
         found += [{"name": name, "rows": tensor.shape[0], "row": int(row), "largest": json_float(value),
-                   "median": json_float(float(median))} for row, value in zip(rows.tolist(), values)]
+                   "median": json_float(float(median)),
+                   "every_step": name == "output_layer.weight" or not untied}
+                  for row, value in zip(rows.tolist(), values)]
     return found[:MAX_ROWS]
 
 
