@@ -115,11 +115,14 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Each outlying row (at most ``MAX_DRAINED``) where it is held."""
-    held = list(dict.fromkeys((row.name, row.row, row.token, row.rank) for row in e.outlying_rows))
+    """Each outlying row (at most ``MAX_DRAINED``), with the ranks that hold it."""
+    held: Dict[Tuple[str, int, int], Tuple[int, ...]] = {}
+    for row in e.outlying_rows:
+        key = (row.name, row.row, row.token)
+        held[key] = held.get(key, ()) + (row.rank,)
     return tuple(NextStep(Action.RESTORE_ROW, Action.RESTORE_ROW.wording(
-        f"row {row} of {untrusted(name)} (token {token}) on {e.label(rank)}"))
-        for name, row, token, rank in held[:MAX_DRAINED])
+        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}"))
+        for (name, row, token), ranks in list(held.items())[:MAX_DRAINED])
 
 
 def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Steps:

@@ -275,7 +275,8 @@ _BASIS_TEXT = {
     OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
                                " overflowed",
     OriginBasis.NONE: "",
-    OriginBasis.STATE: "weights or optimizer state non-finite when the failing step began",
+    OriginBasis.STATE: "weights or optimizer state bad (non-finite, or a row far out of range) when the"
+                       " failing step began",
     OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
     OriginBasis.RERUN: "named by the failing step, run again in place",
