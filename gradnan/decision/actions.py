@@ -120,8 +120,12 @@ def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     for row in e.outlying_rows:
         key = (row.name, row.row, row.token)
         held[key] = held.get(key, ()) + (row.rank,)
+    exit_checkpoint = ("" if not s.megatron_reran else
+                       "; not from the checkpoint Megatron's validate_results wrote at its exit"
+                       + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
+                       + ", which holds the weights as the failing step found them")
     return tuple(NextStep(Action.RESTORE_ROW, Action.RESTORE_ROW.wording(
-        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}"))
+        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}") + exit_checkpoint)
         for (name, row, token), ranks in list(held.items())[:MAX_DRAINED])
 
 
