@@ -177,7 +177,7 @@ def _is_row(entry: Any) -> bool:
     return (isinstance(entry, dict) and is_text(entry.get("name")) and is_int(entry.get("rows"))
             and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"]
             and is_stat(entry.get("largest")) and is_stat(entry.get("median"))
-            and isinstance(entry.get("every_step"), bool))
+            and optional(entry.get("every_step"), _is_bool))
 
 
 def _is_rows(value: Any) -> bool:
@@ -202,8 +202,8 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
                          f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
                          f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls, and 'outlying_rows'"
                          f" absent, null or a list of at most {MAX_ROWS} objects with a text 'name', integer"
-                         " 'rows' and 'row' (0 <= row < rows), numeric 'largest' and 'median' and a boolean"
-                         " 'every_step'")
+                         " 'rows' and 'row' (0 <= row < rows), numeric 'largest' and 'median' and"
+                         " 'every_step' absent, null or a boolean")
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -156,7 +156,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                               f["negative"]) for record in states for f in record["optimizer_state"])
     rows = tuple(OutlyingRow(record["rank"].get("global_rank"), row["name"], row["row"],
                              (record["rank"].get("tp") or 0) * row["rows"] + row["row"], row["largest"],
-                             row["median"], row["every_step"])
+                             row["median"], row.get("every_step") is not False)
                  for record in states for row in record.get("outlying_rows") or ())
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     conclusion = rerun.conclusion if rerun is not None else None
