@@ -71,7 +71,15 @@ def _all_plants():
                     micro_batch = job.micro_batches - 1 if cause is Cause.LOSS else 0
                     plants.append(Plant(cause, job, target, where, step, micro_batch))
         plants += [Plant(Cause.WEIGHTS, job, ROW[0], where, 2, row=ROW[1]) for where in wheres]
+        # a loss function that reports a finite value and hands backward a NaN (issue 48, case 4)
+        plants += [Plant(Cause.LOSS, job, "", where, 2, job.micro_batches - 1, after_report=True)
+                   for where in wheres if not where[0]]
     return plants
+
+
+def _marks(plant):
+    """What the sample must hold at least once: causes, targets, layouts, a row plant, a loss after report."""
+    return (plant.cause, plant.target, plant.job, plant.row, "after_report" if plant.after_report else None)
 
 
 def _sample(plants, seed: int):
@@ -81,10 +89,10 @@ def _sample(plants, seed: int):
     rng.shuffle(pool)
     chosen = []
     for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES, *ROW_PARALLEL,
-                   *(job for job in LAYOUTS), ROW[1]]:
-        if any(wanted in (plant.cause, plant.target, plant.job, plant.row) for plant in chosen):
+                   *(job for job in LAYOUTS), ROW[1], "after_report"]:
+        if any(wanted in _marks(plant) for plant in chosen):
             continue
-        chosen.append(next(p for p in pool if wanted in (p.cause, p.target, p.job, p.row)))
+        chosen.append(next(p for p in pool if wanted in _marks(p)))
     chosen += [p for p in pool if p not in chosen][:max(0, 20 - len(chosen))]
     return chosen
 
@@ -158,6 +166,6 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
     assert {plant.job for plant in PLANTS} == set(LAYOUTS)
-    assert any(plant.row is not None for plant in PLANTS)
+    assert any(plant.row is not None for plant in PLANTS) and any(plant.after_report for plant in PLANTS)
     assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)

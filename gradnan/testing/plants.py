@@ -62,7 +62,8 @@ class Plant:
       rank(s) whose optimizer holds the element (the whole replica ``where`` names without the
       distributed optimizer; its shard owner with it): the failure comes at ``step + 1``;
     - FORWARD_OP: ``target`` (a module)'s output made Inf on the rank ``where`` names, again when run again;
-    - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names;
+    - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names (with
+      ``after_report``, after the loss function reported a finite value: only backward's loss is NaN);
     - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
     - COLLECTIVE: a parameter ``target``'s reduced gradient made NaN after the data-parallel collective
       (with the distributed optimizer, in the shard of the replica that owns the element); a module
@@ -77,6 +78,7 @@ class Plant:
     step: int = 2
     micro_batch: int = 0
     row: Optional[int] = None
+    after_report: bool = False
 
     @property
     def coordinate(self) -> Coordinate:
@@ -107,7 +109,8 @@ class Plant:
             return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="main_grad", index=3)
                          for c in coordinates(self.job) if c[:2] == (tp, pp))
         if cause is Cause.LOSS:
-            return tuple(Injection(global_rank(self.job, *c), step, "", where="loss", index=self.micro_batch)
+            where = "loss_after_report" if self.after_report else "loss"
+            return tuple(Injection(global_rank(self.job, *c), step, "", where=where, index=self.micro_batch)
                          for c in self._replica(dp, self.job.pp - 1))
         plain = {Cause.FORWARD_OP: ("inf", "forward", False), Cause.DEVICE: ("inf", "forward", True),
                  Cause.BACKWARD_OP: ("nan", "backward", False), Cause.COLLECTIVE: ("nan", "main_grad", False),
@@ -147,5 +150,6 @@ class Plant:
                   f"{'-' + self.job.rerun_mode if self.job.rerun_mode else ''}"
                   f"-mb{self.job.micro_batches}")
         where = (f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
-                 + ("" if self.row is None else f"-row{self.row}"))
+                 + ("" if self.row is None else f"-row{self.row}")
+                 + ("-after_report" if self.after_report else ""))
         return f"{self.cause.value}@{self.target or 'loss'}@{where}-{layout}"
