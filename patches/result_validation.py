@@ -9,6 +9,10 @@ the same step (``Events.megatron_reran``) with Megatron's conclusion: "reproduci
 for another GPU) or "transient" (Megatron's rerun was finite), for the job (every rank calls this with the
 same state) and on this rank (its own comparison, where its own validation failed).
 
+The schedule's loss computation (``forward_step_calc_loss``) is wrapped here for every mode: the loss it
+returns, the one backward runs from, goes to the kept step (``schedules.loss_used``), beside what the loss
+function reported for logging.
+
 Under ``--rerun-mode disabled`` a rejected result raises RuntimeError from ``validate_result`` at once.
 Where that happens while the schedule computes a loss (``schedules.forward_step_calc_loss``, which calls
 the user's loss_func), gradnan is told the loss that was rejected (``Events.loss_rejected``) and lets the
@@ -29,6 +33,7 @@ import torch
 
 from ..events import Events, MegatronRerun
 from .instrumentor import Instrumentor
+from .schedules import loss_used
 from .undo_log import Patcher
 
 _CONCLUSIONS = {"WILL_RERUN_FROM_CHECKPOINT": "reproducible", "RERUNNING_IN_PLACE": "transient"}
@@ -50,11 +55,11 @@ def _arguments(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict
     return dict(inspect.signature(original).bind_partial(*args, **kwargs).arguments)
 
 
-def _micro_batch(original: Callable[..., Any], args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Optional[int]:
-    """The micro-batch whose loss ``forward_step_calc_loss`` computes: the losses stored before it."""
+def _store(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[list]:
+    """The list ``forward_step_calc_loss`` appends each micro-batch's reported loss to: its length is the
+    micro-batch whose loss it computes."""
     stored = _arguments(original, args, kwargs).get("forward_data_store")
-    return len(stored) if isinstance(stored, list) else None
+    return stored if isinstance(stored, list) else None
 
 
 def _as_number(result: Any) -> float:
@@ -110,12 +115,16 @@ class ResultValidationInstrumentor(Instrumentor):
 
         def loss_wrapper(original):
             def wrapper(*args, **kwargs):
-                in_loss.micro_batch = runtime.guarded("rerun", _micro_batch, original, args, kwargs)
+                stored = runtime.guarded("rerun", _store, original, args, kwargs)
+                in_loss.micro_batch = None if stored is None else len(stored)
                 in_loss.depth += 1
                 try:
-                    return original(*args, **kwargs)
+                    result = original(*args, **kwargs)
                 finally:
                     in_loss.depth -= 1
+                if stored is not None and len(stored) > (in_loss.micro_batch or 0):  # the loss was computed
+                    runtime.guarded("rerun", loss_used, result[0])
+                return result
 
             return wrapper
 

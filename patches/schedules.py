@@ -4,14 +4,17 @@
 While a rerun may still be wanted (``Events.keeps_steps``), each training call (not ``forward_only``) keeps
 what it takes to run the same step's forward pass again: a reference to every micro-batch its data
 iterators yield, the RNG states it started from (torch's, CUDA's and Megatron's model-parallel tracker),
-and the losses it returned. No tensor is copied and nothing is read from the device. ``KeptStep.forward``
-is that second pass, made at a detection before the optimizer applies anything.
+the losses it returned (what the loss function reported for logging) and the losses backward used (what
+``forward_step_calc_loss`` returned, told by ``result_validation``'s wrapper of it: a loss function may
+report a finite value and hand backward a NaN). No tensor is copied and nothing is read from the device.
+``KeptStep.forward`` is that second pass, made at a detection before the optimizer applies anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeGuard
 
 import torch
@@ -164,12 +167,43 @@ def _reductions_watched(
         yield
 
 
-def loss_state(store: Any) -> Tuple[Optional[bool], Optional[int]]:
-    """Whether every loss a schedule returned is finite, and the first micro-batch whose loss is not (one
-    host read); (None, None) where it returned none (not the last pipeline stage)."""
-    per_micro_batch = [[value for value in (item.values() if isinstance(item, dict) else [item])
-                        if isinstance(value, torch.Tensor) and value.is_floating_point()]
-                       for item in store or []]
+class _LossesUsed(threading.local):
+    """Where this thread's schedule call keeps the losses backward uses (None: no kept call runs)."""
+
+    into: Optional[List[torch.Tensor]] = None
+
+
+_LOSSES_USED = _LossesUsed()
+
+
+def loss_used(loss: Any) -> None:
+    """``forward_step_calc_loss`` returned ``loss`` for a micro-batch (what backward runs from): kept, as a
+    detached reference, by the kept schedule call running on this thread, if any (no host read)."""
+    if _LOSSES_USED.into is not None and isinstance(loss, torch.Tensor):
+        _LOSSES_USED.into.append(loss.detach())
+
+
+@contextlib.contextmanager
+def _keeping_losses_used(into: List[torch.Tensor]) -> Iterator[None]:
+    before, _LOSSES_USED.into = _LOSSES_USED.into, into
+    try:
+        yield
+    finally:
+        _LOSSES_USED.into = before
+
+
+def loss_state(store: Any, used: Sequence[torch.Tensor] = ()) -> Tuple[Optional[bool], Optional[int]]:
+    """Whether every loss of a schedule call is finite, and the first micro-batch whose loss is not (one
+    host read); (None, None) where it had none (not the last pipeline stage). A micro-batch's losses are
+    what the schedule returned for it (the loss function's report) and what backward used (``used``, in
+    micro-batch order, where known)."""
+    reported = [[value for value in (item.values() if isinstance(item, dict) else [item])
+                 if isinstance(value, torch.Tensor) and value.is_floating_point()]
+                for item in store or []]
+    count = max(len(reported), len(used))
+    per_micro_batch = [(reported[index] if index < len(reported) else [])
+                       + ([used[index]] if index < len(used) and used[index].is_floating_point() else [])
+                       for index in range(count)]
     flat = [tensor for tensors in per_micro_batch for tensor in tensors]
     if not flat:
         return None, None
@@ -196,19 +230,21 @@ class KeptStep:
         self.kwargs = {**kwargs, "data_iterator": self._kept_iterator}
         self.rng = rng_states()
         self._losses: Any = None
+        self._losses_used: List[torch.Tensor] = []
         self._rejected_micro_batch: Optional[int] = None
         model: Any = kwargs.get("model")  # a chunk or a list of chunks: a required keyword of the schedule
         self.chunks: List[torch.nn.Module] = list(model) if isinstance(model, list) else [model]
 
     def run(self) -> Any:
-        self._losses = self._schedule(**self.kwargs)
+        with _keeping_losses_used(self._losses_used):
+            self._losses = self._schedule(**self.kwargs)
         return self._losses
 
     def original_losses(self) -> Tuple[Optional[bool], Optional[int]]:
         """The training pass's losses: all finite?, and the first micro-batch whose loss was not."""
         if self._rejected_micro_batch is not None:
             return False, self._rejected_micro_batch
-        return loss_state(self._losses)
+        return loss_state(self._losses, self._losses_used)
 
     def ended_early(self, micro_batch: int) -> None:
         """The pass raised at ``micro_batch``: a pass again runs the micro-batches up to that one."""
@@ -247,14 +283,15 @@ class KeptStep:
 
         before = rng_states()
         set_rng_states(self.rng)
+        used: List[torch.Tensor] = []
         try:
             with torch.no_grad(), diagnostic_pass(get_model_config(self.chunks[0]), self.chunks), \
-                    _reductions_watched(on_reduction):
+                    _reductions_watched(on_reduction), _keeping_losses_used(used):
                 losses = self._schedule(**{**self.kwargs, "data_iterator": _replaying(self._kept_iterator),
                                            "forward_only": True})
         finally:
             set_rng_states(before)
-        return loss_state(losses)
+        return loss_state(losses, used)
 
     def cannot_rerun(self, job_wide: bool) -> Optional[str]:
         """Why the forward pass cannot run again here, or None. ``job_wide``: every rank of the job is

@@ -23,9 +23,12 @@ from gradnan.testing.toy_job import TinyGPTJob
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 TP_DP = TinyGPTJob(world_size=4, tp=2, dtype="bf16", quiet=True, steps=3)
+# Megatron-LM's loss check in validate_results mode: a NaN loss makes Megatron run the step again and exit
+# before any grad norm (from step 2: it never validates the first)
+LOSS_CHECKED = TP_DP.with_(rerun_mode="validate_results")
 LAYOUTS = (TP_DP, TP_DP.with_(distributed_optimizer=True),
            TinyGPTJob(world_size=4, pp=2, dtype="fp32", quiet=True, steps=3, micro_batches=2),
-           TP_DP.with_(dtype="fp16"))
+           TP_DP.with_(dtype="fp16"), LOSS_CHECKED)
 # column- and row-parallel linears, layer norm, embedding (the position embedding: every step reads each of
 # its rows, where a word embedding's row is read only where the data holds its token), output layer
 PARAMETERS = ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_proj.weight",
@@ -43,6 +46,10 @@ TP_DUPLICATES = ("layernorm", "position_embeddings")  # the same copy on every t
 # fp16's loss scaler skips a step whose gradients alone overflow, by design: only what breaks the forward
 # pass or the weights is an incident there
 FP16_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
+# what a loss check sees: a non-finite loss, from a weight, a forward operator or the loss function
+LOSS_CHECK_CAUSES = FP16_CAUSES
+# a token's row of the output layer (every step reads each of its rows) set to 1e30, on one replica
+ROW = ("output_layer.weight", 9)
 
 
 def _all_plants():
@@ -51,7 +58,8 @@ def _all_plants():
         dp_size = job.world_size // (job.tp * job.pp)
         wheres = [(tp, dp) for tp in range(job.tp) for dp in range(dp_size)]
         for cause in Cause:
-            if cause is Cause.UNDETERMINED or (job.dtype == "fp16" and cause not in FP16_CAUSES):
+            if cause is Cause.UNDETERMINED or (job.dtype == "fp16" and cause not in FP16_CAUSES) or (
+                    job.rerun_mode and cause not in LOSS_CHECK_CAUSES):
                 continue
             targets = (PARAMETERS if cause in ON_PARAMETERS else MODULES if cause in ON_MODULES else ("",))
             if cause is Cause.COLLECTIVE and job.tp > 1:  # and the tensor-parallel reduction of a layer
@@ -62,7 +70,16 @@ def _all_plants():
                 for step in ((1, 2) if cause is Cause.WEIGHTS else (2,)):
                     micro_batch = job.micro_batches - 1 if cause is Cause.LOSS else 0
                     plants.append(Plant(cause, job, target, where, step, micro_batch))
+        plants += [Plant(Cause.WEIGHTS, job, ROW[0], where, 2, row=ROW[1]) for where in wheres]
+        # a loss function that reports a finite value and hands backward a NaN (issue 48, case 4)
+        plants += [Plant(Cause.LOSS, job, "", where, 2, job.micro_batches - 1, after_report=True)
+                   for where in wheres if not where[0]]
     return plants
+
+
+def _marks(plant):
+    """What the sample must hold at least once: causes, targets, layouts, a row plant, a loss after report."""
+    return (plant.cause, plant.target, plant.job, plant.row, "after_report" if plant.after_report else None)
 
 
 def _sample(plants, seed: int):
@@ -72,10 +89,10 @@ def _sample(plants, seed: int):
     rng.shuffle(pool)
     chosen = []
     for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES, *ROW_PARALLEL,
-                   *(job for job in LAYOUTS)]:
-        if any(plant.cause == wanted or plant.target == wanted or plant.job == wanted for plant in chosen):
+                   *(job for job in LAYOUTS), ROW[1], "after_report"]:
+        if any(wanted in _marks(plant) for plant in chosen):
             continue
-        chosen.append(next(p for p in pool if wanted in (p.cause, p.target, p.job)))
+        chosen.append(next(p for p in pool if wanted in _marks(p)))
     chosen += [p for p in pool if p not in chosen][:max(0, 20 - len(chosen))]
     return chosen
 
@@ -88,7 +105,8 @@ def _named(plant, incident) -> bool:
     """Whether the report names the planted parameter or module where this cause names one."""
     origin_params = {p["name"] for entry in incident.origin for p in entry["params"]}
     if plant.cause is Cause.WEIGHTS:
-        return plant.target in origin_params
+        rows = {row["name"] for entry in incident.origin for row in entry.get("outlying_rows", [])}
+        return plant.target in origin_params | rows
     if plant.cause is Cause.OPTIMIZER_UPDATE:
         return plant.target in {fault["name"] for entry in incident.origin
                                 for fault in entry.get("optimizer_state", [])}
@@ -148,5 +166,6 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
     assert {plant.job for plant in PLANTS} == set(LAYOUTS)
+    assert any(plant.row is not None for plant in PLANTS) and any(plant.after_report for plant in PLANTS)
     assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)

@@ -4,6 +4,7 @@ docs/how-it-works.md's table is the table."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from gradnan.decision.evidence import (
     BadWeight,
     DivergedWeight,
     Evidence,
+    OutlyingRow,
     RateFault,
     ReplicaDivergence,
     StateFault,
@@ -28,6 +30,7 @@ NAN_WEIGHT = BadWeight(1, "decoder.layers.0.mlp.linear_fc1.weight", "model", (0,
 BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq", 0, 0, 1)
 FLIPPED = DivergedWeight(2, "decoder.layers.0.mlp.linear_fc1.weight", (0, 5), 0.0654296875, 0.032470703125)
 DIVERGED = ReplicaDivergence((2,), 3, 2, 5, (FLIPPED,), 1)
+HUGE_ROW = OutlyingRow(1, "embedding.word_embeddings.weight", 5, 37, 1e30, 0.05, every_step=True)
 LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
 
 
@@ -48,6 +51,8 @@ CASES = {
     "learning_rate": (dict(bad_weights=(NAN_WEIGHT,), rate_fault=RateFault(1, 4, 0, "inf", 1e-4)), (1,)),
     "one_replica_weights": (dict(bad_weights=(NAN_WEIGHT,), lone_weights=(1,)), (1,)),
     "later_weights": (dict(bad_weights=(NAN_WEIGHT,)), (1,)),
+    "embedding_row": (dict(outlying_rows=(HUGE_ROW,), odd_replicas=(1,), gradient_origin=(1,),
+                           gradient_basis=OriginBasis.NORM_OVERFLOW, largest_grad=LARGEST), (1,)),
     "replica_diverged": (dict(divergence=DIVERGED), (2,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
                                rerun_origins=(3,)), (3,)),
@@ -270,3 +275,22 @@ def test_a_forward_origin_reads_the_run_up_of_a_parameter_inside_its_module():
              "origin_params": {3: ("decoder.layers.2.mlp.x.weight",
                                    "decoder.layers.1.mlp.linear_fc2.weight")}}
     assert decide(evidence(**facts)).culprit == "decoder.layers.1.mlp.linear_fc2.weight"
+
+
+@pytest.mark.parametrize("every_step, skipped", [(False, True), (True, False)])
+def test_a_rows_next_steps_restore_it_and_skip_only_where_the_data_alone_reads_it(every_step, skipped):
+    """Issue 48, case 6: restore the row (one step for the ranks holding it), never change the numerics;
+    the skip only for a row read where the data holds its token (untied) whose step failed again in the
+    forward pass: a row every step reads (tied, the output layer's) fails the next step too."""
+    rows = tuple(dataclasses.replace(HUGE_ROW, rank=rank, every_step=every_step) for rank in (1, 3))
+    facts = dict(outlying_rows=rows, rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.0.mlp",
+                 rerun_origins=(1,), micro_batch=0, iterations_seen=(105,))
+    decided = decide(evidence(**facts))
+    assert (decided.rule, decided.origin, decided.culprit) == ("embedding_row", (1, 3), HUGE_ROW.name)
+    assert "row 5 of embedding.word_embeddings.weight (token 37)" in decided.summary
+    steps = next_steps(decided.actions, evidence(**facts), dataclasses.replace(SETTING, megatron_reran=True))
+    assert steps[0].action is Action.RESTORE_ROW and "on rank 1; rank 3" in steps[0].text
+    assert "Megatron's validate_results wrote at its exit (iteration 104)" in steps[0].text
+    assert [step.action for step in steps].count(Action.RESTORE_ROW) == 1
+    assert (Action.SKIP_ITERATION in [step.action for step in steps]) is skipped
+    assert Action.TUNE_NUMERICS not in [step.action for step in steps]

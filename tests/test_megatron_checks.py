@@ -43,6 +43,8 @@ BASE = TinyGPTJob(world_size=2, steps=3, quiet=True)
 LOSS_MESSAGE = "found NaN in local forward loss calculation"  # the toy loss_func says it as Megatron-LM
 # a NaN out of layer 1's attention on rank 1 at step 2 (tensor-parallel rank 1 with TP=2): the loss is NaN
 NAN_ON_RANK_1 = (Injection(1, 2, CORE, "nan", where="forward"),)
+# both replicas' loss functions, at step 2's micro-batch 1: a finite report, a NaN loss for backward
+LOSS_AFTER_REPORT = tuple(Injection(rank, 2, "", where="loss_after_report", index=1) for rank in (0, 1))
 
 SCENARIOS = {
     # linear_fc1's weight on tensor-parallel rank 1 scaled to just under fp16's limit from step 3: its
@@ -55,6 +57,9 @@ SCENARIOS = {
                                                injections=(Injection(1, 1, CORE, "nan", where="forward"),)),
     "validate_results_iteration_2": BASE.with_(dtype="bf16", rerun_mode="validate_results",
                                                injections=NAN_ON_RANK_1),
+    # issue 48 (case 4): micro-batch 1's loss function reports a finite value and hands backward a NaN
+    "validate_results_loss_after_report": BASE.with_(dtype="bf16", rerun_mode="validate_results",
+                                                     micro_batches=2, injections=LOSS_AFTER_REPORT),
 }
 
 
@@ -205,13 +210,39 @@ def test_validate_results_mode_later_rides_on_megatrons_rerun(runs):
 
 
 @needs_loss_computation
+def test_a_loss_reported_finite_but_nan_for_backward_is_the_loss_function(runs):
+    """Issue 48, case 4: the loss Megatron's check rejected (and backward used) is NaN while the value
+    reported for logging is finite. gradnan judges the loss backward used: `loss`, micro-batch 1, with the
+    loss function and the batch to look at (it was `backward_op`, "the loss was finite when run again",
+    with only a self-test to do)."""
+    incident = analyze(read_run(runs["validate_results_loss_after_report"])).incident
+    verdict = incident.verdict
+    assert (verdict.cause.value, verdict.rule) == ("loss", "loss_function"), verdict
+    assert "micro-batch 1" in incident.verdict.summary
+    assert [step.action.value for step in incident.next_steps][:2] == ["fix_loss", "inspect_batch"]
+
+
+@needs_loss_computation
+def test_a_loss_reported_finite_rejected_by_megatrons_check_in_disabled_mode_is_the_loss_function(tmp_path):
+    """The same loss under --rerun-mode disabled: Megatron raises at micro-batch 1; gradnan's run again of
+    the micro-batches up to it finds the loss backward would use NaN again (it was `device`, "transient")."""
+    _raised(BASE.with_(dtype="bf16", rerun_mode="disabled", micro_batches=2, injections=LOSS_AFTER_REPORT),
+            tmp_path)
+    incident = analyze(read_run(tmp_path)).incident
+    verdict = incident.verdict
+    assert (verdict.cause.value, verdict.rule) == ("loss", "loss_function"), verdict
+    assert "micro-batch 1" in incident.verdict.summary
+    assert {entry["global_rank"] for entry in incident.origin} == {0, 1}
+
+
+@needs_loss_computation
 def test_the_rejected_micro_batch_is_counted_by_the_schedule_not_by_a_data_iterator():
     """Megatron-LM gives a data iterator only to tensor-parallel rank 0: the micro-batch whose loss was
     rejected is the number of losses the schedule stored before it, the same on every rank."""
     from megatron.core.pipeline_parallel import schedules
 
-    from gradnan.patches.result_validation import _micro_batch
+    from gradnan.patches.result_validation import _store
 
     stored = [{"lm loss": 1.0}, {"lm loss": 2.0}]
-    assert _micro_batch(schedules.forward_step_calc_loss, (), {"forward_data_store": stored}) == 2
-    assert _micro_batch(schedules.forward_step_calc_loss, (None,) * 7 + ([],), {}) == 0
+    assert len(_store(schedules.forward_step_calc_loss, (), {"forward_data_store": stored})) == 2
+    assert len(_store(schedules.forward_step_calc_loss, (None,) * 7 + ([],), {})) == 0

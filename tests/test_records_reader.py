@@ -672,6 +672,23 @@ def test_a_state_records_bad_weight_index_is_a_listed_problem_not_a_traceback(tm
     assert analyze(files).incident is not None
 
 
+ROW = {"name": "embedding.word_embeddings.weight", "rows": 64, "row": 7, "largest": 1e30, "median": 0.05,
+       "every_step": True}
+
+
+@pytest.mark.parametrize("rows", [[{**ROW, "row": 64}], [{**ROW, "row": -1}], [{**ROW, "largest": [1]}],
+                                  [{**ROW, "every_step": "yes"}], [{**ROW, "name": 3}], [ROW] * 65, ROW])
+def test_a_state_records_outlying_rows_are_checked_at_the_boundary(rows):
+    """Issue 48, case 6: a row outside its shard, a largest magnitude that is no number, a list too long:
+    one named problem, never a traceback in the evidence code; a well-formed list (every_step absent too)
+    is read."""
+    state = {**a_record(2), "kind": "state", "weights_digest": "d", "params_checked": 1, "params": [],
+             "optimizer_state_total": 0, "optimizer_state_checked": 0, "optimizer_state": []}
+    assert records.from_json({**state, "outlying_rows": [ROW, {**ROW, "every_step": None}]}, "f:1")
+    with pytest.raises(InputError, match="'outlying_rows'"):
+        records.from_json({**state, "outlying_rows": rows}, "f:1")
+
+
 @pytest.mark.parametrize("rank, wrong", [
     (coords(9, world_size=8), "rank.global_rank 9 is outside its group (rank.world_size 8)"),
     (coords(1, tp=2, tp_size=2), "rank.tp 2 is outside its group (rank.tp_size 2)"),

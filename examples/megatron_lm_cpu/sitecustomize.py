@@ -21,9 +21,14 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
 - ``PLANT_WEIGHT=RANK:ITERATION:PARAMETER[:VALUE]``: a NaN (or VALUE) written into that parameter's first
   element, and its optimizer's fp32 main copy, before the iteration's forward pass: one replica's copy of a
   weight gone bad (a bad write, a faulty device);
-- ``PLANT_LOSS=RANK[,RANK...]:ITERATION``: the loss function of those ranks divides its loss by a zero
-  token count (as a loss function that divides by its own count of valid tokens does for a micro-batch without
-  one): NaN from a finite model output. Plant it on every rank of the last pipeline stage of a replica.
+- ``PLANT_ROW=RANK[,RANK...]:ITERATION:PARAMETER:ROW[:VALUE]``: as ``PLANT_WEIGHT``, every element of row
+  ROW of that 2-D parameter (``embedding.word_embeddings.weight``: a token's row of this rank's vocabulary
+  shard) set to VALUE (default 1e30);
+- ``PLANT_LOSS=RANK[,RANK...]:ITERATION[:after_report]``: the loss function of those ranks divides its loss
+  by a zero token count (as a loss function that divides by its own count of valid tokens does for a
+  micro-batch without one): NaN from a finite model output. Plant it on every rank of the last pipeline
+  stage of a replica. ``after_report``: it reports (``lm loss``, for logging) before it divides, so only the
+  loss backward uses is NaN, the reported one finite.
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
 iteration N only: a one-off glitch that a rerun does not meet again). Names are global
@@ -176,34 +181,46 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
         from gradnan.patches.model import global_named_parameters
 
         weight, loss = _planted("PLANT_WEIGHT", float("nan")), os.environ.get("PLANT_LOSS")
-        original = DistributedDataParallel.__init__
         rank = int(os.environ.get("RANK", "0"))
+        row = None
+        if os.environ.get("PLANT_ROW"):  # RANK[,RANK...]:ITERATION:NAME:ROW[:VALUE]
+            at, iteration, name, index, *value = os.environ["PLANT_ROW"].split(":")
+            if str(rank) in at.split(","):
+                row = (rank, iteration, name, float(value[0]) if value else 1e30, int(index))
+        original = DistributedDataParallel.__init__
 
         def init(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            if weight is not None and weight[0] == rank:
-                param = dict(global_named_parameters([self]))[weight[2]]
-                self.register_forward_pre_hook(_writing(param, weight[1], weight[3]))
+            for planted in (weight, row):
+                if planted is not None and planted[0] == rank:
+                    param = dict(global_named_parameters([self]))[planted[2]]
+                    self.register_forward_pre_hook(_writing(param, planted[1], planted[3], *planted[4:]))
             if loss and str(rank) in loss.split(":")[0].split(","):
                 main = sys.modules["__main__"]
-                main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1])
+                main.loss_func = _dividing_by_zero(main.loss_func, loss.split(":")[1],
+                                                   loss.split(":")[2:] == ["after_report"])
 
         DistributedDataParallel.__init__ = init
 
-    def _writing(param, spec, value):
+    def _writing(param, spec, value, row=None):
+        """The first element (or every element of ``row``) of ``param`` and of its optimizer's fp32 copy."""
         fired = []
 
         def hook(module, args):
             if _due(spec, fired):
                 fired.append(_iteration())
+                main = getattr(param, "main_param", None)  # the fp32 copy Megatron's optimizer steps
                 with torch.no_grad():
-                    param.view(-1)[0] = value
-                    main = getattr(param, "main_param", None)  # the fp32 copy Megatron's optimizer steps
-                    if main is not None:
-                        main.view(-1)[0] = value
+                    for tensor in (param, main):
+                        if tensor is None:
+                            continue
+                        if row is None:
+                            tensor.view(-1)[0] = value
+                        else:
+                            tensor.view(param.shape)[row] = value
         return hook
 
-    def _dividing_by_zero(loss_func, spec):
+    def _dividing_by_zero(loss_func, spec, after_report):
         fired = []
 
         def divided(loss_mask, output_tensor, *args, **kwargs):
@@ -216,13 +233,14 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
             def nan(value):  # the loss and what it reports (Megatron-LM logs it, gradnan reads it)
                 return value * 0 / no_token if torch.is_floating_point(value) else value
 
-            return (nan(result[0]), *result[1:-1], {key: nan(value) for key, value in result[-1].items()})
+            report = result[-1] if after_report else {key: nan(value) for key, value in result[-1].items()}
+            return (nan(result[0]), *result[1:-1], report)
 
         return divided
 
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
-    if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_LOSS"):
+    if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_ROW") or os.environ.get("PLANT_LOSS"):
         _plant_state_faults()
     if os.environ.get("PLANT_POISON"):
         _plant_poisoned_samples()

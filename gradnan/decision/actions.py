@@ -121,6 +121,30 @@ def resume_before_divergence(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
 
 
+def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Each outlying row (at most ``MAX_DRAINED``), with the ranks that hold it."""
+    held: Dict[Tuple[str, int, int], Tuple[int, ...]] = {}
+    for row in e.outlying_rows:
+        key = (row.name, row.row, row.token)
+        held[key] = held.get(key, ()) + (row.rank,)
+    exit_checkpoint = ("" if not s.megatron_reran else
+                       "; not from the checkpoint Megatron's validate_results wrote at its exit"
+                       + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
+                       + ", which holds the weights as the failing step found them")
+    return tuple(NextStep(Action.RESTORE_ROW, Action.RESTORE_ROW.wording(
+        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}") + exit_checkpoint)
+        for (name, row, token), ranks in list(held.items())[:MAX_DRAINED])
+
+
+def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """Where only the data reads the rows (an untied embedding's, read where the data holds the token) and
+    the rerun failed again in the forward pass: the skip trains past that data. Never where every step
+    reads one (the output layer's, or an embedding tied to it): the next step fails the same way."""
+    if not e.rerun_module or any(row.every_step for row in e.outlying_rows):
+        return ()
+    return skip_iteration(e, s, so_far)
+
+
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the update that wrote the bad weights."""
     when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")

@@ -66,6 +66,11 @@ def culprit_in_forward_module(e: Evidence, origin: Tuple[int, ...]) -> Optional[
     return inside[0] if inside else culprit_of_gradients(e, origin)
 
 
+def culprit_of_rows(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """The weight holding the first outlying row."""
+    return e.outlying_rows[0].name if e.outlying_rows else None
+
+
 @dataclass(frozen=True)
 class Rule:
     """One row of the table. ``basis``: what the origin rests on (None: the gradients' own basis)."""
@@ -147,6 +152,12 @@ RULES: Tuple[Rule, ...] = (
     Rule("later_weights", Cause.WEIGHTS, _STATES,
          "a weight is non-finite at a later step on every replica holding it, the optimizer state finite",
          lambda e: bool(e.bad_weights), say.weight_holders, say.later_weights, _WEIGHTS, culprit_of_weights,
+         OriginBasis.STATE),
+    Rule("embedding_row", Cause.WEIGHTS, _STATES,
+         "a row of the vocabulary's weights (a token's) is non-finite or 10,000 times the rows' median, when"
+         " the step began",
+         lambda e: bool(e.outlying_rows), say.row_holders, say.outlying_row,
+         (act.restore_rows, act.inspect_batch, act.skip_where_the_data_reads_it), culprit_of_rows,
          OriginBasis.STATE),
     Rule("replica_diverged", Cause.REPLICA_DIVERGENCE, (),
          "at a periodic replica check, a data-parallel replica's weights differed from its peers'"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 from ..formats.incident import Conclusion, OriginBasis, OwnFailure
-from ..formats.text import untrusted
+from ..formats.text import magnitude, untrusted
 from .facts import Fact
 
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
@@ -31,6 +31,26 @@ class BadWeight:
         where = f"[{', '.join(map(str, self.index))}]"
         copy = "" if self.copy == "model" else " (the optimizer's main copy)"
         return f"{untrusted(self.name)}{where}{copy}: {self.nan} NaN, {self.inf} Inf"
+
+
+@dataclass(frozen=True)
+class OutlyingRow:
+    """A row of a vocabulary weight (the word embedding, the output layer) non-finite or far larger than
+    the others when the failing step began (a ``state`` record's ``outlying_rows``): ``token`` is the
+    vocabulary entry it holds (``tp * rows + row``: Megatron splits the vocabulary evenly over the
+    tensor-parallel ranks)."""
+
+    rank: int
+    name: str
+    row: int
+    token: int
+    largest: Any  # as the record wrote it: a number, "inf", "nan"
+    median: Any
+    every_step: bool = True  # every forward pass reads it (the output layer's, or tied to it)
+
+    def text(self) -> str:
+        return (f"row {self.row} of {untrusted(self.name)} (token {self.token}): largest magnitude"
+                f" {magnitude(self.largest)}, the rows' median {magnitude(self.median)}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,7 @@ class Evidence:
     bad_weights: Tuple[BadWeight, ...] = ()
     state_faults: Tuple[StateFault, ...] = ()
     rate_fault: Optional[RateFault] = None  # the update of the step before used a rate that explains them
+    outlying_rows: Tuple[OutlyingRow, ...] = ()  # vocabulary rows non-finite or far above the others
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
     replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)

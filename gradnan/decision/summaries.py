@@ -65,6 +65,23 @@ def later_weights(e: Evidence) -> str:
             " gradients and moments: the learning rate, the update arithmetic) or a bad write")
 
 
+def row_holders(e: Evidence) -> Tuple[int, ...]:
+    return tuple(sorted({row.rank for row in e.outlying_rows}))
+
+
+def outlying_row(e: Evidence) -> str:
+    first = e.outlying_rows[0]
+    more = len({(row.name, row.token) for row in e.outlying_rows}) - 1
+    holders = tuple(row.rank for row in e.outlying_rows if (row.name, row.token) == (first.name, first.token))
+    failed = (f"; run again in place, the step went non-finite again in {untrusted(e.rerun_module)},"
+              f" micro-batch {e.micro_batch}" if e.rerun_module else "")
+    return (f"a token's row of the vocabulary's weights is far out of range when step {e.step} began:"
+            f" {first.text()} on {e.labelled(holders)}" + (f" (and {more} more row(s))" if more > 0 else "")
+            + f"{failed}. No trained row is that large (a bad write, a corrupted checkpoint): it overflows"
+            + (" in every step (the output layer reads every row)" if first.every_step else
+               " wherever the data holds the token"))
+
+
 def rerun_named(e: Evidence) -> Tuple[int, ...]:
     """The ranks the rerun names: the loss's stage where it made the value, else the forward origin."""
     return e.loss_stage if e.rerun is Conclusion.LOSS else e.rerun_origins

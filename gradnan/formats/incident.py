@@ -177,6 +177,8 @@ class Action(str, enum.Enum):
 
     RESUME = "resume"
     """Restart from a checkpoint written before the weights or the optimizer state went bad."""
+    RESTORE_ROW = "restore_row"
+    """Restore a token's row of the vocabulary's weights from a checkpoint written before it went bad."""
     FIX_LOSS = "fix_loss"
     """Guard the loss function against the micro-batch that made it non-finite."""
     INSPECT_BATCH = "inspect_batch"
@@ -210,6 +212,8 @@ class Action(str, enum.Enum):
 
 _ACTION_WORDING = {
     Action.RESUME: "restart from a checkpoint older than {subject}; later ones hold the bad values",
+    Action.RESTORE_ROW: "restore {subject} from a checkpoint written before it went bad (that row of the"
+                        " weight and of its optimizer's main copy), or restart from that checkpoint",
     Action.FIX_LOSS: "guard the loss function: {subject} made it non-finite from a finite model output (e.g."
                      " divide by max(number of valid tokens, 1))",
     Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",
@@ -280,7 +284,8 @@ _BASIS_TEXT = {
     OriginBasis.NORM_OVERFLOW: "its largest gradient, finite, squares past float32's range: the grad norm"
                                " overflowed",
     OriginBasis.NONE: "",
-    OriginBasis.STATE: "weights or optimizer state non-finite when the failing step began",
+    OriginBasis.STATE: "weights or optimizer state bad (non-finite, or a row far out of range) when the"
+                       " failing step began",
     OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
     OriginBasis.RERUN: "named by the failing step, run again in place",

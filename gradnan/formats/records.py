@@ -170,6 +170,22 @@ def _is_learning_rates(value: Any) -> bool:
         for entry in value)
 
 
+MAX_ROWS = 64  # far above what gradnan writes (8)
+
+
+def _is_row(entry: Any) -> bool:
+    """An outlying vocabulary row: its weight's name, the shard's row count, the row, its largest magnitude,
+    the rows' median and whether every step reads it."""
+    return (isinstance(entry, dict) and is_text(entry.get("name")) and is_int(entry.get("rows"))
+            and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"]
+            and is_stat(entry.get("largest")) and is_stat(entry.get("median"))
+            and optional(entry.get("every_step"), _is_bool))
+
+
+def _is_rows(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_ROWS and all(map(_is_row, value))
+
+
 def _check_state(record: Dict[str, Any], where: str) -> None:
     faults = record.get("optimizer_state")
     if (not all(entry.get("copy") in WEIGHT_COPIES for entry in record["params"])
@@ -178,14 +194,18 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
             or not all(is_int(record.get(key)) for key in ("params_checked", "optimizer_state_total",
                                                            "optimizer_state_checked"))
             or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))
-            or not optional(record.get("learning_rates"), _is_learning_rates)):
+            or not optional(record.get("learning_rates"), _is_learning_rates)
+            or not optional(record.get("outlying_rows"), _is_rows)):
         raise InputError(f"{where}: a state record needs each param's 'copy' one of"
                          f" {', '.join(WEIGHT_COPIES)}, a text 'weights_digest', 'launch_weights_finite'"
                          " null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
                          "'optimizer_state_checked', an 'optimizer_state' list of objects with text"
                          " 'name'/'state' and counts 'nan'/'inf'/'negative', and 'learning_rates' absent,"
                          f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
-                         f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls")
+                         f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls, and 'outlying_rows'"
+                         f" absent, null or a list of at most {MAX_ROWS} objects with a text 'name', integer"
+                         " 'rows' and 'row' (0 <= row < rows), numeric 'largest' and 'median' and"
+                         " 'every_step' absent, null or a boolean")
 
 
 MAX_DIVERGED_PARAMS, MAX_DIFFERING_RANKS = 64, 1024  # far above what gradnan writes: 4 and 64

@@ -122,3 +122,8 @@ class PlainSpaces(logging.Filter):
         if GLUE in message:
             record.msg, record.args = unglued(message), ()
         return True
+
+
+def magnitude(value: Any) -> str:
+    """A number as a record wrote it, in three significant digits; "inf", "nan" (or any text) escaped."""
+    return f"{value:.3g}" if isinstance(value, (int, float)) else untrusted(value)

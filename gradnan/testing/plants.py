@@ -55,12 +55,15 @@ class Expected:
 class Plant:
     """``cause`` at ``where`` (tp, dp; the pipeline stage follows from ``target``), at ``step``:
     - WEIGHTS: ``target`` (a parameter) non-finite before ``step``, on every data-parallel replica where
-      ``step`` is 1 (a checkpoint), else on the one replica ``where`` names;
+      ``step`` is 1 (a checkpoint), else on the one replica ``where`` names; with ``row``, that row of the
+      2-D ``target`` set to 1e30 instead (a token's row of the vocabulary's weights, finite, far out of
+      range);
     - OPTIMIZER_UPDATE: ``target``'s ``exp_avg_sq`` made negative before the update of ``step``, on the
       rank(s) whose optimizer holds the element (the whole replica ``where`` names without the
       distributed optimizer; its shard owner with it): the failure comes at ``step + 1``;
     - FORWARD_OP: ``target`` (a module)'s output made Inf on the rank ``where`` names, again when run again;
-    - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names;
+    - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names (with
+      ``after_report``, after the loss function reported a finite value: only backward's loss is NaN);
     - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
     - COLLECTIVE: a parameter ``target``'s reduced gradient made NaN after the data-parallel collective
       (with the distributed optimizer, in the shard of the replica that owns the element); a module
@@ -74,6 +77,8 @@ class Plant:
     where: Tuple[int, int] = (0, 0)
     step: int = 2
     micro_batch: int = 0
+    row: Optional[int] = None
+    after_report: bool = False
 
     @property
     def coordinate(self) -> Coordinate:
@@ -91,8 +96,9 @@ class Plant:
         cause, target, step = self.cause, self.target, self.step
         if cause is Cause.WEIGHTS:
             holders = [c for c in coordinates(self.job) if c[:2] == (tp, pp) and (step == 1 or c[2] == dp)]
-            return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="weight", index=3)
-                         for c in holders)
+            planted = ("nan", "weight", 3) if self.row is None else ("1e30", "row", self.row)
+            return tuple(Injection(global_rank(self.job, *c), step, target, planted[0], where=planted[1],
+                                   index=planted[2]) for c in holders)
         if cause is Cause.OPTIMIZER_UPDATE:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
@@ -103,7 +109,8 @@ class Plant:
             return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="main_grad", index=3)
                          for c in coordinates(self.job) if c[:2] == (tp, pp))
         if cause is Cause.LOSS:
-            return tuple(Injection(global_rank(self.job, *c), step, "", where="loss", index=self.micro_batch)
+            where = "loss_after_report" if self.after_report else "loss"
+            return tuple(Injection(global_rank(self.job, *c), step, "", where=where, index=self.micro_batch)
                          for c in self._replica(dp, self.job.pp - 1))
         plain = {Cause.FORWARD_OP: ("inf", "forward", False), Cause.DEVICE: ("inf", "forward", True),
                  Cause.BACKWARD_OP: ("nan", "backward", False), Cause.COLLECTIVE: ("nan", "main_grad", False),
@@ -140,6 +147,9 @@ class Plant:
     def label(self) -> str:
         layout = (f"tp{self.job.tp}pp{self.job.pp}dp{self.job.world_size // (self.job.tp * self.job.pp)}"
                   f"-{self.job.dtype}{'-distopt' if self.job.distributed_optimizer else ''}"
+                  f"{'-' + self.job.rerun_mode if self.job.rerun_mode else ''}"
                   f"-mb{self.job.micro_batches}")
-        where = f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
+        where = (f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
+                 + ("" if self.row is None else f"-row{self.row}")
+                 + ("-after_report" if self.after_report else ""))
         return f"{self.cause.value}@{self.target or 'loss'}@{where}-{layout}"

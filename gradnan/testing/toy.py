@@ -161,9 +161,12 @@ class TinyGPT:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         empty = tuple(injection.index or 0 for injection in _due(self.job, self.rank, step, "loss"))
+        unreported = tuple(injection.index or 0
+                           for injection in _due(self.job, self.rank, step, "loss_after_report"))
         return self.forward_backward(
             forward_step_func=functools.partial(_forward_step, validate=self.validation is not None,
-                                                empty_micro_batches=empty, calls=[0],
+                                                empty_micro_batches=empty + unreported,
+                                                reported_before=unreported, calls=[0],
                                                 micro_batches=self.job.micro_batches),
             data_iterator=self.batches if len(self.chunks) > 1 else self.batches[0],
             model=self.chunks,
@@ -181,7 +184,8 @@ class TinyGPT:
         _apply_bit_flip_injections(job, rank, step, chunks, optimizer, self.result)
         _apply_memory_buffer_injections(job, rank, step, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
-        self.result.injected += [dataclasses.asdict(injection) for injection in _due(job, rank, step, "loss")]
+        self.result.injected += [dataclasses.asdict(injection) for where in ("loss", "loss_after_report")
+                                 for injection in _due(job, rank, step, where)]
         try:  # the faults stay until the step is over: a rerun of its forward pass meets them again
             if self.validation is None:
                 losses = self._forward_backward(step)

@@ -179,16 +179,19 @@ def _stepped_copies(optimizer, param) -> List[Tuple[torch.Tensor, Dict[str, torc
 
 
 def _apply_weight_injections(job, rank, step, chunks, optimizer, result) -> None:
-    for injection in _due(job, rank, step, "weight"):
+    """``"weight"``: one element; ``"row"``: every element of row ``index`` (a 2-D parameter's)."""
+    for injection in [*_due(job, rank, step, "weight"), *_due(job, rank, step, "row")]:
         param = _param_by_global_name(chunks, injection.target)
         if param is None:
             raise ValueError(f"no parameter named {injection.target} on this rank")
         index = injection.index or 0
+        width = param.shape[-1] if injection.where == "row" else 1
         with torch.no_grad():
-            param.view(-1)[index] = injection.number()
-            for copy, _, start, end in _stepped_copies(optimizer, param):
-                if start <= index < end and copy is not param:
-                    copy.view(-1)[index - start] = injection.number()
+            for element in range(index * width, (index + 1) * width):
+                param.view(-1)[element] = injection.number()
+                for copy, _, start, end in _stepped_copies(optimizer, param):
+                    if start <= element < end and copy is not param:
+                        copy.view(-1)[element - start] = injection.number()
         result.injected.append({**dataclasses.asdict(injection), "index": index})
 
 

@@ -42,6 +42,8 @@ class Injection:
       data-parallel replicas share that outlives the step (a mixed-precision optimizer's fp32 main copy
       without a distributed optimizer, else the model parameter): a silent, finite corruption of one
       replica's weights;
+    - ``"row"``: as ``"weight"``, every element of row ``index`` of the 2-D parameter ``target`` (a token's
+      row of the word embedding or the output layer; row ``index`` of this rank's vocabulary shard);
     - ``"optimizer_state"``: set element ``index`` (default 0) of the optimizer's ``state`` tensor
       (``exp_avg_sq``, ``exp_avg``) of parameter ``target`` right before ``optimizer.step()``, where this
       rank's optimizer holds that element: the update then writes a bad weight from finite gradients (a
@@ -53,7 +55,9 @@ class Injection:
       ``optimizer.step()`` (and left so), as a broken schedule does (``target`` is not used);
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
       count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
-      is not used; the rank is any of the replica's last pipeline stage).
+      is not used; the rank is any of the replica's last pipeline stage);
+    - ``"loss_after_report"``: as ``"loss"``, but the loss function reports (for logging) the finite zero
+      sum before it divides: the loss backward uses is NaN, the one reported finite.
     ``index`` is a flat element index; None picks the first element this rank's optimizer steps.
     ``transient``: a ``"forward"`` or ``"backward"`` fault that fires in the step's first pass only, as a
     glitch would: a rerun of the same step (``gradnan``'s, or Megatron's own) does not meet it again.
@@ -93,6 +97,7 @@ class TinyGPTJob:
     recompute: bool = False
     position_embedding: str = "learned_absolute"
     vocab_size: int = 64
+    tied_embeddings: bool = False  # the output layer reads the word embedding's (no output_layer.weight)
     seq_length: int = 16
     micro_batch_size: int = 2
     seed: int = 1234

@@ -64,7 +64,8 @@ def _build_chunks(job: TinyGPTJob):
     chunks = [GPTModel(config=config,
                        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=job.experts or None),
                        vocab_size=job.vocab_size, max_sequence_length=job.seq_length,
-                       position_embedding_type=job.position_embedding, **chunk(vp_stage))
+                       position_embedding_type=job.position_embedding,
+                       share_embeddings_and_output_weights=job.tied_embeddings, **chunk(vp_stage))
               for vp_stage in range(job.vpp)]
     return config, chunks
 
@@ -90,9 +91,12 @@ def _wrap_model(job: TinyGPTJob, config, model, bucketing: bool = True):
 
 
 def _forward_step(data_iterator, model, validate: bool = False, empty_micro_batches: Tuple[int, ...] = (),
-                  calls: Optional[List[int]] = None, micro_batches: int = 1):
+                  calls: Optional[List[int]] = None, micro_batches: int = 1,
+                  reported_before: Tuple[int, ...] = ()):
     """``empty_micro_batches``: the micro-batches (numbered by ``calls``, a counter shared by a step's
-    passes, modulo ``micro_batches``) whose loss divides a zero sum by a zero token count."""
+    passes, modulo ``micro_batches``) whose loss divides a zero sum by a zero token count; of them,
+    ``reported_before``: those whose loss function reports (for logging) the finite sum before it divides,
+    so that only the loss backward uses is NaN."""
     batch = next(data_iterator)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
@@ -106,14 +110,15 @@ def _forward_step(data_iterator, model, validate: bool = False, empty_micro_batc
         if micro_batch in empty_micro_batches:
             no_token = output_tensor.float() * 0
             loss = no_token.sum() / no_token.count_nonzero()
+            reported = no_token.sum() if micro_batch in reported_before else loss
         else:
-            loss = output_tensor.float().mean()
+            loss = reported = output_tensor.float().mean()
         if validate:  # as Megatron-LM's pretrain_gpt.py checks its loss
             from megatron.core.rerun_state_machine import get_rerun_state_machine
 
             get_rerun_state_machine().validate_result(result=loss, rejection_func=torch.isnan,
                                                       message="found NaN in local forward loss calculation",
                                                       tolerance=0.0, fatal=True)
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": reported.detach()}
 
     return output, loss_func

@@ -168,9 +168,9 @@ class Detections:
         if largest is None:
             return False
         # deferred, the bucket holds the reduced gradient now: its magnitude before the collective is the one
-        # read with the flag
-        largest.update(value=json_float(math.copysign(max(read[i] for i in huge), largest["value"])),
-                       overflows=True)
+        # read with the flag (its sign where the reduced value still has one: a peer's NaN may have come in)
+        sign = largest["value"] if isinstance(largest["value"], (int, float)) else 1.0
+        largest.update(value=json_float(math.copysign(max(read[i] for i in huge), sign)), overflows=True)
         self._pre_reduction_record(group, [], buckets, mode, level, largest)
         return True
 

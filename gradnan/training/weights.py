@@ -137,6 +137,37 @@ def finite_flag(weights: Sequence[Tuple[str, torch.Tensor]]) -> Optional[torch.T
     return torch.isfinite(torch.stack([norm.float() for norm in largest])).all()
 
 
+VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # a row per token
+ROW_OUTLIER = 1e4  # a row whose largest magnitude is this many times the rows' median: no trained row is
+MAX_ROWS = 8  # rows a record lists (all are counted)
+
+
+@torch.no_grad()
+def outlying_rows(weights: Sequence[Tuple[str, torch.Tensor]]) -> List[Dict[str, Any]]:
+    """The rows of the vocabulary's weights (the word embedding, the output layer: row r is this rank's
+    vocabulary shard's token r) that are non-finite or whose largest magnitude is ``ROW_OUTLIER`` times the
+    median row's: a row set to 1e30 (a bad write, a corrupted checkpoint) overflows wherever its token is
+    read, or, through a tied output layer, in every step, every other weight finite. ``rows``: the shard's
+    row count (the token is ``tp * rows + row``); ``every_step``: every forward pass reads the row (the
+    output layer's, or an embedding this rank holds no separate output layer beside: tied to it). One
+    reduction per row and one host read per weight."""
+    found: List[Dict[str, Any]] = []
+    untied = any(name == "output_layer.weight" for name, _ in weights)
+    for name, tensor in weights:
+        if name not in VOCABULARY_ROWS or tensor.ndim != 2 or not tensor.shape[0]:
+            continue
+        largest = torch.linalg.vector_norm(tensor.detach().float(), math.inf, dim=1)
+        median = largest.nanmedian()
+        outlying = (~torch.isfinite(largest)) | ((largest > ROW_OUTLIER * median) & (median > 0))
+        rows = torch.nonzero(outlying).flatten()[:MAX_ROWS]
+        values = largest[rows].tolist()
+        found += [{"name": name, "rows": tensor.shape[0], "row": int(row), "largest": json_float(value),
+                   "median": json_float(float(median)),
+                   "every_step": name == "output_layer.weight" or not untied}
+                  for row, value in zip(rows.tolist(), values)]
+    return found[:MAX_ROWS]
+
+
 def state_fields(state: StepState, ids_by_name: Mapping[str, int],
                  at_launch: Optional[torch.Tensor]) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """A ``state`` record's offending params (the non-finite weights) and its other fields;
@@ -146,5 +177,6 @@ def state_fields(state: StepState, ids_by_name: Mapping[str, int],
     return bad_weights, {
         "launch_weights_finite": None if at_launch is None else bool(at_launch),
         "weights_digest": weights_digest(state.weights), "params_checked": len(state.weights),
+        "outlying_rows": outlying_rows(state.weights),
         "optimizer_state": faults[:MAX_STATE_ENTRIES], "optimizer_state_total": len(faults),
         "optimizer_state_checked": sum(len(held.state) for held in state.stepped)}

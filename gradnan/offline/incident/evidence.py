@@ -15,6 +15,7 @@ from ...decision.evidence import (
     DivergedWeight,
     Evidence,
     HealthReading,
+    OutlyingRow,
     RateFault,
     ReplicaDivergence,
     StateFault,
@@ -174,6 +175,10 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                     for record in states for p in record["params"])
     faults = tuple(StateFault(record["rank"].get("global_rank"), f["name"], f["state"], f["nan"], f["inf"],
                               f["negative"]) for record in states for f in record["optimizer_state"])
+    rows = tuple(OutlyingRow(record["rank"].get("global_rank"), row["name"], row["row"],
+                             (record["rank"].get("tp") or 0) * row["rows"] + row["row"], row["largest"],
+                             row["median"], row.get("every_step") is not False)
+                 for record in states for row in record.get("outlying_rows") or ())
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     conclusion = rerun.conclusion if rerun is not None else None
     reduction_fault = rerun is not None and any(view.get("reduction") == "collective"
@@ -186,7 +191,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
         launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
-        bad_weights=weights, state_faults=faults, rate_fault=rate_fault(states, step),
+        bad_weights=weights, state_faults=faults, rate_fault=rate_fault(states, step), outlying_rows=rows,
         lone_weights=_lone_weights(states, at_step),
         odd_replicas=odd,
         replicas_compared=compared,

@@ -47,8 +47,9 @@ def rank_entry(record: Dict[str, Any], dtypes: Dict[Tuple[Any, str], str]) -> Vi
              "params": [_param_view(p, dtypes.get((rank, p["name"]))) for p in params]}
     if record.get("largest_grad"):
         entry["largest_grad"] = record["largest_grad"]
-    if record.get("optimizer_state"):
-        entry["optimizer_state"] = record["optimizer_state"]
+    for key in ("optimizer_state", "outlying_rows"):
+        if record.get(key):
+            entry[key] = record[key]
     return entry
 
 

@@ -11,7 +11,7 @@ from ...formats.health import health_line
 from ...formats.incident import Action, Conclusion, OriginBasis, RecordKind, failing_step_headline
 from ...formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
 from ...formats.schema import nonfinite_counts
-from ...formats.text import printable_lines, shell_word, untrusted, wrap
+from ...formats.text import magnitude, printable_lines, shell_word, untrusted, wrap
 from ...formats.wording import describe_largest, growth_path, micro_batch_words, samples_wording
 from .analysis import analyze
 from .frames_view import summary_lines
@@ -255,6 +255,8 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         parts += [f"{untrusted(f['state'])} of {untrusted(f['name'])}: {f['nan']} NaN, {f['inf']} Inf,"
                   f" {f['negative']} negative"
                   for f in entry.get("optimizer_state", [])[:2]]
+        parts += [f"row {row['row']} of {untrusted(row['name'])}: largest magnitude"
+                  f" {magnitude(row['largest'])}" for row in entry.get("outlying_rows", [])[:1]]
         return "; ".join(parts) or "its weights differ from its data-parallel peers'"
     if entry.get("kind") == RecordKind.REPLICA_DIVERGENCE:
         first = entry["diverged"][0] if entry.get("diverged") else None
