@@ -147,6 +147,11 @@ class RerunnableStep(Protocol):
         are not known to meet this incident: not in ``seen_by``, the global ranks known to, None: every rank
         of the job), or None."""
 
+    def deciding_group(self, seen_by: Optional[FrozenSet[int]]) -> str:
+        """The group (an ``all_reduce`` group name) whose ranks decide together whether to run the step
+        again: "forward" where its forward pass spans replicas and all of them are known to meet this
+        incident (``seen_by``; None: every rank of the job), else "model"."""
+
     def leads_replica(self) -> bool:
         """Whether this rank is the first of its model-parallel group."""
 

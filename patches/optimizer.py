@@ -92,14 +92,14 @@ class OptimizerInstrumentor(Instrumentor):
 
         seen_by: Set[int] = set()  # the ranks known to see this norm non-finite (``reduced_over``)
 
-        def on_nonfinite_norm(target, norm, ranks):
+        def on_nonfinite_norm(target, norm, ranks=frozenset()):
             slots, grads = param_slots(target, runtime.known_chunks())
             runtime.nonfinite_grad_norm(target, norm, slots, grads, ranks)
 
         def check_norm(optimizer, norm):
             target = runtime.stepping_optimizer() or optimizer
             if isinstance(norm, torch.Tensor):
-                runtime.grad_norm_tensor(norm, partial(on_nonfinite_norm, target, frozenset()))
+                runtime.grad_norm_tensor(norm, partial(on_nonfinite_norm, target))
             elif not is_finite_number(norm):
                 on_nonfinite_norm(target, norm, frozenset(seen_by | reduced_over(optimizer)))
 

@@ -296,6 +296,16 @@ class KeptStep:
                     " grad norm was non-finite)")
         return None
 
+    def deciding_group(self, seen_by: Optional[FrozenSet[int]]) -> str:
+        """The group whose ranks decide together whether to run the step again: "forward" where the forward
+        pass spans replicas (expert parallelism) and every rank of it is known to meet this incident (in
+        ``seen_by``; None: the whole job), else "model"."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return "model"
+        return "forward" if seen_by is None or _ranks(self._group("forward")) <= seen_by else "model"
+
     def leads_replica(self) -> bool:
         """Whether this rank is the first of its model-parallel group (one data-parallel replica)."""
         from megatron.core import parallel_state

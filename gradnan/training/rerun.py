@@ -76,6 +76,7 @@ class StepRerun:
         self._guard, self._named_modules, self._recording = guard, named_modules, recording
         self._hooking = hooking
         self._kept: Optional[RerunnableStep] = None
+        self._groups: Optional[RerunnableStep] = None  # the step kept at the run's rerun: its groups
         self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
         self.in_pass = False  # one of the rerun's own forward passes is running
@@ -119,27 +120,39 @@ class StepRerun:
         ``at_norm``: this rank's gradients at the grad norm ("nonfinite", "overflow": all finite, their
         float32 sum of squares not, "finite"; None: not known). ``seen_by``: the global ranks known to meet
         this incident with this rank (those its grad norm was reduced over)."""
+        # Megatron's result validation decides for every rank of the job; a grad norm only for the ranks
+        # it was reduced over (at least this model-parallel group)
+        here = None if megatron is not None else seen_by
         if not self.keeps_steps():
+            self._vote_against(here)
             return None
         self.done = True
         kept, self._kept = self._kept, None
+        self._groups = kept
         if kept is None:
             logger.info("step %d: no rerun of the failing step: it was not run by megatron-core's pipeline"
                         " schedules", self._clock.current())
             return None
-        # Megatron's result validation decides for every rank of the job; a grad norm only for the ranks
-        # it was reduced over (at least this model-parallel group)
-        reason = kept.cannot_rerun(None if megatron is not None else seen_by)
-        if not kept.all_reduce([0.0 if reason else 1.0], "min", "model")[0]:
+        reason = kept.cannot_rerun(here)
+        if not kept.all_reduce([0.0 if reason else 1.0], "min", kept.deciding_group(here))[0]:
             logger.info("step %d: no rerun of the failing step: %s", self._clock.current(),
-                        reason or "not possible on another rank of this model-parallel group")
+                        reason or "not possible on another rank that runs the forward pass with this one (its"
+                        " run's rerun came before, or it cannot)")
             return None
         return self._rerun(kept, trigger, megatron, local_gradients, at_norm)
+
+    def _vote_against(self, seen_by: Optional[FrozenSet[int]]) -> None:
+        """After this rank's rerun (or its incident without one), a later incident may bring in a group whose
+        forward pass spans replicas (expert parallelism) on ranks that have had none yet: they decide
+        together whether to run the step again, so this rank says no in that vote rather than leave them
+        waiting in it."""
+        if self.done and self._groups is not None and self._groups.deciding_group(seen_by) == "forward":
+            self._groups.all_reduce([0.0], "min", "forward")
 
     def too_late(self, trigger: str) -> None:
         """The incident was seen after its step's update was applied: no rerun, now or later (said once)."""
         if self.keeps_steps():
-            self.done, self._kept = True, None
+            self.done, self._groups, self._kept = True, self._kept, None
             logger.info("step %d: no rerun of the failing step: its %s was read after the update (a grad norm"
                         " returned as a device tensor)", self._clock.current(), trigger)
 
