@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import os
 import random
+import shutil
 
 import pytest
 
@@ -124,8 +125,8 @@ def _outcomes(root, plants):
     jobs = [plant.planted_job(str(root / str(number))) for number, plant in enumerate(plants)]
     results = launch_many(jobs)
     return [(plant, analyze(read_run(root / str(number))), frozenset(
-        rank for rank, result in per_rank.items() if result.injected), _read_state(root / str(number)))
-        for number, (plant, per_rank) in enumerate(zip(plants, results))]
+        rank for rank, result in per_rank.items() if result.injected), _read_state(root / str(number)),
+        root / str(number)) for number, (plant, per_rank) in enumerate(zip(plants, results))]
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +158,23 @@ def test_every_cause_planted_under_expert_parallelism_is_named(expert_outcomes):
     assert not wrong, wrong
 
 
+def test_an_expert_overflow_without_its_ranks_files_is_undetermined_naming_that_rank(expert_outcomes,
+                                                                                   tmp_path):
+    """Issue 48 (d): without the files of the rank holding the expert, the other rank's rerun record still
+    names it as the origin; the verdict says so, undetermined, not a cause read from the receiver's own
+    gradients (it was ``backward_op`` on the receiver's ``output_layer.weight``)."""
+    plant, _, _, _, run_dir = expert_outcomes[1]
+    kept = tmp_path / "run"
+    shutil.copytree(run_dir, kept, ignore=lambda _, names: [name for name in names
+                                                              if name.startswith(f"rank{plant.rank:05d}")])
+    verdict = analyze(read_run(kept)).incident.verdict
+    assert (verdict.cause, verdict.rule) == (Cause.UNDETERMINED, "rerun_origin_absent"), verdict
+    assert f"first on rank {plant.rank} " in verdict.summary and "not in the run directory" in verdict.summary
+
+
 def _wrong(outcomes):
     wrong = []
-    for plant, report, applied, read in outcomes:
+    for plant, report, applied, read, _ in outcomes:
         incident = report.incident
         expected = plant.expected(applied)
         if plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
