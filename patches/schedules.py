@@ -292,8 +292,8 @@ class KeptStep:
         missing = forward - seen_by if seen_by is not None else frozenset()
         if missing:
             return (f"expert parallelism: the forward pass needs ranks {rank_ranges(missing)} of other"
-                    " data-parallel replicas, not known to have seen this incident (no expert's part of the"
-                    " grad norm was non-finite)")
+                    " data-parallel replicas, not known to have met this incident (only a non-finite experts'"
+                    " part of the grad norm brings them all in)")
         return None
 
     def deciding_group(self, seen_by: Optional[FrozenSet[int]]) -> str:
