@@ -11,7 +11,7 @@ and rerun hook the model's modules, made by the adapter (``ModuleHooking``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -148,16 +148,25 @@ class RerunnableStep(Protocol):
         """Why the other ranks of this model-parallel group did not raise at a rejected loss with this one
         (pipeline parallelism: only the last stage computes the loss), or None."""
 
-    def cannot_rerun(self, job_wide: bool) -> Optional[str]:
-        """Why the forward pass cannot run again (FP8 state; peers outside this model-parallel group while
-        not ``job_wide``), or None."""
+    def cannot_rerun(self, seen_by: Optional[FrozenSet[int]]) -> Optional[str]:
+        """Why the forward pass cannot run again (FP8 state; peers outside this model-parallel group that
+        are not known to meet this incident: not in ``seen_by``, the global ranks known to, None: every rank
+        of the job), or None."""
+
+    def deciding_group(self, seen_by: Optional[FrozenSet[int]]) -> str:
+        """The group (an ``all_reduce`` group name) whose ranks decide together whether to run the step
+        again: "forward" where its forward pass spans replicas and all of them are known to meet this
+        incident (``seen_by``; None: every rank of the job), else "model"."""
 
     def leads_replica(self) -> bool:
         """Whether this rank is the first of its model-parallel group."""
 
     def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
-        """``values`` reduced ("max"/"min") over "tensor" (the tensor-parallel group) or "model" (the
-        model-parallel group: one data-parallel replica)."""
+        """``values`` reduced ("max"/"min") over "tensor" (the tensor-parallel group), "model" (the
+        model-parallel group: one data-parallel replica), "exchange" (the ranks whose activations meet inside
+        a layer: the tensor-parallel group, with expert parallelism the expert tensor-and-model-parallel
+        group) or "forward" (the ranks that run a forward pass together: the model-parallel group, with
+        expert parallelism the expert tensor-model-pipeline group, which spans replicas)."""
 
 
 class ModuleHooks(Protocol):
@@ -224,7 +233,9 @@ class Events(Protocol):
     def schedule_raised(self, kept: Optional[RerunnableStep]) -> None: ...
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
-                            grads: Grads) -> None: ...
+                            grads: Grads, seen_by: FrozenSet[int] = frozenset()) -> None:
+        """``seen_by``: the global ranks known to see the same non-finite norm (Megatron reduced it, or
+        one chained member's part of it, over them), so to meet this incident with this rank."""
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None: ...

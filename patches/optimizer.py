@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 from functools import partial
-from typing import Any, Iterator, List
+from typing import Any, FrozenSet, Iterator, List, Set
 
 import torch
 
@@ -90,9 +90,11 @@ class OptimizerInstrumentor(Instrumentor):
 
             return wrapper
 
-        def on_nonfinite_norm(target, norm):
+        seen_by: Set[int] = set()  # the ranks known to see this norm non-finite (``reduced_over``)
+
+        def on_nonfinite_norm(target, norm, ranks=frozenset()):
             slots, grads = param_slots(target, runtime.known_chunks())
-            runtime.nonfinite_grad_norm(target, norm, slots, grads)
+            runtime.nonfinite_grad_norm(target, norm, slots, grads, ranks)
 
         def check_norm(optimizer, norm):
             target = runtime.stepping_optimizer() or optimizer
@@ -102,12 +104,17 @@ class OptimizerInstrumentor(Instrumentor):
             if norm is not None:  # read as a number: the host has just waited for the device
                 runtime.host_waited()
             if not is_finite_number(norm):
-                on_nonfinite_norm(target, norm)
+                on_nonfinite_norm(target, norm, frozenset(seen_by | reduced_over(optimizer)))
 
         def make_norm_wrapper(original):
             def wrapper(self, *args, **kwargs):
                 with norm_guard.enter() as outermost:
+                    if outermost:
+                        seen_by.clear()
                     norm = original(self, *args, **kwargs)
+                if not outermost and not isinstance(norm, torch.Tensor) and not is_finite_number(norm):
+                    # a chained optimizer's member: every rank its norm was reduced over sees it too
+                    seen_by.update(runtime.guarded("grad-norm check", reduced_over, self) or ())
                 if outermost and runtime.config.detect:
                     runtime.guarded("grad-norm check", check_norm, self, norm)
                 return norm
@@ -130,6 +137,22 @@ def _skipped(step_result: Any) -> Any:
     if isinstance(step_result, tuple) and step_result and isinstance(step_result[0], bool):
         return not step_result[0]
     return None
+
+
+def reduced_over(optimizer: Any) -> FrozenSet[int]:
+    """The global ranks Megatron reduced ``optimizer``'s grad norm over (its grad-stats group: the
+    model-parallel group, the expert tensor-model-pipeline group for expert parameters, the distributed
+    optimizer's instance): each of them computed the same norm, so where it is non-finite each of them
+    meets this incident too. Empty for a chained optimizer whose members reduce over different groups
+    (each member then names its own)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    shared = getattr(optimizer, "grads_states_parallel_group_is_shared", None)  # core 0.13+
+    if chained is not None and len(chained) != 1 and not (shared is not None and shared()):
+        return frozenset()
+    member = chained[0] if chained else optimizer
+    group = member.get_grad_stats_parallel_group()
+    return frozenset(torch.distributed.get_process_group_ranks(group) if group is not None
+                     else range(torch.distributed.get_world_size()))
 
 
 def is_finite_number(value: Any) -> bool:

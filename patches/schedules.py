@@ -15,11 +15,24 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeGuard
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeGuard,
+)
 
 import torch
 
 from ..events import Events
+from ..formats.layout import rank_ranges
 from .data import micro_batch_samples
 from .instrumentor import Instrumentor
 from .undo_log import Patcher, patch_scope
@@ -293,21 +306,42 @@ class KeptStep:
             set_rng_states(before)
         return loss_state(losses, used)
 
-    def cannot_rerun(self, job_wide: bool) -> Optional[str]:
-        """Why the forward pass cannot run again here, or None. ``job_wide``: every rank of the job is
-        rerunning (else only this model-parallel group may be)."""
+    def cannot_rerun(self, seen_by: Optional[FrozenSet[int]]) -> Optional[str]:
+        """Why the forward pass cannot run again here, or None. ``seen_by``: the global ranks known to meet
+        this incident (None: every rank of the job). Expert parallelism runs again where every rank of the
+        expert tensor-model-pipeline group is among them (the experts' part of the grad norm is reduced over
+        that group, so an expert's non-finite gradient brings the whole group in together), and where that
+        group holds each member's model-parallel group (expert tensor parallelism as tensor parallelism)."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
         if getattr(get_model_config(self.chunks[0]), "fp8", None):
             return "FP8 keeps scaling history that a second forward pass would change"
-        outside = [name for name, size in (("expert", parallel_state.get_expert_model_parallel_world_size()),
-                                           ("context", parallel_state.get_context_parallel_world_size()))
-                   if size > 1]
-        if outside and not job_wide:
-            return (f"{' and '.join(outside)} parallelism: the forward pass needs ranks of other"
-                    " data-parallel replicas, which did not all see this incident")
+        if parallel_state.get_context_parallel_world_size() > 1 and seen_by is not None:
+            return ("context parallelism: the forward pass needs ranks of other data-parallel replicas, which"
+                    " did not all see this incident")
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return None
+        forward, exchange = (_ranks(self._group(name)) for name in ("forward", "exchange"))
+        if not (_ranks(self._group("model")) <= forward and _ranks(self._group("tensor")) <= exchange):
+            return ("expert parallelism with expert tensor parallelism other than tensor parallelism: the"
+                    " ranks whose activations meet are not one group")
+        missing = forward - seen_by if seen_by is not None else frozenset()
+        if missing:
+            return (f"expert parallelism: the forward pass needs ranks {rank_ranges(missing)} of other"
+                    " data-parallel replicas, not known to have met this incident (only a non-finite experts'"
+                    " part of the grad norm brings them all in)")
         return None
+
+    def deciding_group(self, seen_by: Optional[FrozenSet[int]]) -> str:
+        """The group whose ranks decide together whether to run the step again: "forward" where the forward
+        pass spans replicas (expert parallelism) and every rank of it is known to meet this incident (in
+        ``seen_by``; None: the whole job), else "model"."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return "model"
+        return "forward" if seen_by is None or _ranks(self._group("forward")) <= seen_by else "model"
 
     def leads_replica(self) -> bool:
         """Whether this rank is the first of its model-parallel group (one data-parallel replica)."""
@@ -316,16 +350,29 @@ class KeptStep:
         return parallel_state.get_model_parallel_group().rank() == 0
 
     def all_reduce(self, values: Sequence[float], op: str, group: str) -> List[float]:
-        """``values`` reduced ("max" or "min") over the tensor-parallel group ("tensor") or the
-        model-parallel group ("model": one data-parallel replica)."""
-        from megatron.core import parallel_state
-
-        groups = {"tensor": parallel_state.get_tensor_model_parallel_group,
-                  "model": parallel_state.get_model_parallel_group}
+        """``values`` reduced ("max" or "min") over a group ``events.RerunnableStep.all_reduce`` names."""
         tensor = torch.tensor(list(values), dtype=torch.float64, device=_device())
         reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN
-        torch.distributed.all_reduce(tensor, op=reduce_op, group=groups[group]())
+        torch.distributed.all_reduce(tensor, op=reduce_op, group=self._group(group))
         return tensor.tolist()
+
+    @staticmethod
+    def _group(name: str) -> Any:
+        from megatron.core import parallel_state
+
+        experts = parallel_state.get_expert_model_parallel_world_size() > 1
+        if name == "exchange":
+            name = "expert_exchange" if experts else "tensor"
+        if name == "forward":
+            name = "expert_forward" if experts else "model"
+        return {"tensor": parallel_state.get_tensor_model_parallel_group,
+                "model": parallel_state.get_model_parallel_group,
+                "expert_exchange": parallel_state.get_expert_tensor_and_model_parallel_group,
+                "expert_forward": parallel_state.get_expert_tensor_model_pipeline_parallel_group}[name]()
+
+
+def _ranks(group: Any) -> FrozenSet[int]:
+    return frozenset(torch.distributed.get_process_group_ranks(group))
 
 
 def megatron_reruns_in_place() -> bool:

@@ -10,13 +10,14 @@ import dataclasses
 import itertools
 import os
 import random
+import shutil
 
 import pytest
 
 from gradnan.formats.incident import Cause
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
-from gradnan.testing.plants import Plant, coordinates
+from gradnan.testing.plants import Plant, coordinates, expert_of, holds
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob
 
@@ -100,6 +101,23 @@ def _sample(plants, seed: int):
 PLANTS = (_all_plants() if os.environ.get("CAUSE_MATRIX") == "all"
           else _sample(_all_plants(), int(os.environ.get("CAUSE_MATRIX_SEED", "36"))))
 
+# issue 48: mixture of experts under expert parallelism (4 experts over EP=2, megatron-core's allgather
+# dispatcher; data-parallel rank dp is expert-parallel rank dp % 2, expert-data-parallel rank dp // 2). An
+# expert's overflow reaches the other expert-parallel rank through the token exchange, its non-finite
+# gradients every rank. Always run: every plant on 2 ranks (an expert on each expert-parallel rank; a weight,
+# a gradient; dense layers beside the experts: an attention overflow reaches every expert through the
+# exchange, a dense gradient brings in its replica alone, which cannot run the step again), and with the
+# matrix's 4 ranks an expert on the second expert-data-parallel replica
+EP = TinyGPTJob(world_size=2, dtype="bf16", experts=4, ep=2, quiet=True, steps=3)
+EXPERT = "decoder.layers.{}.mlp.experts.local_experts.{}"
+EP_PLANTS = (Plant(Cause.FORWARD_OP, EP, EXPERT.format(0, 1), (0, 0)),
+             Plant(Cause.FORWARD_OP, EP, EXPERT.format(1, 2), (0, 1)),
+             Plant(Cause.WEIGHTS, EP, EXPERT.format(1, 3) + ".linear_fc1.weight", (0, 1)),
+             Plant(Cause.BACKWARD_OP, EP, EXPERT.format(0, 0) + ".linear_fc2.weight", (0, 0)),
+             Plant(Cause.FORWARD_OP, EP, "decoder.layers.1.self_attention.linear_proj", (0, 1)),
+             Plant(Cause.BACKWARD_OP, EP, "decoder.layers.0.self_attention.linear_qkv.weight", (0, 0)))
+PLANTS = (*PLANTS, Plant(Cause.FORWARD_OP, EP.with_(world_size=4), EXPERT.format(0, 3), (0, 3)))
+
 
 def _named(plant, incident) -> bool:
     """Whether the report names the planted parameter or module where this cause names one."""
@@ -121,14 +139,22 @@ def _named(plant, incident) -> bool:
     return plant.cause is not Cause.LOSS or incident.rerun.micro_batch == plant.micro_batch
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("matrix")
-    jobs = [plant.planted_job(str(root / str(number))) for number, plant in enumerate(PLANTS)]
+def _outcomes(root, plants):
+    jobs = [plant.planted_job(str(root / str(number))) for number, plant in enumerate(plants)]
     results = launch_many(jobs)
     return [(plant, analyze(read_run(root / str(number))), frozenset(
-        rank for rank, result in per_rank.items() if result.injected), _read_state(root / str(number)))
-        for number, (plant, per_rank) in enumerate(zip(PLANTS, results))]
+        rank for rank, result in per_rank.items() if result.injected), _read_state(root / str(number)),
+        root / str(number)) for number, (plant, per_rank) in enumerate(zip(plants, results))]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return _outcomes(tmp_path_factory.mktemp("matrix"), PLANTS)
+
+
+@pytest.fixture(scope="module")
+def expert_outcomes(tmp_path_factory):
+    return _outcomes(tmp_path_factory.mktemp("experts"), EP_PLANTS)
 
 
 def _read_state(run_dir):
@@ -140,8 +166,33 @@ def _read_state(run_dir):
 
 
 def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
+    wrong = _wrong(outcomes)
+    assert not wrong, wrong
+
+
+def test_every_cause_planted_under_expert_parallelism_is_named(expert_outcomes):
+    """Each expert is named by its global number on the expert-parallel rank that holds it."""
+    wrong = _wrong(expert_outcomes)
+    assert not wrong, wrong
+
+
+def test_an_expert_overflow_without_its_ranks_files_is_undetermined_naming_that_rank(expert_outcomes,
+                                                                                   tmp_path):
+    """Issue 48 (d): without the files of the rank holding the expert, the other rank's rerun record still
+    names it as the origin; the verdict says so, undetermined, not a cause read from the receiver's own
+    gradients (it was ``backward_op`` on the receiver's ``output_layer.weight``)."""
+    plant, _, _, _, run_dir = expert_outcomes[1]
+    kept = tmp_path / "run"
+    shutil.copytree(run_dir, kept, ignore=lambda _, names: [name for name in names
+                                                              if name.startswith(f"rank{plant.rank:05d}")])
+    verdict = analyze(read_run(kept)).incident.verdict
+    assert (verdict.cause, verdict.rule) == (Cause.UNDETERMINED, "rerun_origin_absent"), verdict
+    assert f"first on rank {plant.rank} " in verdict.summary and "not in the run directory" in verdict.summary
+
+
+def _wrong(outcomes):
     wrong = []
-    for plant, report, applied, read in outcomes:
+    for plant, report, applied, read, _ in outcomes:
         incident = report.incident
         expected = plant.expected(applied)
         if plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
@@ -160,12 +211,15 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
             wrong.append(f"{plant.label()}: {[key for key, ok in checks.items() if not ok]} wrong:"
                          f" {incident.verdict.cause.value} ({incident.verdict.rule}) at step {incident.step},"
                          f" origin {sorted(origin)}, expected {sorted(expected.must)}")
-    assert not wrong, "\n".join(wrong)
+    return "\n".join(wrong)
 
 
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
-    assert {plant.job for plant in PLANTS} == set(LAYOUTS)
+    assert {plant.job for plant in PLANTS} == {*LAYOUTS, EP.with_(world_size=4)}
     assert any(plant.row is not None for plant in PLANTS) and any(plant.after_report for plant in PLANTS)
     assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)
+    assert all(holds(plant.job, plant.coordinate, plant.target) for plant in PLANTS + EP_PLANTS)
+    assert {plant.where[1] % EP.ep for plant in EP_PLANTS if plant.cause is Cause.FORWARD_OP
+            and expert_of(plant.target) is not None} == set(range(EP.ep))

@@ -65,6 +65,10 @@ CASES = {
     "forward_operator": (dict(rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.1.mlp",
                               rerun_origins=(3,), micro_batch=0, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
                               gradient_origin=(2, 3), forward_pattern=True, share_nonfinite=1.0), (3,)),
+    # expert parallelism: rank 2 received the overflow from an expert on rank 3, whose files are missing
+    "rerun_origin_absent": (dict(rerun=Conclusion.REPRODUCIBLE, rerun_origins_absent=(3,), micro_batch=0,
+                                 gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(2,),
+                                 first_in_backward="output_layer.weight", first_rank=2), (3,)),
     "transient": (dict(rerun=Conclusion.TRANSIENT, own_failure=OwnFailure.LOSS, rerun_concluded_by=(2, 3),
                        gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(2, 3),
                        forward_pattern=True, share_nonfinite=1.0), (2, 3)),

@@ -2,8 +2,8 @@
 identical with and without it, at the defaults, with the pre-reduction check in sync mode, with capture
 armed on several modules (across activation recompute), on a run where it detects and scans an injected
 NaN, and on runs whose failing step it runs again in place (the rerun), with dropout drawing from the RNG,
-where fp16 skips the step and training goes on, and where bf16 applies it; with the replica check at every
-step."""
+where fp16 skips the step and training goes on, where bf16 applies it, under expert parallelism, and
+with the replica check at every step."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ CASES = {
     "tp2_bf16_dropout_rerun": TinyGPTJob(tp=2, dtype="bf16", steps=3, micro_batches=2,
                                          dropout=0.1, injections=(
         Injection(1, 2, "decoder.layers.1.self_attention.linear_qkv.weight", "1e20", where="scale_to"),)),
+    # ... and under expert parallelism, over the expert-parallel group (an expert's overflow on rank 1)
+    "ep2_bf16_dropout_rerun": TinyGPTJob(dtype="bf16", experts=4, ep=2, steps=3, dropout=0.1, injections=(
+        Injection(1, 2, "decoder.layers.0.mlp.experts.local_experts.2", "inf", where="forward", index=3),)),
 }
-RERUN_CASES = ("dp2_fp16_dropout_rerun", "tp2_bf16_dropout_rerun")
+RERUN_CASES = ("dp2_fp16_dropout_rerun", "tp2_bf16_dropout_rerun", "ep2_bf16_dropout_rerun")
 
 
 @pytest.fixture(scope="module")

@@ -183,6 +183,13 @@ RULES: Tuple[Rule, ...] = (
          say.forward_op, (act.tune_numerics_if_it_recurs, act.inspect_batch, act.skip_iteration,
                           act.replay_forward_origin, act.bisect),
          culprit_in_forward_module, OriginBasis.RERUN),
+    Rule("rerun_origin_absent", Cause.UNDETERMINED, _RERUN,
+         "run again, the ranks' rerun records name a forward origin whose own records are absent",
+         lambda e: bool(e.rerun_origins_absent) and not e.rerun_origins, lambda e: e.rerun_origins_absent,
+         say.origin_records_absent, (act.decide_by(
+             "copy the origin rank's gradnan files (records/, maps/, bundles/, batches/) into the run"
+             " directory and report again, or rerun from the last checkpoint recording on every rank"
+             " (gradnan's ranks unset)"),), basis=OriginBasis.RERUN),
     Rule("transient", Cause.DEVICE, _RERUN,
          "run again, the step is finite although the replica's own loss or gradients were not",
          lambda e: e.rerun is Conclusion.TRANSIENT, say.device_origin, say.device,

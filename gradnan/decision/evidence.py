@@ -153,6 +153,7 @@ class Evidence:
     rerun_module: Optional[str] = None
     rerun_class: Optional[str] = None
     rerun_origins: Tuple[int, ...] = ()  # where a forward value first went non-finite
+    rerun_origins_absent: Tuple[int, ...] = ()  # origins other ranks' rerun records name, their own absent
     loss_stage: Tuple[int, ...] = ()  # the last pipeline stage's ranks of the replicas that concluded it
     rerun_concluded_by: Tuple[int, ...] = ()  # the replicas that reached the strongest conclusion
     reduction_fault: bool = False  # the origin call's tensor-parallel reduction: finite partials, a bad sum

@@ -156,6 +156,13 @@ def forward_op(e: Evidence) -> str:
             " overflow), not a passing fault")
 
 
+def origin_records_absent(e: Evidence) -> str:
+    return (f"run again in place, the failing step went non-finite again first on"
+            f" {e.labelled(e.rerun_origins_absent)} (so the other ranks' rerun records say: they received"
+            " it), whose own records are not in the run directory: the module, and whether its inputs and"
+            " weights were finite, are in them")
+
+
 FAILED = {OwnFailure.LOSS: "its loss was not",
            OwnFailure.GRADIENTS: "its own gradients were not (before the data-parallel collective)"}
 

@@ -31,7 +31,8 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
             or not all(optional(record.get(key), is_text)
                        for key in ("trigger", "module", "class", "bundle"))
             or record.get("megatron") not in (None, *MEGATRON_JOB_VALUES)
-            or not all(optional(record.get(key), is_int) for key in ("micro_batch", "call", "frames_traced"))
+            or not all(optional(record.get(key), is_int)
+                       for key in ("micro_batch", "call", "frames_traced", "origin_rank"))
             or not is_stat(record.get("output_abs_max"))
             or not (batch is None or (isinstance(batch, dict) and is_text(batch.get("path"))))
             or not optional(record.get("grew_in"), is_growth)
@@ -45,8 +46,8 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
                          f" {', '.join(RERUN_CONCLUSIONS)} and 'own_failure' null or one of"
                          f" {', '.join(OWN_FAILURES)}), text or null 'module'/'class'/'bundle',"
                          f" 'megatron' null or one of {', '.join(MEGATRON_JOB_VALUES)},"
-                         " integer or null 'micro_batch'/'call', 'batch' null or an object with a text"
-                         " 'path',"
+                         " integer or null 'micro_batch'/'call'/'origin_rank', 'batch' null or an object"
+                         " with a text 'path',"
                          " and 'grew_in' absent, null or an object with text 'module'/'class'/'dtype',"
                          " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
                          " 'near_limit', 'samples' absent, null or an object with integer 'consumed',"

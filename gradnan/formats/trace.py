@@ -57,8 +57,11 @@ def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     """What a tensor holds, in a few numbers that any later replay can be compared with: ``hash``, a
     BLAKE2b (128 bits) of its bytes in C order; its ``shape`` and ``dtype``; ``abs_max`` and ``abs_sum``,
     the largest and the float64 sum of its finite magnitudes (null where it has none, or is not
-    floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one copy of the tensor."""
-    host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one copy of the tensor,
+    taken first even on the CPU, so that every number is of one snapshot (a buffer that gloo's background
+    thread is still writing, as an MoE token exchange's, could otherwise read NaN-free for the sum and not
+    for the largest, a NaN no JSON takes)."""
+    host = tensor.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous()
     raw = host.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes, no copy
     found: Dict[str, Any] = {
         "hash": hashlib.blake2b(raw, digest_size=16).hexdigest(),

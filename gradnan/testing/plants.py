@@ -17,7 +17,9 @@ Coordinate = Tuple[int, int, int]  # (tp, pp, dp)
 
 
 def global_rank(job: TinyGPTJob, tp: int, pp: int, dp: int) -> int:
-    """Megatron's default rank order (tp fastest, then dp, then pp; no cp or ep here)."""
+    """Megatron's default rank order (tp fastest, then dp, then pp; no cp here). Expert parallelism splits
+    the data-parallel ranks: ``dp % ep`` is the expert-parallel rank, ``dp // ep`` the expert-data-parallel
+    one (its expert order tp-ep-dp-pp, with expert tensor parallelism as tensor parallelism)."""
     dp_size = job.world_size // (job.tp * job.pp)
     return tp + job.tp * (dp + dp_size * pp)
 
@@ -25,6 +27,20 @@ def global_rank(job: TinyGPTJob, tp: int, pp: int, dp: int) -> int:
 def coordinates(job: TinyGPTJob) -> List[Coordinate]:
     dp_size = job.world_size // (job.tp * job.pp)
     return [(tp, pp, dp) for pp in range(job.pp) for dp in range(dp_size) for tp in range(job.tp)]
+
+
+def expert_of(name: str) -> Optional[int]:
+    """The global expert number a parameter or module name holds (``...experts.local_experts.<e>...``, as
+    gradnan's maps number them), None outside an expert."""
+    _, found, rest = name.partition(".experts.local_experts.")
+    return int(rest.split(".")[0]) if found else None
+
+
+def holds(job: TinyGPTJob, coordinate: Coordinate, name: str) -> bool:
+    """Whether the rank at ``coordinate`` holds parameter or module ``name``: an expert only on its
+    expert-parallel rank (``experts // ep`` consecutive experts each)."""
+    expert = expert_of(name)
+    return expert is None or coordinate[2] % job.ep == expert // (job.experts // job.ep)
 
 
 def stage_of(job: TinyGPTJob, name: str) -> int:
@@ -69,7 +85,9 @@ class Plant:
       (with the distributed optimizer, in the shard of the replica that owns the element); a module
       ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
-    - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward."""
+    - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward.
+    An expert's parameter or module is planted only where it is held (``holds``): ``where``'s data-parallel
+    rank must be one of its expert-parallel rank's."""
 
     cause: Cause
     job: TinyGPTJob
@@ -95,19 +113,20 @@ class Plant:
         tp, pp, dp = self.coordinate
         cause, target, step = self.cause, self.target, self.step
         if cause is Cause.WEIGHTS:
-            holders = [c for c in coordinates(self.job) if c[:2] == (tp, pp) and (step == 1 or c[2] == dp)]
+            holders = [c for c in coordinates(self.job) if c[:2] == (tp, pp) and (step == 1 or c[2] == dp)
+                       and holds(self.job, c, target)]
             planted = ("nan", "weight", 3) if self.row is None else ("1e30", "row", self.row)
             return tuple(Injection(global_rank(self.job, *c), step, target, planted[0], where=planted[1],
                                    index=planted[2]) for c in holders)
         if cause is Cause.OPTIMIZER_UPDATE:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
-                         and (self.job.distributed_optimizer or c[2] == dp))
+                         and (self.job.distributed_optimizer or c[2] == dp) and holds(self.job, c, target))
         if cause is Cause.COLLECTIVE and not target.endswith((".weight", ".bias")):
             return (Injection(self.rank, step, target, "inf", where="tp_reduction", index=3),)
         if cause is Cause.COLLECTIVE and self.job.distributed_optimizer:
             return tuple(Injection(global_rank(self.job, *c), step, target, "nan", where="main_grad", index=3)
-                         for c in coordinates(self.job) if c[:2] == (tp, pp))
+                         for c in coordinates(self.job) if c[:2] == (tp, pp) and holds(self.job, c, target))
         if cause is Cause.LOSS:
             where = "loss_after_report" if self.after_report else "loss"
             return tuple(Injection(global_rank(self.job, *c), step, "", where=where, index=self.micro_batch)
@@ -145,10 +164,11 @@ class Plant:
         return self.step + (self.cause is Cause.OPTIMIZER_UPDATE)
 
     def label(self) -> str:
+        experts = f"-ep{self.job.ep}x{self.job.experts}" if self.job.experts else ""
         layout = (f"tp{self.job.tp}pp{self.job.pp}dp{self.job.world_size // (self.job.tp * self.job.pp)}"
                   f"-{self.job.dtype}{'-distopt' if self.job.distributed_optimizer else ''}"
                   f"{'-' + self.job.rerun_mode if self.job.rerun_mode else ''}"
-                  f"-mb{self.job.micro_batches}")
+                  f"-mb{self.job.micro_batches}{experts}")
         where = (f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
                  + ("" if self.row is None else f"-row{self.row}")
                  + ("-after_report" if self.after_report else ""))

@@ -9,8 +9,10 @@ the same batch failing again is data or numerics, a clean rerun of a failing ste
 The ranks a grad norm (or an fp16 overflow flag) was reduced over see the same value and so enter
 together: at least a whole model-parallel group (one data-parallel replica; the whole job with the
 distributed optimizer). Every decision that follows is taken from values all-reduced over that group,
-so no rank waits alone in a collective; a forward pass that needs ranks of other replicas (expert or
-context parallelism) is not run again unless Megatron's own validation brought the whole job here. Training
+so no rank waits alone in a collective; a forward pass that needs ranks of other replicas runs again where
+they are known to be here too: with expert parallelism, where the experts' part of the grad norm (reduced
+over the expert tensor-model-pipeline group) was non-finite, the group's findings then reduced over it;
+with context parallelism only where Megatron's own validation brought the whole job here. Training
 is unchanged: the passes compute no gradient, and the RNG state (restored by the kept step) and the
 model's buffers are put back as they were.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -74,6 +76,7 @@ class StepRerun:
         self._guard, self._named_modules, self._recording = guard, named_modules, recording
         self._hooking = hooking
         self._kept: Optional[RerunnableStep] = None
+        self._groups: Optional[RerunnableStep] = None  # the step kept at the run's rerun: its groups
         self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
         self.in_pass = False  # one of the rerun's own forward passes is running
@@ -105,38 +108,51 @@ class StepRerun:
     def expected(self) -> bool:
         """Whether the next incident will be run again (so no later step needs to be watched for it)."""
         return (self.keeps_steps() and self._kept is not None
-                and self._kept.cannot_rerun(job_wide=False) is None)
+                and self._kept.cannot_rerun(frozenset()) is None)
 
     def incident(self, trigger: str, megatron: Optional[MegatronRerun] = None,
-                 local_gradients: Optional[str] = None,
-                 at_norm: Optional[str] = None) -> Optional[Dict[str, Any]]:
+                 local_gradients: Optional[str] = None, at_norm: Optional[str] = None,
+                 seen_by: FrozenSet[int] = frozenset()) -> Optional[Dict[str, Any]]:
         """The first incident: run the kept step again on every rank; this rank's ``rerun`` record.
         ``megatron``: what Megatron's own rerun of the step concluded, for the job and on this rank.
         ``local_gradients``: this rank's own gradients before the data-parallel collective, as the
         pre-reduction check saw them ("nonfinite", "overflow", "clean", "unchecked"; None: not known).
         ``at_norm``: this rank's gradients at the grad norm ("nonfinite", "overflow": all finite, their
-        float32 sum of squares not, "finite"; None: not known)."""
+        float32 sum of squares not, "finite"; None: not known). ``seen_by``: the global ranks known to meet
+        this incident with this rank (those its grad norm was reduced over)."""
+        # Megatron's result validation decides for every rank of the job; a grad norm only for the ranks
+        # it was reduced over (at least this model-parallel group)
+        here = None if megatron is not None else seen_by
         if not self.keeps_steps():
+            self._vote_against(here)
             return None
         self.done = True
         kept, self._kept = self._kept, None
+        self._groups = kept
         if kept is None:
             logger.info("step %d: no rerun of the failing step: it was not run by megatron-core's pipeline"
                         " schedules", self._clock.current())
             return None
-        # Megatron's result validation decides for every rank of the job; a grad norm only for the ranks
-        # it was reduced over (at least this model-parallel group)
-        reason = kept.cannot_rerun(job_wide=megatron is not None)
-        if not kept.all_reduce([0.0 if reason else 1.0], "min", "model")[0]:
+        reason = kept.cannot_rerun(here)
+        if not kept.all_reduce([0.0 if reason else 1.0], "min", kept.deciding_group(here))[0]:
             logger.info("step %d: no rerun of the failing step: %s", self._clock.current(),
-                        reason or "not possible on another rank of this model-parallel group")
+                        reason or "not possible on another rank that runs the forward pass with this one (its"
+                        " run's rerun came before, or it cannot)")
             return None
         return self._rerun(kept, trigger, megatron, local_gradients, at_norm)
+
+    def _vote_against(self, seen_by: Optional[FrozenSet[int]]) -> None:
+        """After this rank's rerun (or its incident without one), a later incident may bring in a group whose
+        forward pass spans replicas (expert parallelism) on ranks that have had none yet: they decide
+        together whether to run the step again, so this rank says no in that vote rather than leave them
+        waiting in it."""
+        if self.done and self._groups is not None and self._groups.deciding_group(seen_by) == "forward":
+            self._groups.all_reduce([0.0], "min", "forward")
 
     def too_late(self, trigger: str) -> None:
         """The incident was seen after its step's update was applied: no rerun, now or later (said once)."""
         if self.keeps_steps():
-            self.done, self._kept = True, None
+            self.done, self._groups, self._kept = True, self._kept, None
             logger.info("step %d: no rerun of the failing step: its %s was read after the update (a grad norm"
                         " returned as a device tensor)", self._clock.current(), trigger)
 
@@ -189,9 +205,11 @@ class StepRerun:
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
         seen = self._traced_pass(kept)
+        # the origin is the earliest candidate among the ranks whose activations meet inside a layer (tensor
+        # parallel, and with expert parallelism the ranks that exchange tokens with the experts): a later one
+        # received the value; the growth likewise
         earliest, earliest_growth = kept.all_reduce([seen.key(seen.candidate), seen.key(seen.grown_frame)],
-                                                    "min", "tensor")
-        # like the origin, the growth is named on the tensor-parallel rank where it came first
+                                                    "min", "exchange")
         grew_in = seen.grew_in() if seen.key(seen.grown_frame) <= earliest_growth else None
         # the earliest call may end in a tensor-parallel reduction: whose partial sum was non-finite
         partial_bad, reduced_bad = seen.reduction_in(earliest)
@@ -212,7 +230,7 @@ class StepRerun:
         reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
              float("overflow" in (at_norm, local_gradients)),
-             float("nonfinite" in (at_norm, local_gradients)), loss_again], "max", "model")
+             float("nonfinite" in (at_norm, local_gradients)), loss_again], "max", "forward")
         seen_here = observation(reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again,
                                 megatron)
         origin_rank = float(self._writer.coords()["global_rank"]) if role is RerunRole.ORIGIN else NONE
@@ -220,7 +238,7 @@ class StepRerun:
         *micro_batch, first_origin = kept.all_reduce([NONE if found_mb is None else found_mb,
                                                       NONE if again_mb is None else again_mb,
                                                       NONE if loss_micro_batch is None else loss_micro_batch,
-                                                      origin_rank], "min", "model")
+                                                      origin_rank], "min", "forward")
         failing_mb = next((int(mb) for mb in micro_batch if mb != NONE), None)
         if failing_mb is None and seen_here.own_failure is not None and len(kept.micro_batches()) == 1:
             failing_mb = 0  # the step's only micro-batch is the failing one
@@ -235,7 +253,8 @@ class StepRerun:
         return self._report(trigger, role, module, seen, failing_mb, seen_here, megatron, bundle, batch,
                             grew_in,
                             {"samples": samples, "nonfinite_at": nonfinite_at,
-                             "reduction": reduction if role is not RerunRole.CLEAN else None})
+                             "reduction": reduction if role is not RerunRole.CLEAN else None,
+                             "origin_rank": self.outcome.origin_rank})
 
     def _capture_pass(self, kept: RerunnableStep, seen: PassResult, origin: Optional[Frame],
                       micro_batch: Optional[int]) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
@@ -281,7 +300,8 @@ class StepRerun:
                 megatron: Optional[MegatronRerun], bundle: Optional[str],
                 batch: Optional[Dict[str, Any]], grew_in: Optional[Dict[str, Any]],
                 located: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        """``located``: the optional ``samples`` and ``nonfinite_at`` fields, written where known."""
+        """``located``: the optional ``samples``, ``nonfinite_at``, ``reduction`` and ``origin_rank`` fields,
+        written where known."""
         if not self._recording():
             return None
         highs = [value[1] for name, value in zip(frame.names, frame.values)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import partial, reduce
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -162,10 +162,10 @@ class Runtime:
         self.norms.settle(wait=True)
 
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
-                            grads: Grads) -> None:
+                            grads: Grads, seen_by: FrozenSet[int] = frozenset()) -> None:
         record = (self.detections.nonfinite_grad_norm(optimizer, norm, slots, grads)
                   if self.window.recording() else None)
-        self._incident("nonfinite_grad_norm", record, record=record)
+        self._incident("nonfinite_grad_norm", record, record=record, seen_by=seen_by)
 
     def loss_scale_overflow(self, optimizer: Any, leaf: int, scale: Optional[float],
                             min_scale: Optional[float], slots: Sequence[ParamSlot], grads: Grads) -> None:
@@ -215,17 +215,18 @@ class Runtime:
         if self.window.recording():
             self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
 
-    def _incident(self, trigger: str, stop: Optional[Written],
-                  megatron: Optional[MegatronRerun] = None, record: Optional[Dict[str, Any]] = None) -> None:
+    def _incident(self, trigger: str, stop: Optional[Written], megatron: Optional[MegatronRerun] = None,
+                  record: Optional[Dict[str, Any]] = None, seen_by: FrozenSet[int] = frozenset()) -> None:
         """Every rank, recording or not, joins the rerun of the failing step (its passes are collective);
         the run's first incident goes to TensorBoard and W&B where a tracker is and this rank records
-        (``record``: its record of it); then the run stops if asked to. A norm read after its step (one
-        Megatron returned as a device tensor) comes after the update: that step can no longer be run again
-        as it was."""
+        (``record``: its record of it); then the run stops if asked to. ``seen_by``: the global ranks
+        known to meet this incident with this rank (the grad norm's reduction group). A norm read after its
+        step (one Megatron returned as a device tensor) comes after the update: that step can no longer be
+        run again as it was."""
         self._read_state_once()
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
-                         self.detections.last_at_norm)
+                         self.detections.last_at_norm, seen_by)
         else:
             self.rerun.too_late(trigger)
         if self.window.recording():

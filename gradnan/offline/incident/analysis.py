@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ...decision.actions import Setting, next_steps
 from ...decision.causes import Decision, decide
@@ -195,10 +195,11 @@ def _own_failure(rerun: Dict[str, Any]) -> Optional[str]:
 
 def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
                     rejected: Sequence[View], reruns: Sequence[Dict[str, Any]],
-                    dtypes: Dict[Tuple[Any, str], str]) -> List[View]:
+                    dtypes: Dict[Tuple[Any, str], str], known: Iterable[int]) -> List[View]:
     """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
     (a ``state`` record's params), its rejected loss, what of its replica's own failed (its ``rerun``
-    record), or its coordinates alone (from any record of it in ``reruns``: a ``replica_divergence`` one)."""
+    record), or its coordinates alone (from any record of it in ``reruns``: a ``replica_divergence`` one;
+    ``absent``: no file of the run names it, of the ``known`` ranks)."""
     by_rank: Dict[Any, View] = {r["rank"].get("global_rank"): {
         **rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
         "own_failure": _own_failure(r), **({"diverged": r["diverged"]} if "diverged" in r else {})}
@@ -208,7 +209,8 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
     else:
         by_rank.update((entry["global_rank"], entry) for entry in gradient_origin)
-    return [by_rank.get(rank) or {"global_rank": rank, "kind": None, "params_total": 0, "params": []}
+    return [by_rank.get(rank) or {"global_rank": rank, "kind": None, "params_total": 0, "params": [],
+                                  "absent": rank not in known}
             for rank in decision.origin]
 
 
@@ -235,7 +237,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                            reruns_here, divergences)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
-    origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes)
+    origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes,
+                             ranks)
     named = {entry["global_rank"] for entry in origin}
     # the table's counts are those of the first rank holding each parameter: the decided origin's first
     parameters = _parameters_by_module(sorted(gradient_origin,

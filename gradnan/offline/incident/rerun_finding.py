@@ -5,7 +5,7 @@ where a value first grew out of line, and where the failing micro-batch sits in 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...decision.origin import forward_origins
 from ...decision.replica import PRECEDENCE, conclusion_of, own_failure_of
@@ -95,4 +95,13 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
                       for r in origins),
         receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
                         if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
-        grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)))
+        grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)),
+        origins_absent=_origins_absent(at_step))
+
+
+def _origins_absent(at_step: List[Dict[str, Any]]) -> Tuple[int, ...]:
+    """The ranks the records name as their group's forward origin (``origin_rank``: under expert
+    parallelism the origin is often on another data-parallel replica) that wrote no rerun record: the
+    origin's own record, with its module, is not in the run directory."""
+    present = {r["rank"].get("global_rank") for r in at_step}
+    return tuple(sorted({r["origin_rank"] for r in at_step if r.get("origin_rank") is not None} - present))

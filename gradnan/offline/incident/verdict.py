@@ -92,6 +92,8 @@ class RerunFinding:
     receivers: Tuple[View, ...]
     grew_in: Optional[Dict[str, Any]] = None
     samples: Tuple[Dict[str, Any], ...] = ()  # the failing micro-batch in the data, per replica
+    # the global ranks the records name as the forward origin (``origin_rank``) that wrote no rerun record
+    origins_absent: Tuple[int, ...] = ()
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -107,7 +109,8 @@ class RerunFinding:
                 "module": self.module, "class": self.module_class, "global_rank": self.global_rank,
                 "rank": self.rank, "micro_batch": self.micro_batch, "output_abs_max": self.output_abs_max,
                 "bundle": self.bundle, "batch": self.batch, "origins": list(self.origins),
-                "receivers": list(self.receivers), "grew_in": self.grew_in, "samples": list(self.samples)}
+                "receivers": list(self.receivers), "grew_in": self.grew_in, "samples": list(self.samples),
+                "origins_absent": list(self.origins_absent)}
 
 
 @dataclass(frozen=True)
