@@ -10,6 +10,7 @@ from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import untrusted
 from ..formats.wording import grew_text, norm_overflow_summary, rejected_loss_summary
 from .evidence import BadWeight, Evidence, StateFault
+from .links import LinkFinding
 
 
 def ranks_of(items: Iterable[BadWeight | StateFault]) -> Tuple[int, ...]:
@@ -98,6 +99,26 @@ def tensor_parallel_collective(e: Evidence) -> str:
     return (f"the tensor-parallel reduction in {untrusted(e.rerun_module)}: run again in place, every rank's"
             f" partial sum was finite and the reduced value was not, on {e.labelled(e.rerun_origins)},"
             f" micro-batch {e.micro_batch}: a transfer or reduction fault")
+
+
+def pipeline_link(e: Evidence) -> str:
+    found = e.link_faults[0]
+    return (f"the pipeline link {found.link()}: {e.label(found.receiver)} received a non-finite {found.what}"
+            f" (transfer {found.transfer} of the step that way) that {_sender(e, found)} had sent"
+            " finite (both checked at the link): a transfer fault between those ranks")
+
+
+def _sender(e: Evidence, found: LinkFinding) -> str:
+    """The sending rank, or its stage where no record of it was read."""
+    return (e.label(found.sender) if found.sender is not None
+            else f"pipeline stage {found.sender_stage}'s rank")
+
+
+def link_unobserved(e: Evidence) -> str:
+    found = e.links_unobserved[0]
+    return (f"{e.label(found.receiver)} received a non-finite {found.what} over the pipeline link"
+            f" {found.link()}, and whether {_sender(e, found)} sent it finite was not observed (its records do"
+            " not say): the link or the sender, not the receiver")
 
 
 def loss(e: Evidence) -> str:

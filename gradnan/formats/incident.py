@@ -252,6 +252,8 @@ class OriginBasis(str, enum.Enum):
     """Their weights, or their optimizer state, were non-finite when the failing step began (``state``)."""
     REPLICAS = "replicas"
     """Their weights differed from their data-parallel peers' when the failing step began (``state``)."""
+    LINK = "link"
+    """The two ends of a pipeline link: the sender sent a finite tensor, the receiver got a non-finite one."""
     CONFLICT = "conflict"
     """Their records contradict another record of the step: nothing is concluded from them."""
     NONE = "none"
@@ -263,6 +265,7 @@ class OriginBasis(str, enum.Enum):
 
 
 _BASIS_TEXT = {
+    OriginBasis.LINK: "an end of the pipeline link: sent finite, received non-finite",
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",

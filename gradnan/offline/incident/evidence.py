@@ -11,6 +11,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequ
 
 from ...decision.evidence import RATE_JUMP, BadWeight, Evidence, HealthReading, RateFault, StateFault, View
 from ...decision.facts import Fact
+from ...decision.links import link_findings
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
@@ -188,6 +189,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
+        links=link_findings(at_step),
         observed=_observed(at_step, states, rerun, pattern, origin, compared),
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
@@ -231,6 +233,9 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
         facts.add(Fact.LEARNING_RATES)
     if pattern.gradient_pass is not GradientPass.UNKNOWN or not origin:
         facts.add(Fact.PARAMETER_MAPS)  # counted against, or no origin's gradients to count
+    if any(record.get("pipeline_links") for record in at_step) or not any(
+            (record["rank"].get("pp_size") or 1) > 1 for record in at_step):
+        facts.add(Fact.PIPELINE_LINKS)  # checked at the links, or no pipeline to have links
     return frozenset(facts)
 
 
