@@ -117,8 +117,8 @@ def _sender(e: Evidence, found: LinkFinding) -> str:
 def link_unobserved(e: Evidence) -> str:
     found = e.links_unobserved[0]
     return (f"{e.label(found.receiver)} received a non-finite {found.what} over the pipeline link"
-            f" {found.link()}, and whether {_sender(e, found)} sent it finite was not observed (its records do"
-            " not say): the link or the sender, not the receiver")
+            f" {found.link()}, and whether {_sender(e, found)} sent it finite was not observed (its"
+            " records do not say): the link or the sender, not the receiver")
 
 
 def loss(e: Evidence) -> str:
