@@ -84,7 +84,8 @@ def _sample(plants, seed: int):
 # the interleaved schedule (two model chunks per stage: the last stage's chunk feeds the first stage's next,
 # so stage 0 receives activations too); and a forward operator on stage 0 there, which stage 1 only receives
 PP_TP = TinyGPTJob(world_size=4, tp=2, pp=2, dtype="bf16", quiet=True, steps=3, micro_batches=2)
-VIRTUAL = TinyGPTJob(world_size=4, pp=2, vpp=2, num_layers=4, dtype="fp32", quiet=True, steps=3, micro_batches=2)
+VIRTUAL = TinyGPTJob(world_size=4, pp=2, vpp=2, num_layers=4, dtype="fp32", quiet=True, steps=3,
+                     micro_batches=2)
 PIPELINE_PLANTS = [Plant(Cause.COLLECTIVE, PP_TP, "link:forward", (1, 0), stage=1),
                    Plant(Cause.COLLECTIVE, PP_TP, "link:backward", (0, 0), stage=0),
                    Plant(Cause.COLLECTIVE, VIRTUAL, "link:forward", (0, 1), stage=0),
@@ -100,7 +101,8 @@ def _named(plant, incident) -> bool:
     origin_params = {p["name"] for entry in incident.origin for p in entry["params"]}
     if plant.target in LINKS:  # the link, as sender stage -> receiver stage
         receiver = plant.coordinate[1]
-        return f"pp{sender_stage(plant.job, plant.target, receiver)} -> pp{receiver}" in incident.verdict.summary
+        link = f"pp{sender_stage(plant.job, plant.target, receiver)} -> pp{receiver}"
+        return link in incident.verdict.summary
     if plant.cause is Cause.WEIGHTS:
         return plant.target in origin_params
     if plant.cause is Cause.OPTIMIZER_UPDATE:

@@ -111,8 +111,10 @@ def test_no_earlier_rule_takes_a_later_rules_case(rule):
 
 def _links(stage, **directions):
     """A stage's incident record as ``link_findings`` reads it (pp=2, tp0 dp0; global rank = stage)."""
-    seen = {name: {"transfers": 2, "first_nonfinite": first, "unchecked": 0} for name, first in directions.items()}
-    return {"rank": {"global_rank": stage, "tp": 0, "dp": 0, "pp": stage, "pp_size": 2}, "pipeline_links": seen}
+    seen = {name: {"transfers": 2, "first_nonfinite": first, "unchecked": 0}
+            for name, first in directions.items()}
+    return {"rank": {"global_rank": stage, "tp": 0, "dp": 0, "pp": stage, "pp_size": 2},
+            "pipeline_links": seen}
 
 
 def test_a_link_is_named_only_where_the_sender_sent_finite_what_the_receiver_got_non_finite():
@@ -144,9 +146,9 @@ def test_a_gradient_corrupted_on_its_way_back_is_the_link_not_a_backward_operato
 
 def test_a_backward_operator_on_the_later_stage_leaves_out_the_stage_that_only_received_its_gradient():
     links = link_findings([_links(0, received_backward=0), _links(1, sent_backward=0)])
-    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
-                              first_in_backward="decoder.layers.1.mlp.linear_fc2.weight", first_rank=1,
-                              rerun=Conclusion.BACKWARD))
+    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                              gradient_origin=(0, 1), first_rank=1, rerun=Conclusion.BACKWARD,
+                              first_in_backward="decoder.layers.1.mlp.linear_fc2.weight"))
     assert decided.rule == "backward_operator" and decided.origin == (1,)
 
 

@@ -27,7 +27,7 @@ def coordinates(job: TinyGPTJob) -> List[Coordinate]:
     return [(tp, pp, dp) for pp in range(job.pp) for dp in range(dp_size) for tp in range(job.tp)]
 
 
-LINKS = ("link:forward", "link:backward")  # a pipeline link's plant: what arrives at the stage ``where`` names
+LINKS = ("link:forward", "link:backward")  # a pipeline link's plant: what arrives at the stage ``stage``
 
 
 def stage_of(job: TinyGPTJob, name: str) -> int:
@@ -72,8 +72,8 @@ class Plant:
     - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names;
     - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
     - COLLECTIVE: a link ``target`` (``LINKS``) delivering a NaN to pipeline stage ``stage`` from a sender
-      whose tensor was finite; a parameter ``target``'s reduced gradient made NaN after the data-parallel collective
-      (with the distributed optimizer, in the shard of the replica that owns the element); a module
+      whose tensor was finite; a parameter ``target``'s reduced gradient made NaN after the data-parallel
+      collective (with the distributed optimizer, in the shard of the replica that owns the element); a module
       ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
     - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward."""
