@@ -49,7 +49,7 @@ class OptimizerState:
 class Detections:
     def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
                  rerun_expected: Callable[[], bool], health: DeviceHealth,
-                 links: Callable[[], Optional[Dict[str, str]]]) -> None:
+                 links: Callable[[], Optional[Dict[str, Any]]]) -> None:
         """``rerun_expected()``: the failing step will be run again in place (``rerun``), which finds a
         forward origin better than watching later steps. ``health``: the device's health, read into the
         records of an incident (never of a routine fp16 overflow); ``links()`` likewise, the pipeline's

@@ -9,7 +9,7 @@ from a sender whose own tensor was already bad.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ class PipelineLinks:
                     unreadable = direction.startswith("received") and not transfer.complete
                     self._maxima.setdefault(direction, []).append(None if unreadable else abs_max(tensor))
 
-    def read(self) -> Optional[Dict[str, Dict[str, Optional[int]]]]:
+    def read(self) -> Optional[Dict[str, Any]]:
         """This step's transfers per direction that carried any (one host read, at an incident only): their
         count, the first non-finite one's position (None: none seen), how many could not be read; None
         where this stage made no transfer in the step (no pipeline)."""
