@@ -1,7 +1,8 @@
 """The pipeline's links at the failing step, from each stage's ``pipeline_links`` (its incident record):
-a stage's n-th transfer to a neighbour in one direction is that neighbour's n-th from it in the same
-direction, so each receiver's first non-finite tensor is set against what its sender sent at that
-position. Pure: no torch, no files.
+each receiver's non-finite tensor is set against everything its sender sent it that way in the step. Not
+position by position: with two stages (next and previous the same rank) and model chunks, the two
+directions' transfers interleave, and a position on one end need not be the same on the other. Pure: no
+torch, no files.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ _WHAT = {"forward": "activation", "backward": "gradient"}
 @dataclass(frozen=True)
 class LinkFinding:
     """A receiver's first non-finite tensor from its neighbour, at position ``transfer`` of the step's
-    transfers that way, and what the sender sent there: ``sent`` "finite" (the link made it),
-    "nonfinite" (the sender's own), None (not observed: the sender's records do not say)."""
+    transfers that way, and what the sender sent that way in the step: ``sent`` "finite" (every tensor: the
+    link made it), "nonfinite" (one or more: the sender's own), None (not observed: no record of the
+    sender says)."""
 
     direction: str  # "forward": an activation; "backward": its gradient
     receiver: int
@@ -61,8 +63,7 @@ def link_findings(records: Sequence[Mapping[str, Any]]) -> Tuple[LinkFinding, ..
             sender, sender_seen = by_place.get((_peer_key(rank), sender_stage), (None, {}))
             sent_info = sender_seen.get(f"sent_{direction}")
             sent = None
-            if isinstance(sent_info, dict) and sent_info["transfers"] > first:
-                bad = sent_info.get("first_nonfinite")
-                sent = "nonfinite" if bad is not None and bad <= first else "finite"
+            if isinstance(sent_info, dict) and sent_info["transfers"] > sent_info["unchecked"]:
+                sent = "finite" if sent_info.get("first_nonfinite") is None else "nonfinite"
             found.append(LinkFinding(direction, global_rank, stage, sender, sender_stage, first, sent))
     return tuple(found)
