@@ -362,7 +362,9 @@ class Detections:
         the learning rates of the last steps: the ``state`` record, and a log line where a weight or a
         moment was already bad."""
         found, extra = state_fields(held, ids_by_name, at_launch)
-        extra = {**extra, "learning_rates": learning_rates}
+        links = self._links()  # where Megatron's validation ends the step before any norm: its only record
+        extra = {**extra, "learning_rates": learning_rates,
+                 **({} if links is None else {"pipeline_links": links})}
         record = self._writer.record(RecordKind.STATE, self._clock.current(), found, extra)
         if found:
             first = found[0]
