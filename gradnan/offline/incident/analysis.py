@@ -199,6 +199,8 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
     else:
         if decision.basis is OriginBasis.LINK:  # a link's sender may hold no non-finite gradient of its own
+            by_rank.update((r["rank"].get("global_rank"), {**rank_view(r["rank"]), "kind": None,
+                                                           "params_total": 0, "params": []}) for r in states)
             by_rank.update((r["rank"].get("global_rank"), rank_entry(r, dtypes)) for r in at_step
                            if r["kind"] in NORM_KINDS)
         by_rank.update((entry["global_rank"], entry) for entry in gradient_origin)

@@ -232,6 +232,8 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
     """An origin rank, and what it is named for: where the rerun named it, its module (or its loss) and
     micro-batch; else what its records hold."""
     rerun = incident.rerun
+    if incident.origin_basis is OriginBasis.LINK and not entry["params"] and not entry.get("largest_grad"):
+        return f"  {_rank_label(entry)}: no non-finite gradient of its own"
     if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
         module = next((view["module"] for view in rerun.origins
                        if view["global_rank"] == entry["global_rank"]), None)
