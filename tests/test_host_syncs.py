@@ -3,7 +3,7 @@
 megatron-core (DP=2, bf16, overlapped reduction with several buckets). ``pre_reduction="sync"`` adds one
 read per bucket group per step, and none per parameter; frame tracing one read per step in all, however
 many module calls and tensors it measures. The run-up ring (on at the defaults) adds none either, also
-once it wraps around."""
+once it wraps around; nor does checking what pipeline stages send and receive (PP=2, 1F1B)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
 JOB = TinyGPTJob(dtype="bf16", steps=4, overlap_grad_reduce=True, bucket_size=6000, count_host_syncs=True)
 TENSOR_NORM = JOB.with_(norm_as_tensor=True)  # the grad norm as a tensor, as core 0.18+ with TE returns it
+PIPELINE = TinyGPTJob(pp=2, dtype="bf16", steps=4, micro_batches=2, count_host_syncs=True)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def counts(tmp_path_factory):
             JOB.with_(gradnan={"out_dir": str(root / "frames"), "frames": "detect"}),
             JOB.with_(gradnan={"out_dir": str(root / "trace"), "frames": "trace", "trace_steps": "1-4"}),
             JOB.with_(gradnan={"out_dir": str(root / "runup_wraps"), "runup_steps": 2}),
-            TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")})]
+            TENSOR_NORM, TENSOR_NORM.with_(gradnan={"out_dir": str(root / "tensor_norm")}),
+            PIPELINE, PIPELINE.with_(gradnan={"out_dir": str(root / "pipeline")})]
     outcomes = launch_many(jobs)
     return [{rank: [s.host_syncs for s in result.steps] for rank, result in outcome.items()}
             for outcome in outcomes], outcomes[0][0].bucket_groups
@@ -40,7 +42,7 @@ def test_defaults_add_no_host_sync_on_healthy_steps(counts):
 
 
 def test_a_grad_norm_given_as_a_tensor_is_checked_without_a_host_sync(counts):
-    (*_, tensor_without, tensor_defaults), _ = counts
+    (*_, tensor_without, tensor_defaults, _, _), _ = counts
     assert tensor_defaults == tensor_without
     assert all(count > 0 for count in tensor_without[0])
 
@@ -63,3 +65,10 @@ def test_the_runup_ring_adds_no_host_sync_also_when_it_wraps_around(counts):
     """``runup_steps=2`` over 4 steps: every row is overwritten, its index counted on the host."""
     (without, _, _, _, _, wraps, *_), _ = counts
     assert wraps == without
+
+
+def test_the_pipeline_links_are_checked_without_a_host_sync(counts):
+    """Every activation and gradient a stage sends or receives gets its largest magnitude on the device."""
+    (*_, pipeline_without, pipeline_defaults), _ = counts
+    assert pipeline_defaults == pipeline_without
+    assert all(count > 0 for count in pipeline_without[0])
