@@ -151,6 +151,11 @@ def test_a_backward_operator_on_the_later_stage_leaves_out_the_stage_that_only_r
                               gradient_origin=(0, 1), first_rank=1, rerun=Conclusion.BACKWARD,
                               first_in_backward="decoder.layers.1.mlp.linear_fc2.weight"))
     assert decided.rule == "backward_operator" and decided.origin == (1,)
+    # every gradient of both stages non-finite: the stage that made it is named, not the one it reached
+    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                              gradient_origin=(0, 1), forward_pattern=True, share_nonfinite=1.0,
+                              rerun=Conclusion.BACKWARD))
+    assert decided.origin == (1,) and "every gradient of rank 1 is" in decided.summary
 
 
 def test_without_a_pipeline_the_links_are_not_missing_evidence():

@@ -110,13 +110,6 @@ def _link_ends(e: Evidence) -> Tuple[int, ...]:
     return tuple(rank for rank in (found.sender, found.receiver) if rank is not None)
 
 
-def _backward_origin(e: Evidence) -> Tuple[int, ...]:
-    """The gradient origin without the stages that only received a non-finite gradient from the next one
-    (its sender sent it so), where any remain."""
-    made = tuple(rank for rank in e.gradient_origin if rank not in e.link_receivers)
-    return made or e.gradient_origin
-
-
 _WEIGHTS = (act.resume_before_weights, act.selftest_after_launch)
 _COLLECTIVE = (act.check_interconnect, act.selftest)
 _STATES = (Fact.STATES,)
@@ -206,7 +199,7 @@ RULES: Tuple[Rule, ...] = (
          lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.gradient_origin)
          and (e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)
               or (not e.forward_pattern and bool(e.first_in_backward))),
-         _backward_origin, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
+         lambda e: e.gradient_makers, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
     Rule("forward_not_rerun", Cause.UNDETERMINED, (Fact.GRADIENTS, Fact.PARAMETER_MAPS),
          "(nearly) every gradient of the origin non-finite, the step not run again",
          lambda e: e.forward_pattern and bool(e.gradient_origin) and e.rerun is None,

@@ -145,6 +145,13 @@ class Evidence:
         """Ranks that received a non-finite tensor their sender sent non-finite: not where it was made."""
         return tuple(found.receiver for found in self.links if found.sent == "nonfinite")
 
+    @property
+    def gradient_makers(self) -> Tuple[int, ...]:
+        """The gradient origin without the stages that only received a non-finite gradient from the next
+        one (its sender sent it so), where any remain."""
+        made = tuple(rank for rank in self.gradient_origin if rank not in self.link_receivers)
+        return made or self.gradient_origin
+
     def label(self, rank: int) -> str:
         return self.labels.get(rank, f"rank {rank}")
 

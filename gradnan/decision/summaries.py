@@ -165,11 +165,11 @@ def collective(e: Evidence) -> str:
 
 
 def backward_op(e: Evidence) -> str:
-    rank = e.first_rank if e.first_rank is not None else e.gradient_origin[0]
+    rank = e.first_rank if e.first_rank is not None else e.gradient_makers[0]
     forward = (" the step's forward pass and its loss were finite when run again;"
                if e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE) else "")
     if e.first_in_backward is None:  # every gradient: from backward's first, the loss's own gradient
-        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_origin)} is"
+        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_makers)} is"
                 " non-finite before the data-parallel collective, so from backward's first operator on (the"
                 " loss's own gradient, or a loss function whose backward divides by zero)")
     alone = (f" Only one data-parallel replica of {e.dp_size} produced it, on its own data: if it recurs"
