@@ -267,7 +267,7 @@ class Runtime:
         """A transfer between pipeline stages: the step's (kept on the device), or the rerun's own."""
         if self.rerun.in_pass:
             self.rerun.transfer(transfer)
-        elif self.config.detect:
+        elif self.config.detect and self.window.recording():
             self.links.observe(transfer)
 
     # -- the data-parallel gradient sync ------------------------------------------------------------
