@@ -82,9 +82,7 @@ def _sample(plants, seed: int):
 
 # issue 48 case 2: what a pipeline link delivers, forward and backward, on a tensor-parallel pipeline and on
 # the interleaved schedule (two model chunks per stage: the last stage's chunk feeds the first stage's next,
-# so stage 0 receives activations too); and a forward operator on stage 0 there, which stage 1 only receives.
-# Under vpp the links into a stage's first chunk are planted: the other four positions are a known limit
-# (docs/how-it-works.md, the pipeline's links)
+# so stage 0 receives activations too); and a forward operator on stage 0 there, which stage 1 only receives
 PP_TP = TinyGPTJob(world_size=4, tp=2, pp=2, dtype="bf16", quiet=True, steps=3, micro_batches=2)
 VIRTUAL = TinyGPTJob(world_size=4, pp=2, vpp=2, num_layers=4, dtype="fp32", quiet=True, steps=3,
                      micro_batches=2)

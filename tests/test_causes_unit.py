@@ -124,10 +124,12 @@ def test_a_link_is_named_only_where_the_sender_sent_finite_what_the_receiver_got
         ("forward", 0, 1, 1, "finite")]
     decided = decide(evidence(links=corrupted))
     assert decided.rule == "pipeline_link" and decided.origin == (0, 1) and "pp0 -> pp1" in decided.summary
-    # the sender sent a non-finite activation that way in the step (at whatever position: with two stages
-    # and model chunks the ends' positions differ): its own, not the link's
-    made = link_findings([_links(0, sent_forward=1), _links(1, received_forward=0)])
+    # the sender's own activation was already bad at that transfer (or before): not the link
+    made = link_findings([_links(0, sent_forward=0), _links(1, received_forward=1)])
     assert made[0].sent == "nonfinite" and decide(evidence(links=made)).rule != "pipeline_link"
+    # bad only after it (the corrupted value came back around the interleaved schedule's ring): the link
+    ring = link_findings([_links(0, sent_forward=1), _links(1, received_forward=0)])
+    assert ring[0].sent == "finite" and decide(evidence(links=ring)).rule == "pipeline_link"
     # the sender's records are not there: undetermined, naming the receiver and what was not observed
     alone = link_findings([_links(1, received_forward=1)])
     decided = decide(evidence(links=alone))

@@ -51,3 +51,12 @@ def test_a_malformed_pipeline_links_field_is_refused_in_one_line(links):
 def test_a_well_formed_pipeline_links_field_reads():
     links = {"received_backward": {"transfers": 3, "first_nonfinite": 2, "unchecked": 0}}
     assert records.from_json(_record(links), "r.jsonl:1")["pipeline_links"] == links
+
+
+def test_each_finding_goes_to_its_own_direction_whatever_came_first():
+    """A later stage receives before it sends: its received NaN is not handed to what it sent."""
+    links = PipelineLinks(lambda: 1)
+    links.observe(_transfer(received=torch.tensor([math.nan])))
+    links.observe(_transfer(sent=torch.ones(2)))
+    assert links.read() == {"sent_forward": {"transfers": 1, "first_nonfinite": None, "unchecked": 0},
+                            "received_forward": {"transfers": 1, "first_nonfinite": 0, "unchecked": 0}}

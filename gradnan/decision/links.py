@@ -1,7 +1,9 @@
 """The pipeline's links at the failing step, from each stage's ``pipeline_links`` (its incident record):
-each receiver's non-finite tensor is set against everything its sender sent it that way in the step. Not
-position by position: with two stages (next and previous the same rank) and model chunks, the two
-directions' transfers interleave, and a position on one end need not be the same on the other. Pure: no
+a stage's n-th transfer to a neighbour in one direction is that neighbour's n-th from it in the same
+direction (point-to-point messages between two ranks arrive in the order they were sent), so each
+receiver's first non-finite tensor is set against what its sender sent at that position. Under the
+interleaved schedule a corrupted value goes on around the ring of model chunks and comes back through the
+sender: its later sends are non-finite too, and only the position tells the link from the sender. Pure: no
 torch, no files.
 """
 
@@ -18,9 +20,9 @@ _WHAT = {"forward": "activation", "backward": "gradient"}
 @dataclass(frozen=True)
 class LinkFinding:
     """A receiver's first non-finite tensor from its neighbour, at position ``transfer`` of the step's
-    transfers that way, and what the sender sent that way in the step: ``sent`` "finite" (every tensor: the
-    link made it), "nonfinite" (one or more: the sender's own), None (not observed: no record of the
-    sender says)."""
+    transfers that way, and what the sender sent at that position: ``sent`` "finite" (there and before:
+    the link made it), "nonfinite" (there or before: the sender's own), None (not observed: no record of
+    the sender says)."""
 
     direction: str  # "forward": an activation; "backward": its gradient
     receiver: int
@@ -63,7 +65,8 @@ def link_findings(records: Sequence[Mapping[str, Any]]) -> Tuple[LinkFinding, ..
             sender, sender_seen = by_place.get((_peer_key(rank), sender_stage), (None, {}))
             sent_info = sender_seen.get(f"sent_{direction}")
             sent = None
-            if isinstance(sent_info, dict) and sent_info["transfers"] > sent_info["unchecked"]:
-                sent = "finite" if sent_info.get("first_nonfinite") is None else "nonfinite"
+            if isinstance(sent_info, dict) and sent_info["transfers"] > first:
+                bad = sent_info.get("first_nonfinite")
+                sent = "nonfinite" if bad is not None and bad <= first else "finite"
             found.append(LinkFinding(direction, global_rank, stage, sender, sender_stage, first, sent))
     return tuple(found)

@@ -44,7 +44,9 @@ class PipelineLinks:
         where this stage made no transfer in the step (no pipeline)."""
         if self._of_step != self._step() or not self._maxima:
             return None
-        kept = [value for values in self._maxima.values() for value in values if value is not None]
+        # read in LINK_DIRECTIONS' order, the order the findings are handed out below
+        kept = [value for direction in LINK_DIRECTIONS for value in self._maxima.get(direction, ())
+                if value is not None]
         finite = iter(torch.isfinite(torch.stack(kept)).tolist() if kept else [])
         found: Dict[str, Dict[str, Optional[int]]] = {}
         for direction in LINK_DIRECTIONS:
