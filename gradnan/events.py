@@ -114,6 +114,20 @@ class MegatronRerun:
     here: str
 
 
+@dataclass(frozen=True)
+class PipelineTransfer:
+    """One point-to-point transfer between adjacent pipeline stages, as the schedule made it: the activation
+    sent to the next stage and the gradient sent to the previous one, the activation received from the
+    previous stage and the gradient received from the next one (None: not in this transfer). ``complete``:
+    the received tensors are whole (False where the call returned before its requests finished)."""
+
+    sent_forward: Optional[torch.Tensor]
+    sent_backward: Optional[torch.Tensor]
+    received_forward: Optional[torch.Tensor]
+    received_backward: Optional[torch.Tensor]
+    complete: bool = True
+
+
 class RerunnableStep(Protocol):
     """A training step the adapter kept so that its forward pass can run again
     (``gradnan.training.rerun``)."""
@@ -249,6 +263,8 @@ class Events(Protocol):
                                   describe: DescribeBuckets) -> None: ...
 
     def keep_runup(self, group: Any, maxima: torch.Tensor, contents: DescribeContents) -> None: ...
+
+    def pipeline_transfer(self, transfer: PipelineTransfer) -> None: ...
 
     def bucket_maxima(self, buckets: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """Each bucket's largest local gradient magnitude over the tensors that hold them (NaN/Inf carried

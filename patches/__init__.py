@@ -13,6 +13,7 @@ from .instrumentor import Instrumentor, SurfaceMissing
 from .loss_scale import LossScaleInstrumentor
 from .module_hooks import ModuleHooksInstrumentor
 from .optimizer import OptimizerInstrumentor
+from .p2p import PipelineLinksInstrumentor
 from .param_groups import ParamGroupsInstrumentor
 from .result_validation import ResultValidationInstrumentor
 from .schedules import ScheduleInstrumentor
@@ -23,7 +24,7 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors", "split_disable
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
             GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor(),
-            ResultValidationInstrumentor(), ModuleHooksInstrumentor()]
+            ResultValidationInstrumentor(), ModuleHooksInstrumentor(), PipelineLinksInstrumentor()]
 
 
 def split_disabled(instrumentors: List[Instrumentor],

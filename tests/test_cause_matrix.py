@@ -17,7 +17,7 @@ import pytest
 from gradnan.formats.incident import Cause
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
-from gradnan.testing.plants import Plant, coordinates, expert_of, holds
+from gradnan.testing.plants import LINKS, Plant, coordinates, expert_of, holds, sender_stage
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob
 
@@ -98,8 +98,20 @@ def _sample(plants, seed: int):
     return chosen
 
 
+# issue 48 case 2: what a pipeline link delivers, forward and backward, on a tensor-parallel pipeline and on
+# the interleaved schedule (two model chunks per stage: the last stage's chunk feeds the first stage's next,
+# so stage 0 receives activations too); and a forward operator on stage 0 there, which stage 1 only receives
+PP_TP = TinyGPTJob(world_size=4, tp=2, pp=2, dtype="bf16", quiet=True, steps=3, micro_batches=2)
+VIRTUAL = TinyGPTJob(world_size=4, pp=2, vpp=2, num_layers=4, dtype="fp32", quiet=True, steps=3,
+                     micro_batches=2)
+PIPELINE_PLANTS = [Plant(Cause.COLLECTIVE, PP_TP, "link:forward", (1, 0), stage=1),
+                   Plant(Cause.COLLECTIVE, PP_TP, "link:backward", (0, 0), stage=0),
+                   Plant(Cause.COLLECTIVE, VIRTUAL, "link:forward", (0, 1), stage=0),
+                   Plant(Cause.COLLECTIVE, VIRTUAL, "link:backward", (0, 0), stage=1),
+                   Plant(Cause.FORWARD_OP, VIRTUAL, "decoder.layers.0.mlp.linear_fc1", (0, 1))]
+
 PLANTS = (_all_plants() if os.environ.get("CAUSE_MATRIX") == "all"
-          else _sample(_all_plants(), int(os.environ.get("CAUSE_MATRIX_SEED", "36"))))
+          else _sample(_all_plants(), int(os.environ.get("CAUSE_MATRIX_SEED", "36")))) + PIPELINE_PLANTS
 
 # issue 48: mixture of experts under expert parallelism (4 experts over EP=2, megatron-core's allgather
 # dispatcher; data-parallel rank dp is expert-parallel rank dp % 2, expert-data-parallel rank dp // 2). An
@@ -122,6 +134,10 @@ PLANTS = (*PLANTS, Plant(Cause.FORWARD_OP, EP.with_(world_size=4), EXPERT.format
 def _named(plant, incident) -> bool:
     """Whether the report names the planted parameter or module where this cause names one."""
     origin_params = {p["name"] for entry in incident.origin for p in entry["params"]}
+    if plant.target in LINKS:  # the link, as sender stage -> receiver stage
+        receiver = plant.coordinate[1]
+        link = f"pp{sender_stage(plant.job, plant.target, receiver)} -> pp{receiver}"
+        return link in incident.verdict.summary
     if plant.cause is Cause.WEIGHTS:
         rows = {row["name"] for entry in incident.origin for row in entry.get("outlying_rows", [])}
         return plant.target in origin_params | rows
@@ -216,8 +232,9 @@ def _wrong(outcomes):
 
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
-    assert {plant.job for plant in PLANTS} == {*LAYOUTS, EP.with_(world_size=4)}
+    assert {plant.job for plant in PLANTS} == {*LAYOUTS, EP.with_(world_size=4), PP_TP, VIRTUAL}
     assert any(plant.row is not None for plant in PLANTS) and any(plant.after_report for plant in PLANTS)
+    assert {plant.target for plant in PLANTS} >= set(LINKS)
     assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)
     assert all(holds(plant.job, plant.coordinate, plant.target) for plant in PLANTS + EP_PLANTS)

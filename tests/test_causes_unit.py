@@ -22,6 +22,7 @@ from gradnan.decision.evidence import (
     StateFault,
 )
 from gradnan.decision.facts import Fact, missing_text
+from gradnan.decision.links import LinkFinding, link_findings
 from gradnan.formats.incident import Action, Cause, Conclusion, OriginBasis, OwnFailure
 from gradnan.offline.incident.evidence import replica_digests
 
@@ -31,6 +32,8 @@ BAD_MOMENT = StateFault(2, "decoder.layers.1.mlp.linear_fc2.weight", "exp_avg_sq
 FLIPPED = DivergedWeight(2, "decoder.layers.0.mlp.linear_fc1.weight", (0, 5), 0.0654296875, 0.032470703125)
 DIVERGED = ReplicaDivergence((2,), 3, 2, 5, (FLIPPED,), 1)
 HUGE_ROW = OutlyingRow(1, "embedding.word_embeddings.weight", 5, 37, 1e30, 0.05, every_step=True)
+# rank 1 (stage 1) received a non-finite activation at its transfer 0 from rank 0 (stage 0)
+RECEIVED = dict(direction="forward", receiver=1, receiver_stage=1, sender=0, sender_stage=0, transfer=0)
 LARGEST = {"name": "output_layer.weight", "index": [0, 1], "value": 1e30, "overflows": True}
 
 
@@ -56,6 +59,13 @@ CASES = {
     "replica_diverged": (dict(divergence=DIVERGED), (2,)),
     "replicas_disagree": (dict(odd_replicas=(3,), rerun=Conclusion.REPRODUCIBLE, rerun_module="m",
                                rerun_origins=(3,)), (3,)),
+    "pipeline_link": (dict(links=(LinkFinding(**RECEIVED, sent="finite"),), rerun=Conclusion.REPRODUCIBLE,
+                           rerun_module="decoder.layers.1.input_layernorm", rerun_origins=(1,),
+                           gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
+                           forward_pattern=True, share_nonfinite=1.0), (0, 1)),
+    "link_unobserved": (dict(links=(LinkFinding(**{**RECEIVED, "sender": None}, sent=None),),
+                             rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.1.input_layernorm",
+                             rerun_origins=(1,)), (1,)),
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,
                                         rerun_module="decoder.layers.0.mlp.linear_fc2", rerun_origins=(0, 1)),
                                    (0, 1)),
@@ -116,6 +126,62 @@ def test_no_earlier_rule_takes_a_later_rules_case(rule):
     facts, _ = CASES[rule]
     earlier = RULES[:[r.id for r in RULES].index(rule)]
     assert not any(r.applies(evidence(**facts)) for r in earlier)
+
+
+def _links(stage, **directions):
+    """A stage's incident record as ``link_findings`` reads it (pp=2, tp0 dp0; global rank = stage)."""
+    seen = {name: {"transfers": 2, "first_nonfinite": first, "unchecked": 0}
+            for name, first in directions.items()}
+    return {"rank": {"global_rank": stage, "tp": 0, "dp": 0, "pp": stage, "pp_size": 2},
+            "pipeline_links": seen}
+
+
+def test_a_link_is_named_only_where_the_sender_sent_finite_what_the_receiver_got_non_finite():
+    corrupted = link_findings([_links(0, sent_forward=None, received_backward=None),
+                               _links(1, received_forward=1, sent_backward=None)])
+    assert [(f.direction, f.sender, f.receiver, f.transfer, f.sent) for f in corrupted] == [
+        ("forward", 0, 1, 1, "finite")]
+    decided = decide(evidence(links=corrupted))
+    assert decided.rule == "pipeline_link" and decided.origin == (0, 1) and "pp0 -> pp1" in decided.summary
+    # the sender's own activation was already bad at that transfer (or before): not the link
+    made = link_findings([_links(0, sent_forward=0), _links(1, received_forward=1)])
+    assert made[0].sent == "nonfinite" and decide(evidence(links=made)).rule != "pipeline_link"
+    # bad only after it (the corrupted value came back around the interleaved schedule's ring): the link
+    ring = link_findings([_links(0, sent_forward=1), _links(1, received_forward=0)])
+    assert ring[0].sent == "finite" and decide(evidence(links=ring)).rule == "pipeline_link"
+    # the sender's records are not there: undetermined, naming the receiver and what was not observed
+    alone = link_findings([_links(1, received_forward=1)])
+    decided = decide(evidence(links=alone))
+    assert decided.rule == "link_unobserved" and decided.cause is Cause.UNDETERMINED
+    assert decided.origin == (1,) and "not observed" in decided.summary
+
+
+def test_a_gradient_corrupted_on_its_way_back_is_the_link_not_a_backward_operator_with_the_loss():
+    """Issue 48 case 2: stage 0 received a NaN gradient that stage 1 sent finite; every gradient of stage 0
+    non-finite was called 'the loss's own gradient' on a stage without the loss."""
+    links = link_findings([_links(0, received_backward=0), _links(1, sent_backward=None)])
+    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0,),
+                              forward_pattern=True, share_nonfinite=1.0, rerun=Conclusion.BACKWARD))
+    assert decided.rule == "pipeline_link" and decided.origin == (1, 0) and "gradient" in decided.summary
+    assert "loss" not in decided.summary
+
+
+def test_a_backward_operator_on_the_later_stage_leaves_out_the_stage_that_only_received_its_gradient():
+    links = link_findings([_links(0, received_backward=0), _links(1, sent_backward=0)])
+    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                              gradient_origin=(0, 1), first_rank=1, rerun=Conclusion.BACKWARD,
+                              first_in_backward="decoder.layers.1.mlp.linear_fc2.weight"))
+    assert decided.rule == "backward_operator" and decided.origin == (1,)
+    # every gradient of both stages non-finite: the stage that made it is named, not the one it reached
+    decided = decide(evidence(links=links, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                              gradient_origin=(0, 1), forward_pattern=True, share_nonfinite=1.0,
+                              rerun=Conclusion.BACKWARD))
+    assert decided.origin == (1,) and "every gradient of rank 1 is" in decided.summary
+
+
+def test_without_a_pipeline_the_links_are_not_missing_evidence():
+    decided = decide(evidence(observed=frozenset(Fact) - {Fact.PIPELINE_LINKS}, recorded_norm=True))
+    assert Fact.PIPELINE_LINKS in decided.not_observed  # a pipelined run without them says so
 
 
 def test_weights_outrank_the_forward_origin_that_only_received_them():

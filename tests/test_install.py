@@ -14,12 +14,13 @@ from gradnan.config.sources import resolve_config
 from gradnan.patches import all_instrumentors
 from gradnan.patches.instrumentor import Instrumentor
 from gradnan.patches.optimizer import optimizer_classes
+from gradnan.patches.p2p import communicate_owner
 from gradnan.patches.schedules import SCHEDULES
 from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
-               "result_validation", "module_hooks"]
+               "result_validation", "module_hooks", "pipeline_links"]
 OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")
 
 
@@ -39,6 +40,7 @@ def _surfaces():
         "grad_zeroing": [(DistributedDataParallel, "zero_grad_buffer")],
         "schedules": [(schedules, name) for name in SCHEDULES],
         "result_validation": [(RerunStateMachine, "should_checkpoint_and_exit")],
+        "pipeline_links": [(communicate_owner(), "_communicate")],
     }
     return {patch: {(getattr(owner, "__qualname__", owner.__name__), attribute): vars(owner).get(attribute)
                     for owner, attribute in pairs}
@@ -68,7 +70,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     before = _megatron_attributes()
     installation = gradnan.install(out_dir=str(tmp_path))
     assert installation.missing == {}
-    assert len(installation.patched) == 8
+    assert len(installation.patched) == len(PATCH_NAMES)
     during = _megatron_attributes()
     changed = {key for key in before if during[key] is not before[key]}
     assert ("ChainedOptimizer", "step") in changed
@@ -97,7 +99,7 @@ def test_install_uninstall_install_again(tmp_path):
     gradnan.install(out_dir=str(tmp_path))
     gradnan.uninstall()
     again = gradnan.install(out_dir=str(tmp_path))
-    assert len(again.patched) == 8
+    assert len(again.patched) == len(PATCH_NAMES)
     assert _megatron_attributes() != before
     gradnan.uninstall()
     assert _megatron_attributes() == before
@@ -110,7 +112,7 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
         installation = gradnan.install(out_dir=str(tmp_path))
     assert list(installation.missing) == ["param_groups"]
     assert "_get_param_groups" in installation.missing["param_groups"]
-    assert len(installation.patched) == 7
+    assert len(installation.patched) == len(PATCH_NAMES) - 1
     assert "MISSING: param-group builder (_get_param_groups) [param_groups]: " in caplog.text
 
 

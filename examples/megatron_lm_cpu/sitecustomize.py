@@ -29,6 +29,10 @@ To see gradnan at work it can also plant a fault on one rank from outside the sc
   micro-batch without one): NaN from a finite model output. Plant it on every rank of the last pipeline
   stage of a replica. ``after_report``: it reports (``lm loss``, for logging) before it divides, so only the
   loss backward uses is NaN, the reported one finite.
+- ``PLANT_LINK=RANK:ITERATION:forward|backward[:VALUE]``: what RANK receives over the pipeline's
+  point-to-point link (``forward``: the previous stage's activation; ``backward``: the next stage's
+  gradient) gets a NaN (or VALUE) in its first element once the transfer has finished: the sender's tensor
+  was finite, the link delivered a bad one (a faulty interconnect, a corrupting communication library).
 ITERATION is the one Megatron-LM's log prints: ``N`` (every pass of iteration N, Megatron's own rerun of
 it included), ``N-`` (every iteration from N on: a persistent fault) or ``N!`` (the first pass of
 iteration N only: a one-off glitch that a rerun does not meet again). Names are global
@@ -238,6 +242,36 @@ if ("LOCAL_RANK" in os.environ and os.environ.get("MEGATRON_LM_ON_CPU") == "1"
 
         return divided
 
+    def _plant_link() -> None:
+        """PLANT_LINK: the transfer functions ``p2p_communication._communicate`` looks up when it runs,
+        wrapped on the planted rank to poison what arrives (after waiting for it) when the spec is due."""
+        from megatron.core.pipeline_parallel import p2p_communication
+
+        rank, spec, direction, value = _planted("PLANT_LINK", float("nan"))
+        if rank != int(os.environ.get("RANK", "0")):
+            return
+        received = {"forward": "tensor_recv_prev", "backward": "tensor_recv_next"}[direction]
+        fired = []
+
+        def poisoning(original):
+            def transfer(**kwargs):
+                requests = original(**kwargs)
+                if kwargs.get(received) is None or not _due(spec, fired):
+                    return requests
+                for request in (requests.values() if isinstance(requests, dict) else requests):
+                    request.wait()
+                fired.append(_iteration())
+                with torch.no_grad():
+                    kwargs[received].view(-1)[0] = value
+                return type(requests)()
+
+            return transfer
+
+        for name in ("_batched_p2p_ops", "_p2p_ops"):
+            setattr(p2p_communication, name, poisoning(getattr(p2p_communication, name)))
+
+    if os.environ.get("PLANT_LINK"):
+        _plant_link()
     if os.environ.get("PLANT_NAN") or os.environ.get("PLANT_OVERFLOW"):
         _plant_faults()
     if os.environ.get("PLANT_WEIGHT") or os.environ.get("PLANT_ROW") or os.environ.get("PLANT_LOSS"):

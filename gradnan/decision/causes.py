@@ -116,6 +116,11 @@ def _rerun_origins(e: Evidence) -> Tuple[int, ...]:
     return e.rerun_origins
 
 
+def _link_ends(e: Evidence) -> Tuple[int, ...]:
+    found = e.link_faults[0]
+    return tuple(rank for rank in (found.sender, found.receiver) if rank is not None)
+
+
 _WEIGHTS = (act.resume_before_weights, act.selftest_after_launch)
 _COLLECTIVE = (act.check_interconnect, act.selftest)
 _STATES = (Fact.STATES,)
@@ -169,6 +174,17 @@ RULES: Tuple[Rule, ...] = (
          "every weight finite, but data-parallel replicas' weights differ (digest)",
          lambda e: bool(e.odd_replicas or e.split_replicas), say.diverged, say.replicas_disagree, _WEIGHTS,
          basis=OriginBasis.REPLICAS),
+    Rule("pipeline_link", Cause.COLLECTIVE, (Fact.PIPELINE_LINKS,),
+         "a stage received a non-finite activation or gradient over a pipeline link that its sender sent"
+         " finite (both checked at the link)",
+         lambda e: bool(e.link_faults), _link_ends, say.pipeline_link, _COLLECTIVE, basis=OriginBasis.LINK),
+    Rule("link_unobserved", Cause.UNDETERMINED, (Fact.PIPELINE_LINKS,),
+         "a stage received a non-finite activation or gradient over a pipeline link, what its sender sent"
+         " there not observed",
+         lambda e: bool(e.links_unobserved), lambda e: tuple(found.receiver for found in e.links_unobserved),
+         say.link_unobserved,
+         (act.decide_by("rerun from the last checkpoint with gradnan recording on every pipeline stage (its"
+                        " default), so the sender's side of the link is checked too"),)),
     Rule("tensor_parallel_collective", Cause.COLLECTIVE, _RERUN,
          "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
          lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, _rerun_origins,
@@ -213,7 +229,7 @@ RULES: Tuple[Rule, ...] = (
          lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.gradient_origin)
          and (e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)
               or (not e.forward_pattern and bool(e.first_in_backward))),
-         _gradient_origin, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
+         lambda e: e.gradient_makers, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
     Rule("forward_not_rerun", Cause.UNDETERMINED, (Fact.GRADIENTS, Fact.PARAMETER_MAPS),
          "(nearly) every gradient of the origin non-finite, the step not run again",
          lambda e: e.forward_pattern and bool(e.gradient_origin) and e.rerun is None,

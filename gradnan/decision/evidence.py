@@ -11,6 +11,7 @@ from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import magnitude, untrusted
 from .facts import Fact
+from .links import LinkFinding
 
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
 
@@ -160,6 +161,8 @@ class Evidence:
     own_failure: Optional[OwnFailure] = None
     micro_batch: Optional[int] = None
     grew_in: Optional[Mapping[str, Any]] = None
+    # the pipeline's links: receivers' first non-finite tensors set against what their senders sent
+    links: Tuple[LinkFinding, ...] = ()
     # the gradients
     gradient_basis: OriginBasis = OriginBasis.NONE
     gradient_origin: Tuple[int, ...] = ()
@@ -184,6 +187,29 @@ class Evidence:
     # what of the step's records contradicts another record, and the ranks whose records do
     conflicts: Tuple[str, ...] = ()
     conflict_ranks: Tuple[int, ...] = ()
+
+    @property
+    def link_faults(self) -> Tuple[LinkFinding, ...]:
+        """Received non-finite where the sender sent it finite: the link made it (forward first)."""
+        return tuple(sorted((found for found in self.links if found.sent == "finite"),
+                            key=lambda found: found.direction != "forward"))
+
+    @property
+    def links_unobserved(self) -> Tuple[LinkFinding, ...]:
+        """Received non-finite where what the sender sent there was not observed."""
+        return tuple(found for found in self.links if found.sent is None)
+
+    @property
+    def link_receivers(self) -> Tuple[int, ...]:
+        """Ranks that received a non-finite tensor their sender sent non-finite: not where it was made."""
+        return tuple(found.receiver for found in self.links if found.sent == "nonfinite")
+
+    @property
+    def gradient_makers(self) -> Tuple[int, ...]:
+        """The gradient origin without the stages that only received a non-finite gradient from the next
+        one (its sender sent it so), where any remain."""
+        made = tuple(rank for rank in self.gradient_origin if rank not in self.link_receivers)
+        return made or self.gradient_origin
 
     def label(self, rank: int) -> str:
         return self.labels.get(rank, f"rank {rank}")

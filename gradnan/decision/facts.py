@@ -28,6 +28,8 @@ class Fact(str, enum.Enum):
     """The learning rates of the steps before the failing one (``state`` records' ``learning_rates``)."""
     RERUN = "rerun"
     """The failing step run again in place (``rerun`` records)."""
+    PIPELINE_LINKS = "pipeline_links"
+    """What each pipeline stage sent and received over its point-to-point links (incident records)."""
 
     @property
     def description(self) -> str:
@@ -47,6 +49,7 @@ _DESCRIPTIONS = {
     Fact.REPLICA_DIGESTS: "the weights of two or more data-parallel replicas",
     Fact.LEARNING_RATES: "the learning rates of the last steps",
     Fact.RERUN: "the failing step run again in place",
+    Fact.PIPELINE_LINKS: "what each pipeline stage sent and received over its links",
 }
 
 _HOW = {
@@ -58,6 +61,7 @@ _HOW = {
     Fact.REPLICA_DIGESTS: "with data parallelism, record on every rank, so that peers' weights are compared",
     Fact.LEARNING_RATES: "record on every rank with this gradnan (state records carry them since records v2)",
     Fact.RERUN: "run with rerun='auto' (the default) under megatron-core's schedules",
+    Fact.PIPELINE_LINKS: "record on every pipeline stage with the pipeline_links patch on (the default)",
 }
 
 

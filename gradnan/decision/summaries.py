@@ -10,6 +10,7 @@ from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import untrusted
 from ..formats.wording import grew_text, norm_overflow_summary, rejected_loss_summary
 from .evidence import BadWeight, Evidence, StateFault
+from .links import LinkFinding
 
 
 def ranks_of(items: Iterable[BadWeight | StateFault]) -> Tuple[int, ...]:
@@ -141,6 +142,26 @@ def tensor_parallel_collective(e: Evidence) -> str:
             f" micro-batch {e.micro_batch}: a transfer or reduction fault")
 
 
+def pipeline_link(e: Evidence) -> str:
+    found = e.link_faults[0]
+    return (f"the pipeline link {found.link()}: {e.label(found.receiver)} received a non-finite {found.what}"
+            f" (transfer {found.transfer} of the step that way) that {_sender(e, found)} had sent"
+            " finite (both checked at the link): a transfer fault between those ranks")
+
+
+def _sender(e: Evidence, found: LinkFinding) -> str:
+    """The sending rank, or its stage where no record of it was read."""
+    return (e.label(found.sender) if found.sender is not None
+            else f"pipeline stage {found.sender_stage}'s rank")
+
+
+def link_unobserved(e: Evidence) -> str:
+    found = e.links_unobserved[0]
+    return (f"{e.label(found.receiver)} received a non-finite {found.what} over the pipeline link"
+            f" {found.link()}, and whether {_sender(e, found)} sent it finite was not observed (its"
+            " records do not say): the link or the sender, not the receiver")
+
+
 def loss(e: Evidence) -> str:
     return (f"the loss function made it: run again in place, every module's output was finite and the loss"
             f" of micro-batch {e.micro_batch} computed from it was not, on {e.labelled(e.loss_stage)}"
@@ -192,11 +213,11 @@ def collective(e: Evidence) -> str:
 
 
 def backward_op(e: Evidence) -> str:
-    rank = e.first_rank if e.first_rank is not None else e.gradient_origin[0]
+    rank = e.first_rank if e.first_rank is not None else e.gradient_makers[0]
     forward = (" the step's forward pass and its loss were finite when run again;"
                if e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE) else "")
     if e.first_in_backward is None:  # every gradient: from backward's first, the loss's own gradient
-        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_origin)} is"
+        return (f"a backward operator made it:{forward} every gradient of {e.labelled(e.gradient_makers)} is"
                 " non-finite before the data-parallel collective, so from backward's first operator on (the"
                 " loss's own gradient, or a loss function whose backward divides by zero)")
     alone = (f" Only one data-parallel replica of {e.dp_size} produced it, on its own data: if it recurs"

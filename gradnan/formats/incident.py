@@ -265,6 +265,8 @@ class OriginBasis(str, enum.Enum):
     REPLICA_CHECK = "replica_check"
     """Their weights differed from their data-parallel peers' at a periodic replica check
     (``replica_divergence``)."""
+    LINK = "link"
+    """The two ends of a pipeline link: the sender sent a finite tensor, the receiver got a non-finite one."""
     CONFLICT = "conflict"
     """Their records contradict another record of the step: nothing is concluded from them."""
     NONE = "none"
@@ -276,6 +278,7 @@ class OriginBasis(str, enum.Enum):
 
 
 _BASIS_TEXT = {
+    OriginBasis.LINK: "an end of the pipeline link: sent finite, received non-finite",
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",

@@ -48,6 +48,12 @@ FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward 
 # float32 (Megatron's, and its per-bucket check) overflows to Inf although the value itself is finite
 FLOAT32_SQUARE_LIMIT = DTYPE_MAX["torch.float32"] ** 0.5
 
+# the pipeline's links as a stage saw them in the step (an incident record's ``pipeline_links``): what it
+# sent to the next stage (activations) and to the previous one (gradients), what it received from each;
+# per direction {"transfers": n, "first_nonfinite": position or null, "unchecked": n}
+LINK_DIRECTIONS = ("sent_forward", "received_forward", "sent_backward", "received_backward")
+
+
 _PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
 
 
@@ -97,6 +103,10 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
                          " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
+    if not optional(record.get("pipeline_links"), _is_links):
+        raise InputError(f"{where}: 'pipeline_links' needs an object whose keys are among"
+                         f" {', '.join(LINK_DIRECTIONS)}, each an object with integer 'transfers' and"
+                         " 'unchecked' and 'first_nonfinite' null or an integer below 'transfers'")
     key = _bad_key(record, ("kind", "pre_reduction", "mode", "map", "runup"), is_text)
     if key is not None:
         raise InputError(f"{where}: '{key}' must be text")
@@ -233,6 +243,19 @@ def _check_divergence(record: Dict[str, Any], where: str) -> None:
                          f" list of at most {MAX_DIVERGED_PARAMS} objects with a text 'name', 'numel'/'flat'"
                          " null or integers, 'index' null or a list of integers and 'value'/'majority_value'"
                          " null or numbers")
+
+
+def _is_links(links: Any) -> bool:
+    return isinstance(links, dict) and all(key in LINK_DIRECTIONS and _is_direction(value)
+                                           for key, value in links.items())
+
+
+def _is_direction(seen: Any) -> bool:
+    if not (isinstance(seen, dict) and is_int(seen.get("transfers")) and is_int(seen.get("unchecked"))):
+        return False
+    first = seen.get("first_nonfinite")
+    return 0 <= seen["unchecked"] <= seen["transfers"] and (
+        first is None or (is_int(first) and 0 <= first < seen["transfers"]))
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -43,15 +43,24 @@ def holds(job: TinyGPTJob, coordinate: Coordinate, name: str) -> bool:
     return expert is None or coordinate[2] % job.ep == expert // (job.experts // job.ep)
 
 
+LINKS = ("link:forward", "link:backward")  # a pipeline link's plant: what arrives at the stage ``stage``
+
+
 def stage_of(job: TinyGPTJob, name: str) -> int:
     """The pipeline stage that holds a parameter or module, by its global name (none: the loss's, the
-    last)."""
+    last; with model chunks, layer l's virtual stage l // layers-per-chunk runs on stage that mod pp)."""
     if name.startswith("embedding"):
         return 0
     if not name or name.startswith(("output_layer", "decoder.final_layernorm")):
         return job.pp - 1
     layer = int(name.split(".")[2])
-    return layer // (job.num_layers // job.pp)
+    return (layer // (job.num_layers // (job.pp * job.vpp))) % job.pp
+
+
+def sender_stage(job: TinyGPTJob, link: str, receiver: int) -> int:
+    """The stage that sends what a link plant's receiver gets: the previous stage's activation, the next
+    stage's gradient (a rank's model chunks wrap around: the last stage's chunk feeds the first's next)."""
+    return (receiver + (-1 if link == "link:forward" else 1)) % job.pp
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,9 @@ class Plant:
     - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names (with
       ``after_report``, after the loss function reported a finite value: only backward's loss is NaN);
     - BACKWARD_OP: ``target`` (a parameter)'s gradient made NaN in backward;
-    - COLLECTIVE: a parameter ``target``'s reduced gradient made NaN after the data-parallel collective
-      (with the distributed optimizer, in the shard of the replica that owns the element); a module
+    - COLLECTIVE: a link ``target`` (``LINKS``) delivering a NaN to pipeline stage ``stage`` from a sender
+      whose tensor was finite; a parameter ``target``'s reduced gradient made NaN after the data-parallel
+      collective (with the distributed optimizer, in the shard of the replica that owns the element); a module
       ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
     - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward.
@@ -97,10 +107,18 @@ class Plant:
     micro_batch: int = 0
     row: Optional[int] = None
     after_report: bool = False
+    stage: int = 0  # a link plant's receiving stage
 
     @property
     def coordinate(self) -> Coordinate:
-        return (self.where[0], stage_of(self.job, self.target), self.where[1])
+        stage = self.stage if self.target in LINKS else stage_of(self.job, self.target)
+        return (self.where[0], stage, self.where[1])
+
+    @property
+    def sender(self) -> Coordinate:
+        """A link plant's sending rank."""
+        tp, pp, dp = self.coordinate
+        return (tp, sender_stage(self.job, self.target, pp), dp)
 
     @property
     def rank(self) -> int:
@@ -122,6 +140,8 @@ class Plant:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
                          and (self.job.distributed_optimizer or c[2] == dp) and holds(self.job, c, target))
+        if target in LINKS:
+            return (Injection(self.rank, step, "", "nan", where=target.replace("link:", "p2p_"), index=3),)
         if cause is Cause.COLLECTIVE and not target.endswith((".weight", ".bias")):
             return (Injection(self.rank, step, target, "inf", where="tp_reduction", index=3),)
         if cause is Cause.COLLECTIVE and self.job.distributed_optimizer:
@@ -152,6 +172,9 @@ class Plant:
                 self.cause is Cause.COLLECTIVE and parameter):
             planted = frozenset(by_rank[rank] for rank in applied)
             return Expected(self.cause, planted, planted, self.target)
+        if self.target in LINKS:
+            ends = frozenset({self.sender, self.coordinate})
+            return Expected(self.cause, ends, ends, None)
         if self.cause is Cause.LOSS:
             last = frozenset(self._replica(dp, self.job.pp - 1))
             return Expected(self.cause, last, last, None)
@@ -166,10 +189,12 @@ class Plant:
     def label(self) -> str:
         experts = f"-ep{self.job.ep}x{self.job.experts}" if self.job.experts else ""
         layout = (f"tp{self.job.tp}pp{self.job.pp}dp{self.job.world_size // (self.job.tp * self.job.pp)}"
+                  f"{f'vpp{self.job.vpp}' if self.job.vpp > 1 else ''}"
                   f"-{self.job.dtype}{'-distopt' if self.job.distributed_optimizer else ''}"
                   f"{'-' + self.job.rerun_mode if self.job.rerun_mode else ''}"
                   f"-mb{self.job.micro_batches}{experts}")
-        where = (f"tp{self.where[0]}dp{self.where[1]}-s{self.step}-mb{self.micro_batch}"
+        where = (f"tp{self.where[0]}{f'pp{self.stage}' if self.target in LINKS else ''}dp{self.where[1]}"
+                 f"-s{self.step}-mb{self.micro_batch}"
                  + ("" if self.row is None else f"-row{self.row}")
                  + ("-after_report" if self.after_report else ""))
         return f"{self.cause.value}@{self.target or 'loss'}@{where}-{layout}"

@@ -112,6 +112,42 @@ class _ReductionFault:
             handle.remove()
 
 
+class _LinkFault:
+    """Poisons what this rank receives over the pipeline's point-to-point link (``where`` "p2p_forward": the
+    activation from the previous stage; "p2p_backward": the gradient from the next one), under
+    ``p2p_communication._communicate`` (its transfer functions, looked up when it runs), once the transfer
+    finished: the sender's tensor was finite, what arrived is not. ``remove`` undoes it."""
+
+    _RECEIVED = {"p2p_forward": "tensor_recv_prev", "p2p_backward": "tensor_recv_next"}
+
+    def __init__(self, where: str, index: int, value: float) -> None:
+        from megatron.core.pipeline_parallel import p2p_communication
+
+        self._module = p2p_communication
+        self._originals = {name: getattr(p2p_communication, name)
+                           for name in ("_batched_p2p_ops", "_p2p_ops")}
+        received = self._RECEIVED[where]
+
+        def poisoning(original):
+            def transfer(**kwargs):
+                requests = original(**kwargs)
+                for request in (requests.values() if isinstance(requests, dict) else requests):
+                    request.wait()
+                if kwargs.get(received) is not None:
+                    with torch.no_grad():
+                        kwargs[received].view(-1)[index] = value
+                return type(requests)()
+
+            return transfer
+
+        for name, original in self._originals.items():
+            setattr(p2p_communication, name, poisoning(original))
+
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)
+
+
 def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any]:
     """Register this step's backward, module_backward and forward injections; return their handles."""
     handles = []
@@ -127,6 +163,10 @@ def _arm_hook_injections(job, rank, step, chunks, optimizer, result) -> List[Any
         module = _module_by_global_name(chunks, injection.target)
         handles.append(_ReductionFault(module, injection.index or 0, injection.number()))
         result.injected.append(dataclasses.asdict(injection))
+    for where in _LinkFault._RECEIVED:
+        for injection in _due(job, rank, step, where):
+            handles.append(_LinkFault(where, injection.index or 0, injection.number()))
+            result.injected.append(dataclasses.asdict(injection))
     for where in ("module_backward", "forward"):
         for injection in _due(job, rank, step, where):
             module = _module_by_global_name(chunks, injection.target)

@@ -51,6 +51,10 @@ class Injection:
     - ``"tp_reduction"``: the result of module ``target``'s tensor-parallel reduction (a row-parallel
       linear's all-reduce of its partial sums) on this rank: what a faulty transfer or reduction delivers
       from finite partial sums;
+    - ``"p2p_forward"``, ``"p2p_backward"``: element ``index`` of every activation this rank receives from
+      the previous pipeline stage (forward), or of every gradient it receives from the next one (backward),
+      after the point-to-point transfer: what a faulty link delivers from the sender's finite tensor
+      (``target`` is not used);
     - ``"learning_rate"``: every param group's learning rate set to ``value`` right before
       ``optimizer.step()`` (and left so), as a broken schedule does (``target`` is not used);
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero

@@ -49,12 +49,14 @@ class OptimizerState:
 
 class Detections:
     def __init__(self, config: GradnanConfig, clock: StepClock, writer: Writer, captures: CaptureManager,
-                 rerun_expected: Callable[[], bool], health: DeviceHealth) -> None:
+                 rerun_expected: Callable[[], bool], health: DeviceHealth,
+                 links: Callable[[], Optional[Dict[str, Any]]]) -> None:
         """``rerun_expected()``: the failing step will be run again in place (``rerun``), which finds a
         forward origin better than watching later steps. ``health``: the device's health, read into the
-        records of an incident (never of a routine fp16 overflow)."""
+        records of an incident (never of a routine fp16 overflow); ``links()`` likewise, the pipeline's
+        transfers of the step as this stage saw them (``links.PipelineLinks.read``)."""
         self.config, self._clock, self._writer, self._captures = config, clock, writer, captures
-        self._health = health
+        self._health, self._links = health, links
         self._rerun_expected = rerun_expected
         self._lock = threading.Lock()
         self._optimizers: "weakref.WeakKeyDictionary[Any, OptimizerState]" = weakref.WeakKeyDictionary()
@@ -246,6 +248,9 @@ class Detections:
             # every gradient here finite: the largest says whether this rank's own norm overflowed
             extra = {**extra, "largest_grad": None if found else largest_gradient(slots, grads)}
         step = self._clock.current(optimizer)
+        links = self._links() if incident else None
+        if links is not None:
+            extra = {**extra, "pipeline_links": links}
         return self._writer.record(kind, step, found, self._with_health({
             "optimizer_index": state.index, "map": state.map_file, "pre_reduction": pre_reduction,
             "runup": self._runup_file(step) if incident else None, **extra}, step, incident))
@@ -358,7 +363,9 @@ class Detections:
         the learning rates of the last steps: the ``state`` record, and a log line where a weight or a
         moment was already bad."""
         found, extra = state_fields(held, ids_by_name, at_launch)
-        extra = {**extra, "learning_rates": learning_rates}
+        links = self._links()  # where Megatron's validation ends the step before any norm: its only record
+        extra = {**extra, "learning_rates": learning_rates,
+                 **({} if links is None else {"pipeline_links": links})}
         record = self._writer.record(RecordKind.STATE, self._clock.current(), found, extra)
         if found:
             first = found[0]

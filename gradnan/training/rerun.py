@@ -28,7 +28,7 @@ import torch
 
 from ..config import GradnanConfig, RerunMode
 from ..decision.replica import conclude, conclusion_of, own_failure_of
-from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, RerunnableStep
+from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, PipelineTransfer, RerunnableStep
 from ..formats.incident import Conclusion, RecordKind, RerunRole
 from ..formats.observed import ReplicaObservation
 from ..formats.text import shell_word
@@ -80,6 +80,8 @@ class StepRerun:
         self._loss_seen: Optional[Tuple[int, Optional[bool]]] = None  # (step, its loss_finite)
         self.done = False
         self.in_pass = False  # one of the rerun's own forward passes is running
+        # while the traced pass runs: each activation received from the previous pipeline stage
+        self._on_received: Optional[Callable[[torch.Tensor], None]] = None
         self.outcome: Optional[RerunOutcome] = None  # what the run's rerun concluded, once it ran
 
     def keeps_steps(self) -> bool:
@@ -180,10 +182,18 @@ class StepRerun:
             counter.remove()
             restore_buffers(buffers)
 
+    def transfer(self, transfer: PipelineTransfer) -> None:
+        """A pipeline transfer made by one of the rerun's passes: the traced pass notes what it received."""
+        if self._on_received is not None and transfer.received_forward is not None and transfer.complete:
+            self._on_received(transfer.received_forward)
+
     def _traced_pass(self, kept: RerunnableStep) -> PassResult:
         step = self._clock.current()
         tracer = FrameTracer(self._watched(), lambda: step, lambda: True, self._new_hooks()).attach()
         flags: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+        received: List[Tuple[int, torch.Tensor]] = []
+        self._on_received = lambda tensor: received.append(
+            (tracer.frame_count(), largest_magnitude(tensor).float()))
 
         def on_reduction(partial: torch.Tensor) -> Callable[[torch.Tensor], None]:
             # read before the reduction, which may write its result into ``partial``; the reduction runs
@@ -196,11 +206,13 @@ class StepRerun:
                 losses = kept.forward(on_reduction)
                 frames = tracer.read()
         finally:
+            self._on_received = None
             tracer.detach()
-        read = (torch.isfinite(torch.stack([value for _, *pair in flags for value in pair])).tolist()
-                if flags else [])
+        values = [value.float() for _, *pair in flags for value in pair] + [value for _, value in received]
+        read = torch.isfinite(torch.stack(values)).tolist() if values else []
         reductions = [(at, bool(read[2 * n]), bool(read[2 * n + 1])) for n, (at, _, _) in enumerate(flags)]
-        return PassResult(frames, counter.of_frame, losses, reductions)
+        arrived = [(at, bool(finite)) for (at, _), finite in zip(received, read[2 * len(flags):])]
+        return PassResult(frames, counter.of_frame, losses, reductions, arrived)
 
     def _rerun(self, kept: RerunnableStep, trigger: str, megatron: Optional[MegatronRerun],
                local_gradients: Optional[str], at_norm: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -216,7 +228,9 @@ class StepRerun:
         any_partial_bad, any_reduced_bad = kept.all_reduce([partial_bad, reduced_bad], "max", "tensor")
         reduction = reduction_finding(partial_bad, any_partial_bad, any_reduced_bad)
         module: Optional[Frame]
-        if seen.candidate is not None and seen.key(seen.candidate) <= earliest and reduction != "received":
+        # a stage whose received activation was already non-finite is a receiver of the previous stage's
+        if (seen.candidate is not None and seen.key(seen.candidate) <= earliest and reduction != "received"
+                and not seen.received_before(seen.candidate)):
             role, module = RerunRole.ORIGIN, seen.candidate
         elif reduction == "partial":  # its own partial sum was non-finite (from non-finite weights, say)
             role, module = RerunRole.ORIGIN, seen.first

@@ -129,10 +129,12 @@ class PassResult:
 
     def __init__(self, frames: List[Frame], micro_batch_of: Callable[[int], Optional[int]],
                  losses: Tuple[Optional[bool], Optional[int]] = (None, None),
-                 reductions: Sequence[Tuple[int, bool, bool]] = ()) -> None:
+                 reductions: Sequence[Tuple[int, bool, bool]] = (),
+                 received: Sequence[Tuple[int, bool]] = ()) -> None:
         self.frames = frames
         self.loss_finite, self.loss_micro_batch = losses
         self.reductions = reductions  # (the call it is in, partial sum finite, reduced value finite)
+        self.received = received  # activations from the previous stage: (the next call, finite)
         index = first_nonfinite(frames)
         self.first = frames[index] if index is not None else None
         self.candidate = forward_origin(frames)
@@ -159,6 +161,11 @@ class PassResult:
     def micro_batch(self) -> Optional[int]:
         frame = self.candidate or self.first
         return None if frame is None else self.micro_batch_of(frame.call)
+
+    def received_before(self, frame: Optional[Frame]) -> bool:
+        """Whether an activation this stage received from the previous pipeline stage before ``frame``'s
+        call was non-finite: the model reads it through ``set_input_tensor``, no call's argument shows it."""
+        return frame is not None and any(not finite and at <= frame.call for at, finite in self.received)
 
     def reduction_in(self, call: float) -> Tuple[float, float]:
         """In call ``call``'s tensor-parallel reduction (the first whose result is non-finite, else the

@@ -25,6 +25,7 @@ from ..events import (
     ModelFacts,
     ModuleHooking,
     NamedModules,
+    PipelineTransfer,
     RerunnableStep,
 )
 from ..formats.incident import RecordKind
@@ -36,6 +37,7 @@ from .error_guard import ErrorGuard
 from .forward import ForwardWatch
 from .health import DeviceHealth
 from .incidents import Detections
+from .links import PipelineLinks
 from .norms import DeviceScalar, PendingNorms
 from .rates import LearningRates
 from .replicas import Divergence, ReplicaCheck, compared_weights
@@ -60,8 +62,9 @@ class Runtime:
         self.rerun = StepRerun(config, self.clock, self.writer, self.captures, self.guarded,
                                self.named_modules, self.window.recording, self.module_hooking)
         self.health = DeviceHealth()
+        self.links = PipelineLinks(self.clock.current)
         self.detections = Detections(config, self.clock, self.writer, self.captures, self.rerun.expected,
-                                     self.health)
+                                     self.health, self.links.read)
         self.forward = ForwardWatch(config, self.clock, self.window, self.writer, self.named_modules,
                                     self.module_hooking)
         self.norms = PendingNorms()
@@ -287,6 +290,15 @@ class Runtime:
 
     def step_kept(self, kept: RerunnableStep) -> None:
         self.rerun.step_kept(kept)
+
+    # -- the pipeline's point-to-point transfers ------------------------------------------------------
+
+    def pipeline_transfer(self, transfer: PipelineTransfer) -> None:
+        """A transfer between pipeline stages: the step's (kept on the device), or the rerun's own."""
+        if self.rerun.in_pass:
+            self.rerun.transfer(transfer)
+        elif self.config.detect and self.window.recording():
+            self.links.observe(transfer)
 
     # -- the data-parallel gradient sync ------------------------------------------------------------
 

@@ -195,7 +195,8 @@ def _own_failure(rerun: Dict[str, Any]) -> Optional[str]:
 
 def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
                     rejected: Sequence[View], reruns: Sequence[Dict[str, Any]],
-                    dtypes: Dict[Tuple[Any, str], str], known: Iterable[int]) -> List[View]:
+                    dtypes: Dict[Tuple[Any, str], str], known: Iterable[int],
+                    at_step: Sequence[Dict[str, Any]]) -> List[View]:
     """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
     (a ``state`` record's params), its rejected loss, what of its replica's own failed (its ``rerun``
     record), or its coordinates alone (from any record of it in ``reruns``: a ``replica_divergence`` one;
@@ -208,6 +209,11 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
     else:
+        if decision.basis is OriginBasis.LINK:  # a link's sender may hold no non-finite gradient of its own
+            by_rank.update((r["rank"].get("global_rank"), {**rank_view(r["rank"]), "kind": None,
+                                                           "params_total": 0, "params": []}) for r in states)
+            by_rank.update((r["rank"].get("global_rank"), rank_entry(r, dtypes)) for r in at_step
+                           if r["kind"] in NORM_KINDS)
         by_rank.update((entry["global_rank"], entry) for entry in gradient_origin)
     return [by_rank.get(rank) or {"global_rank": rank, "kind": None, "params_total": 0, "params": [],
                                   "absent": rank not in known}
@@ -238,7 +244,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes,
-                             ranks)
+                             ranks, at_step)
     named = {entry["global_rank"] for entry in origin}
     # the table's counts are those of the first rank holding each parameter: the decided origin's first
     parameters = _parameters_by_module(sorted(gradient_origin,

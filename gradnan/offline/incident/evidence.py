@@ -22,6 +22,7 @@ from ...decision.evidence import (
     View,
 )
 from ...decision.facts import Fact
+from ...decision.links import link_findings
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
@@ -223,6 +224,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
+        links=link_findings([*at_step, *states]),
         observed=_observed(at_step, states, rerun, pattern, origin, compared),
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
@@ -266,6 +268,9 @@ def _observed(at_step: Sequence[Dict[str, Any]], states: Sequence[Dict[str, Any]
         facts.add(Fact.LEARNING_RATES)
     if pattern.gradient_pass is not GradientPass.UNKNOWN or not origin:
         facts.add(Fact.PARAMETER_MAPS)  # counted against, or no origin's gradients to count
+    if any(record.get("pipeline_links") for record in [*at_step, *states]) or not any(
+            (record["rank"].get("pp_size") or 1) > 1 for record in [*at_step, *states]):
+        facts.add(Fact.PIPELINE_LINKS)  # checked at the links, or no pipeline to have links
     return frozenset(facts)
 
 

@@ -234,6 +234,8 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
     rerun = incident.rerun
     if entry.get("absent"):
         return f"  rank {entry['global_rank']}: no file of it in the run directory"
+    if incident.origin_basis is OriginBasis.LINK and not entry["params"] and not entry.get("largest_grad"):
+        return f"  {_rank_label(entry)}: no non-finite gradient of its own"
     if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
         module = next((view["module"] for view in rerun.origins
                        if view["global_rank"] == entry["global_rank"]), None)
