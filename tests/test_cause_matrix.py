@@ -40,7 +40,7 @@ MODULES = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.self_attention.l
            "decoder.layers.1.self_attention.core_attention", "decoder.layers.0.input_layernorm", "embedding",
            "output_layer")
 ON_PARAMETERS = (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE, Cause.BACKWARD_OP, Cause.COLLECTIVE,
-                 Cause.NORM_OVERFLOW)
+                 Cause.NORM_OVERFLOW, Cause.REPLICA_DIVERGENCE)
 ON_MODULES = (Cause.FORWARD_OP, Cause.DEVICE)
 GRADIENT_CAUSES = (Cause.BACKWARD_OP, Cause.COLLECTIVE, Cause.NORM_OVERFLOW)
 TP_DUPLICATES = ("layernorm", "position_embeddings")  # the same copy on every tensor-parallel rank
@@ -141,6 +141,8 @@ def _named(plant, incident) -> bool:
     if plant.cause is Cause.WEIGHTS:
         rows = {row["name"] for entry in incident.origin for row in entry.get("outlying_rows", [])}
         return plant.target in origin_params | rows
+    if plant.cause is Cause.REPLICA_DIVERGENCE:
+        return plant.target in {weight["name"] for entry in incident.origin for weight in entry.get("diverged", [])}
     if plant.cause is Cause.OPTIMIZER_UPDATE:
         return plant.target in {fault["name"] for entry in incident.origin
                                 for fault in entry.get("optimizer_state", [])}
@@ -219,7 +221,10 @@ def _wrong(outcomes):
         origin = {(entry.get("tp"), entry.get("pp"), entry.get("dp")) for entry in incident.origin}
         # a bad weight (an embedding row) fails the first step whose data reads it
         late = plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE)
-        step_right = incident.step == plant.failing_step or (late and incident.step > plant.failing_step)
+        # a flip in an fp32 main copy reaches the model parameter, and the next check, with the update
+        next_check = plant.cause is Cause.REPLICA_DIVERGENCE and incident.step == plant.failing_step + 1
+        step_right = (incident.step == plant.failing_step or (late and incident.step > plant.failing_step)
+                      or next_check)
         checks = {"step": step_right,
                   "cause": incident.verdict.cause is expected.cause,
                   "origin": expected.must <= origin <= expected.may, "named": _named(plant, incident)}

@@ -95,7 +95,10 @@ class Plant:
       collective (with the distributed optimizer, in the shard of the replica that owns the element); a module
       ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
-    - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward.
+    - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward;
+    - REPLICA_DIVERGENCE: one exponent bit of ``target``'s element 3 flipped on the rank ``where`` names,
+      finite, with the replica check at every step: found at ``step`` or the next (an fp32 main copy's flip
+      reaches the model parameter with the update); with two replicas both are named (no majority).
     An expert's parameter or module is planted only where it is held (``holds``): ``where``'s data-parallel
     rank must be one of its expert-parallel rank's."""
 
@@ -140,6 +143,8 @@ class Plant:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
                          and (self.job.distributed_optimizer or c[2] == dp) and holds(self.job, c, target))
+        if cause is Cause.REPLICA_DIVERGENCE:
+            return (Injection(self.rank, step, target, "exponent", where="bit_flip", index=3),)
         if target in LINKS:
             return (Injection(self.rank, step, "", "nan", where=target.replace("link:", "p2p_"), index=3),)
         if cause is Cause.COLLECTIVE and not target.endswith((".weight", ".bias")):
@@ -160,8 +165,9 @@ class Plant:
 
     def planted_job(self, out_dir: str) -> TinyGPTJob:
         steps = max(self.job.steps, self.step + 1 + (self.cause is Cause.OPTIMIZER_UPDATE))
+        checked = {"replica_check_every": 1} if self.cause is Cause.REPLICA_DIVERGENCE else {}
         return dataclasses.replace(self.job, steps=steps, injections=self.injections(),
-                                   gradnan={**(self.job.gradnan or {}), "out_dir": out_dir})
+                                   gradnan={**(self.job.gradnan or {}), "out_dir": out_dir, **checked})
 
     def expected(self, applied: FrozenSet[int]) -> Expected:
         """``applied``: the global ranks where an injection took effect (``WorkerResult.injected``)."""
@@ -180,6 +186,9 @@ class Plant:
             return Expected(self.cause, last, last, None)
         if self.cause is Cause.DEVICE:
             return Expected(self.cause, frozenset({self.coordinate}), frozenset(self._replica(dp)), None)
+        if self.cause is Cause.REPLICA_DIVERGENCE and self.job.world_size // (self.job.tp * self.job.pp) == 2:
+            peers = frozenset(c for c in coordinates(self.job) if c[:2] == (tp, pp))
+            return Expected(self.cause, peers, peers, self.target)
         return Expected(self.cause, frozenset({self.coordinate}), frozenset({self.coordinate}), self.target)
 
     @property
