@@ -156,25 +156,29 @@ def mlp_bundle(tmp_path_factory):
     return bundle
 
 
-@pytest.fixture
-def python_environment(tmp_path):
-    """``make(name, startup="")``: a real virtual environment under ``tmp_path`` (``python -m venv
-    --without-pip``, a second 'stack') that sees this environment's packages (a ``.pth`` naming its
-    site-packages) and runs ``startup`` (Python source, e.g. a ``torch.library`` registration that changes
-    one aten kernel) at every start; returns the path of its ``python``."""
+def make_python_environment(root, startup=""):
+    """A real virtual environment at ``root`` (``python -m venv --without-pip``, a second 'stack') that sees
+    this environment's packages (a ``.pth`` naming its site-packages) and runs ``startup`` (Python source,
+    e.g. a ``torch.library`` registration that changes one aten kernel) at every start; returns the path
+    of its ``python``."""
     import sysconfig
 
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", where], check=True, capture_output=True, text=True,
+                               timeout=60).stdout.strip())
+    (site / "a_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if startup:
+        (site / f"{root.name}_startup.py").write_text(startup)
+        (site / f"z_{root.name}.pth").write_text(f"import {root.name}_startup\n")
+    return python
+
+
+@pytest.fixture
+def python_environment(tmp_path):
+    """``make(name, startup="")``: ``make_python_environment`` under ``tmp_path``."""
     def make(name, startup=""):
-        root = tmp_path / name
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-        python = root / "bin" / "python"
-        where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-        site = Path(subprocess.run([str(python), "-c", where], check=True, capture_output=True, text=True,
-                                   timeout=60).stdout.strip())
-        (site / "a_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        if startup:
-            (site / f"{name}_startup.py").write_text(startup)
-            (site / f"z_{name}.pth").write_text(f"import {name}_startup\n")
-        return python
+        return make_python_environment(tmp_path / name, startup)
 
     return make

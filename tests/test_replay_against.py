@@ -9,6 +9,7 @@ a different dtype path). The comparison names ``aten.gelu.default`` and nothing 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -206,3 +207,140 @@ def test_a_fused_kernel_is_compared_with_each_environments_reference_math(tmp_pa
     assert "more than 2 ulps of float16 apart" in fused["against_reference"]["B"]["difference"]
     text = format_comparison(document)
     assert f"  op #{kernel} ScaledSoftmax: A the same; B output 0: abs_" in text
+
+
+# --- attention and whole layers captured on their first call (issue 50) -----------------------------
+
+# One environment, each wrapper script naming the operator it changes: at its boundary (the
+# ADInplaceOrView key, under autograd and above the kernel, so that neither the backward nor the calls a
+# kernel makes inside itself change), its floating outputs scaled by 1 + 2^-7 (one bf16 ulp and more),
+# its boolean ones negated, its integer ones plus one; in place for an in-place operator.
+CHANGER = '''
+import os
+
+import torch
+
+_NAME = os.environ.get("CHANGED_OPERATOR")
+if _NAME:
+    _, _packet, _overload = _NAME.split(".")
+    _op = getattr(getattr(torch.ops.aten, _packet), _overload)
+    _in_place = any(ret.alias_info is not None and ret.alias_info.is_write for ret in _op._schema.returns)
+
+    def _change(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(_change(item) for item in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.dtype == torch.bool:
+            return value.logical_not_() if _in_place else value.logical_not()
+        if value.is_floating_point():
+            return value.mul_(1 + 2 ** -7) if _in_place else value * (1 + 2 ** -7)
+        return value.add_(1) if _in_place else value + 1
+
+    def _changed(*args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _change(_op(*args, **kwargs))
+
+    _LIBRARY = torch.library.Library("aten", "IMPL")
+    _LIBRARY.impl(_NAME.split(".", 1)[1].removesuffix(".default"), _changed, "ADInplaceOrView")
+'''
+FIRST_CALL_MODULES = {"attention": "decoder.layers.0.self_attention", "layer": "decoder.layers.0"}
+# megatron-core's get_global_memory_buffer().get_tensor() on its first call: torch.empty, then [0:n].view()
+BUFFER_OPS = ["aten.empty.memory_format", "aten.slice.Tensor", "aten.view.default"]
+
+
+@pytest.fixture(scope="module")
+def first_call_bundles(tmp_path_factory):
+    """Layer 0's self-attention (megatron-core's local DotProductAttention) and the whole layer 0 of the
+    tiny GPT, bf16, each captured at step 1 in a job of its own: the first attention call of the job, whose
+    memory buffer is made by ``torch.empty`` inside the captured call."""
+    from gradnan.testing.toy import launch_many
+    from gradnan.testing.toy_job import TinyGPTJob
+
+    out = tmp_path_factory.mktemp("first_call")
+    launch_many([TinyGPTJob(world_size=1, dtype="bf16", steps=1, quiet=True,
+                            gradnan={"out_dir": str(out / name), "capture_modules": module,
+                                     "capture_steps": "1"})
+                 for name, module in FIRST_CALL_MODULES.items()])
+    return {name: next((out / name / "bundles").glob("*/*")) for name in FIRST_CALL_MODULES}
+
+
+@pytest.fixture(scope="module")
+def changed(tmp_path_factory):
+    """``changed(operator)``: a wrapper script (``#!/bin/sh``) that runs one environment's python with
+    ``CHANGED_OPERATOR`` set, that environment changing that one operator (``CHANGER``)."""
+    from .conftest import make_python_environment
+
+    folder = tmp_path_factory.mktemp("changed")
+    python = make_python_environment(folder / "changer", CHANGER)
+
+    def wrapper(operator):
+        script = folder / f"{operator}.sh"
+        script.write_text(f'#!/bin/sh\nCHANGED_OPERATOR={operator} exec {python} "$@"\n')
+        script.chmod(0o755)
+        return script
+
+    return wrapper
+
+
+def trace_of(bundle: Path) -> dict:
+    return bundle_format.load_manifest(bundle / MANIFEST)["trace"]
+
+
+def buffer_indices(trace: dict) -> list:
+    """Where the trace makes the memory buffer and views it (``BUFFER_OPS``, one after the other)."""
+    names = [op["op"] for op in trace["ops"]]
+    start = names.index(BUFFER_OPS[0])
+    assert names[start:start + len(BUFFER_OPS)] == BUFFER_OPS
+    return list(range(start, start + len(BUFFER_OPS)))
+
+
+@pytest.mark.parametrize("which", sorted(FIRST_CALL_MODULES))
+def test_against_the_capturing_interpreter_nothing_differs_whatever_the_allocator_held(first_call_bundles,
+                                                                                        which):
+    bundle = first_call_bundles[which]
+    buffer = buffer_indices(trace_of(bundle))
+    for options in ([], ["--ulps", "1000"]):
+        document = compared(bundle, "--against", sys.executable, *options)
+        assert document["first_difference"] is None, document["pairs"]
+        assert [op["index"] for op in document["operators"] if op["uninitialized"]] == buffer
+        empty = document["operators"][buffer[0]]["digests"]
+        assert empty["capture"] != empty["A"]  # garbage at capture, NaN at replay: not compared
+        text = format_comparison(document)
+        assert "No operator differs" in text and "Not compared: #" in text and "*" not in text
+        assert document["environments"][1]["verdict"] == "healthy"
+
+
+def _changeable(digests: list) -> bool:
+    """Outputs that the change alters: a floating one with a finite non-zero element, any other element."""
+    return any(item["abs_max"] if item["dtype"] in ("bfloat16", "float16", "float32", "float64")
+               else math.prod(item["shape"]) > 0 for item in digests)
+
+
+def expected_first(trace: dict, operator: str, uninitialized: list) -> object:
+    """The first call of ``operator`` whose outputs are compared and which a change alters; None where no
+    call is (``empty`` and the views of the buffer; an operator returning no tensor)."""
+    return next((index for index, (op, digests) in enumerate(zip(trace["ops"], trace["digests"]))
+                 if op["op"] == operator and index not in uninitialized and _changeable(digests)), None)
+
+
+@pytest.mark.parametrize("which", sorted(FIRST_CALL_MODULES))
+def test_each_operator_changed_alone_is_the_first_difference_and_nothing_before_it(first_call_bundles,
+                                                                                    changed, which):
+    bundle = first_call_bundles[which]
+    trace = trace_of(bundle)
+    uninitialized = buffer_indices(trace)
+    operators = sorted({op["op"] for op in trace["ops"]})
+    found = {}
+    for start in range(0, len(operators), 8):  # at most 8 environments in one comparison
+        group = operators[start:start + 8]
+        document = compared(bundle, *[word for operator in group
+                                      for word in ("--against", str(changed(operator)))])
+        for operator, pair, environment in zip(group, document["pairs"], document["environments"][1:]):
+            assert environment["given"] == str(changed(operator)) != environment["python"]  # a wrapper
+            found[operator] = (pair["first_difference"] or {}).get("index")
+    expected = {operator: expected_first(trace, operator, uninitialized) for operator in operators}
+    assert found == expected
+    assert sum(index is not None for index in expected.values()) >= len(operators) - 3
+    assert {operator for operator, index in expected.items() if index is None} <= {
+        *BUFFER_OPS[:2], "aten._local_scalar_dense.default"}

@@ -57,6 +57,7 @@ _HASH = re.compile(r"[0-9a-f]{32}")
 # --- digests: what an op's outputs were ---------------------------------------------------------
 
 
+@torch.no_grad()
 def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     """What a tensor holds, in a few numbers that any later replay can be compared with: ``hash``, a
     BLAKE2b (128 bits) of its bytes in C order; ``canonical_hash``, the same with every NaN written as one
@@ -65,7 +66,8 @@ def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     ``abs_max`` and ``abs_sum``, the largest and the float64 sum of its finite magnitudes (null where it
     has none, or is not floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one
     copy of the tensor."""
-    host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    host = tensor.to("cpu").resolve_conj().resolve_neg().contiguous()  # no detach (``no_grad``): an
+    # environment whose detach is changed must not change every digest
     found: Dict[str, Any] = {
         "hash": _bytes_hash(host), "shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch."),
         "abs_max": None, "abs_sum": None, "nonfinite": 0}
@@ -90,7 +92,10 @@ def digest(tensor: torch.Tensor) -> Dict[str, Any]:
 
 
 def _bytes_hash(host: torch.Tensor) -> str:
-    raw = host.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes, no copy
+    """The BLAKE2b of a contiguous tensor's bytes in C order, read through a memoryview of its bytes
+    (``view(uint8)``, no copy; a 0-d tensor as 1-d): no reshape, so no ``aten.view``, whose change in an
+    environment would otherwise change every digest."""
+    raw = (host if host.dim() else host.reshape(1)).view(torch.uint8).numpy().data
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 

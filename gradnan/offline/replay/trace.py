@@ -101,12 +101,21 @@ def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]
             raise TraceError(f"cannot differentiate {name!r}: not a floating leaf of the trace")
     env, graph_leaves = {}, {}
     for name, tensor in leaves.items():
-        copy = tensor.detach().to(device=device, dtype=cast_dtype(tensor.dtype, dtype), copy=True)
+        with torch.no_grad():
+            copy = _copied(tensor, device, cast_dtype(tensor.dtype, dtype))
         if name in grad_names:
             graph_leaves[name] = copy.requires_grad_()
-            copy = copy.clone()  # in-place ops on a graph leaf are illegal (on real activations they are not)
+            copy = _copied(copy, device, copy.dtype)  # in-place ops on a graph leaf are illegal (on real
+            # activations they are not): a copy that autograd connects to it
         env[name] = copy
     return env, graph_leaves
+
+
+def _copied(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A copy by ``empty_like`` and ``copy_`` (differentiable): the replay's own copies go through no
+    ``detach``, ``clone`` or ``_to_copy``, operators a trace records, so that an environment whose
+    operator is changed differs first where the trace calls it."""
+    return torch.empty_like(tensor, device=device, dtype=dtype).copy_(tensor)
 
 
 def _from_env(env: Dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
