@@ -13,6 +13,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,70 @@ def test_each_operator_changed_alone_is_the_first_difference_and_nothing_before_
     assert sum(index is not None for index in expected.values()) >= len(operators) - 3
     assert {operator for operator, index in expected.items() if index is None} <= {
         *BUFFER_OPS[:2], "aten._local_scalar_dense.default"}
+
+
+def test_a_venv_python_given_through_a_link_runs_in_its_venv_and_both_paths_are_shown(mlp_bundle,
+                                                                                        python_environment,
+                                                                                        tmp_path):
+    """Python finds its virtual environment beside the path it was started by: started through a link from
+    elsewhere it runs as the base interpreter, without the environment's packages (here: without its
+    changed gelu). The comparison runs it by the link's target inside the environment."""
+    regressed = python_environment("regressed", SCALED)
+    link = tmp_path / "bin" / "new-stack"
+    link.parent.mkdir()
+    link.symlink_to(regressed)
+    document = compared(mlp_bundle, "--against", str(link))
+    assert differences(document) == {"capture vs A": GELU}
+    environment = document["environments"][1]
+    assert environment["given"] == str(link) and environment["python"] == str(regressed)
+    assert environment["machine"]["cpu"] and environment["machine"]["gpu"] is None
+    text = format_comparison(document)
+    assert f"  A: {link}, ran {regressed} (torch " in text
+    assert f"; CPU {environment['machine']['cpu']}); verdict healthy" in text
+
+
+def test_what_the_other_interpreter_says_on_stderr_is_shown_even_when_it_replays(mlp_bundle,
+                                                                                  python_environment):
+    """A broken ``sitecustomize`` does not stop Python: it says so on stderr and goes on. The comparison
+    shows it, rather than passing the environment as an identical stack."""
+    broken = python_environment("broken")
+    site = next(broken.parent.parent.glob("lib/python*/site-packages"))
+    (site / "sitecustomize.py").write_text("import no_such_module_of_this_stack\n")
+    document = compared(mlp_bundle, "--against", str(broken))
+    assert document["first_difference"] is None
+    assert "Error in sitecustomize" in document["environments"][1]["stderr"]
+    text = format_comparison(document)
+    assert "    its stderr said (" in text and "      Error in sitecustomize" in text
+    quiet = compared(mlp_bundle, "--against", sys.executable)
+    assert quiet["environments"][1]["stderr"] == "" and "its stderr said" not in format_comparison(quiet)
+
+
+def _ended(pid: int) -> bool:
+    """No such process, or a zombie left for init to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_at_the_wall_clock_limit_what_the_child_started_ends_with_it(tmp_path, monkeypatch):
+    """An ``--against`` interpreter (here a script) that starts a process of its own and then waits past
+    the limit: the child's whole process group is ended, the grandchild with it."""
+    from gradnan.errors import InputError
+    from gradnan.offline.replay.isolation import replay_under
+    from gradnan.offline.replay.limits import ReplayLimits
+
+    monkeypatch.setattr(ReplayLimits, "wall_seconds", property(lambda self: 2))
+    started = tmp_path / "grandchild.pid"
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {started}\nexec sleep 300\n")
+    script.chmod(0o755)
+    bundle = hostile_bundle(tmp_path / "bundle", [op("aten.neg.default", t("args.0"), out=t("%0"))], X,
+                            t("%0"))
+    with pytest.raises(InputError, match="ran past 2 s of wall-clock time"):
+        replay_under(str(script), bundle, "cpu", ReplayLimits(max_memory=1 << 30))
+    grandchild = int(started.read_text())
+    deadline = time.monotonic() + 10
+    while not _ended(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(grandchild)

@@ -10,6 +10,7 @@ written down, and which operators a replay may execute, is ``trace_ops``'; this 
 (``Trace``), its checks, and the digests of what each op's outputs were.
 """
 
+import ctypes
 import hashlib
 import math
 import re
@@ -66,8 +67,7 @@ def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     ``abs_max`` and ``abs_sum``, the largest and the float64 sum of its finite magnitudes (null where it
     has none, or is not floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one
     copy of the tensor."""
-    host = tensor.to("cpu").resolve_conj().resolve_neg().contiguous()  # no detach (``no_grad``): an
-    # environment whose detach is changed must not change every digest
+    host = _on_host(tensor)
     found: Dict[str, Any] = {
         "hash": _bytes_hash(host), "shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch."),
         "abs_max": None, "abs_sum": None, "nonfinite": 0}
@@ -91,11 +91,21 @@ def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     return found
 
 
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself where it is a plain contiguous CPU tensor (not a subclass: a functional
+    collective's result holds no data of its own until waited for), else a contiguous CPU copy of its
+    values (``empty`` and ``copy_``): no ``detach``, ``clone``, ``contiguous`` or ``_to_copy``, operators a
+    trace records, whose change in an environment would otherwise change every digest."""
+    if (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
 def _bytes_hash(host: torch.Tensor) -> str:
-    """The BLAKE2b of a contiguous tensor's bytes in C order, read through a memoryview of its bytes
-    (``view(uint8)``, no copy; a 0-d tensor as 1-d): no reshape, so no ``aten.view``, whose change in an
-    environment would otherwise change every digest."""
-    raw = (host if host.dim() else host.reshape(1)).view(torch.uint8).numpy().data
+    """The BLAKE2b of a contiguous CPU tensor's bytes in C order, read in place (no operator runs)."""
+    size = host.numel() * host.element_size()
+    raw = (ctypes.c_char * size).from_address(host.data_ptr()) if size else b""
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 

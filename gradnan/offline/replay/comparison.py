@@ -38,7 +38,8 @@ from .command import module_line, operator_text
 
 CAPTURE = "capture"
 _AROUND = 2  # ops shown before and after each op of interest in the table
-_STDERR_LINES = 5  # the last lines of an environment's stderr shown
+_STDERR_WIDTH = 200  # characters of one line of it (a longer one loses its middle)
+_STDERR_LINES = 5  # the first lines of an environment's stderr shown (a warning or an error says what first)
 
 
 def environment_names(count: int) -> List[str]:
@@ -286,9 +287,9 @@ def _environment_lines(environment: Dict[str, Any]) -> List[str]:
              f"{'; ' + where if where else ''}); verdict {environment['verdict']}"]
     said = [line for line in str(environment.get("stderr") or "").splitlines() if line.strip()]
     if said:
-        last = f", the last {_STDERR_LINES}" if len(said) > _STDERR_LINES else ""
-        lines.append(f"    its stderr said ({len(said)} lines{last}):")
-        lines += [f"      {untrusted(line[:200])}" for line in said[-_STDERR_LINES:]]
+        first = f", the first {_STDERR_LINES}" if len(said) > _STDERR_LINES else ""
+        lines.append(f"    its stderr said ({len(said)} lines{first}):")
+        lines += [f"      {untrusted(line.strip(), _STDERR_WIDTH)}" for line in said[:_STDERR_LINES]]
     return lines
 
 
