@@ -142,7 +142,7 @@ def crafted_bundle():
 
 @pytest.fixture(scope="session")
 def mlp_bundle(tmp_path_factory):
-    """A real capture bundle (``gradnan.trace`` v3, with digests): ``decoder.layers.0.mlp`` of the tiny
+    """A real capture bundle (``gradnan.trace`` v4, with digests): ``decoder.layers.0.mlp`` of the tiny
     Megatron-Core GPT, one process, bf16, step 1. Its trace: view, t, view, mm, _unsafe_view, add, gelu
     (op 6), t, view, mm, _unsafe_view, view."""
     from gradnan.testing.toy import launch
