@@ -211,4 +211,6 @@ def test_the_demos_bundle_against_each_of_its_operators_changed_alone(demo, chan
     same = compared(bundle, "--against", sys.executable)
     assert same["first_difference"] is None and not any(op["uninitialized"] for op in same["operators"])
     assert same["environments"][1]["first_nonfinite"] is not None  # the overflow, replayed
-    assert_each_operator_changed_alone_is_the_first_difference(bundle, changed)
+    # its attention scores are Inf everywhere (the planted overflow): scaled, they are still Inf
+    assert_each_operator_changed_alone_is_the_first_difference(bundle, changed,
+                                                              unseen=frozenset({"aten.baddbmm.default"}))
