@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--ulps", type=ulps, metavar="N",
                         help="with --against: outputs within N ulps of their dtype count as the same"
                              " (default: bitwise)")
+    replay.add_argument("--nan-patterns", action="store_true",
+                        help="with --against: outputs whose NaNs alone differ in their bit patterns (sign,"
+                             " payload) count as different (default: reported, not counted)")
     selftest.add_arguments(commands.add_parser(
         "selftest", help="cross-rank self-test of communication and arithmetic (launch like training)",
         description=SELFTEST))
@@ -177,7 +180,7 @@ def _compare_command(args: argparse.Namespace, limits: ReplayLimits) -> str:
     if len(args.against) > MAX_AGAINST:
         raise UsageError(f"--against: at most {MAX_AGAINST} environments in one comparison")
     replays = [replay_under(python, args.bundle, args.device, limits) for python in args.against]
-    document = compare(replays, capture_versions(args.bundle), args.device, args.ulps)
+    document = compare(replays, capture_versions(args.bundle), args.device, args.ulps, args.nan_patterns)
     return json.dumps(document, indent=1) if args.json else format_comparison(document)
 
 
@@ -224,8 +227,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)
             if args.against:
                 say(_compare_command(args, limits))
-            elif args.ulps is not None:
-                raise UsageError("--ulps compares replays: give it with --against PYTHON")
+            elif args.ulps is not None or args.nan_patterns:
+                option = "--ulps" if args.ulps is not None else "--nan-patterns"
+                raise UsageError(f"{option} compares replays: give it with --against PYTHON")
             else:
                 result = replay_isolated(args.bundle, args.device, limits)
                 say(json.dumps(result, indent=1) if args.json else replay_text(result))

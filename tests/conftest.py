@@ -142,7 +142,7 @@ def crafted_bundle():
 
 @pytest.fixture(scope="session")
 def mlp_bundle(tmp_path_factory):
-    """A real capture bundle (``gradnan.trace`` v3, with digests): ``decoder.layers.0.mlp`` of the tiny
+    """A real capture bundle (``gradnan.trace`` v4, with digests): ``decoder.layers.0.mlp`` of the tiny
     Megatron-Core GPT, one process, bf16, step 1. Its trace: view, t, view, mm, _unsafe_view, add, gelu
     (op 6), t, view, mm, _unsafe_view, view."""
     from gradnan.testing.toy import launch
@@ -156,25 +156,80 @@ def mlp_bundle(tmp_path_factory):
     return bundle
 
 
-@pytest.fixture
-def python_environment(tmp_path):
-    """``make(name, startup="")``: a real virtual environment under ``tmp_path`` (``python -m venv
-    --without-pip``, a second 'stack') that sees this environment's packages (a ``.pth`` naming its
-    site-packages) and runs ``startup`` (Python source, e.g. a ``torch.library`` registration that changes
-    one aten kernel) at every start; returns the path of its ``python``."""
+def make_python_environment(root, startup=""):
+    """A real virtual environment at ``root`` (``python -m venv --without-pip``, a second 'stack') that sees
+    this environment's packages (a ``.pth`` naming its site-packages) and runs ``startup`` (Python source,
+    e.g. a ``torch.library`` registration that changes one aten kernel) at every start; returns the path
+    of its ``python``."""
     import sysconfig
 
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", where], check=True, capture_output=True, text=True,
+                               timeout=60).stdout.strip())
+    (site / "a_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if startup:
+        (site / f"{root.name}_startup.py").write_text(startup)
+        (site / f"z_{root.name}.pth").write_text(f"import {root.name}_startup\n")
+    return python
+
+
+@pytest.fixture
+def python_environment(tmp_path):
+    """``make(name, startup="")``: ``make_python_environment`` under ``tmp_path``."""
     def make(name, startup=""):
-        root = tmp_path / name
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-        python = root / "bin" / "python"
-        where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-        site = Path(subprocess.run([str(python), "-c", where], check=True, capture_output=True, text=True,
-                                   timeout=60).stdout.strip())
-        (site / "a_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        if startup:
-            (site / f"{name}_startup.py").write_text(startup)
-            (site / f"z_{name}.pth").write_text(f"import {name}_startup\n")
-        return python
+        return make_python_environment(tmp_path / name, startup)
 
     return make
+
+
+# One environment, each wrapper script naming the operator it changes: at its boundary (the
+# ADInplaceOrView key, under autograd and above the kernel, so that neither the backward nor the calls a
+# kernel makes inside itself change), its floating outputs scaled by 1 + 2^-7 (one bf16 ulp and more),
+# its boolean ones negated, its integer ones plus one; in place for an in-place operator.
+CHANGER = '''
+import os
+
+import torch
+
+_NAME = os.environ.get("CHANGED_OPERATOR")
+if _NAME:
+    _, _packet, _overload = _NAME.split(".")
+    _op = getattr(getattr(torch.ops.aten, _packet), _overload)
+    _in_place = any(ret.alias_info is not None and ret.alias_info.is_write for ret in _op._schema.returns)
+
+    def _change(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(_change(item) for item in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.dtype == torch.bool:
+            return value.logical_not_() if _in_place else value.logical_not()
+        if value.is_floating_point():
+            return value.mul_(1 + 2 ** -7) if _in_place else value * (1 + 2 ** -7)
+        return value.add_(1) if _in_place else value + 1
+
+    def _changed(*args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _change(_op(*args, **kwargs))
+
+    _LIBRARY = torch.library.Library("aten", "IMPL")
+    _LIBRARY.impl(_NAME.split(".", 1)[1].removesuffix(".default"), _changed, "ADInplaceOrView")
+'''
+
+
+@pytest.fixture(scope="session")
+def changed(tmp_path_factory):
+    """``changed(operator)``: a wrapper script (``#!/bin/sh``) that runs one environment's python with
+    ``CHANGED_OPERATOR`` set, that environment changing that one operator (``CHANGER``)."""
+    folder = tmp_path_factory.mktemp("changed")
+    python = make_python_environment(folder / "changer", CHANGER)
+
+    def wrapper(operator):
+        script = folder / f"{operator}.sh"
+        script.write_text(f'#!/bin/sh\nCHANGED_OPERATOR={operator} exec {python} "$@"\n')
+        script.chmod(0o755)
+        return script
+
+    return wrapper

@@ -142,7 +142,8 @@ def _named(plant, incident) -> bool:
         rows = {row["name"] for entry in incident.origin for row in entry.get("outlying_rows", [])}
         return plant.target in origin_params | rows
     if plant.cause is Cause.REPLICA_DIVERGENCE:
-        return plant.target in {weight["name"] for entry in incident.origin for weight in entry.get("diverged", [])}
+        return plant.target in {weight["name"] for entry in incident.origin
+                                for weight in entry.get("diverged", [])}
     if plant.cause is Cause.OPTIMIZER_UPDATE:
         return plant.target in {fault["name"] for entry in incident.origin
                                 for fault in entry.get("optimizer_state", [])}

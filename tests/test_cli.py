@@ -13,6 +13,7 @@ from gradnan.testing.demo import DEMO_MODULE, DEMO_PARAM, DEMO_RANK, DEMO_STEP
 from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan, printed_commands, rerun_block
+from .test_replay_against import assert_each_operator_changed_alone_is_the_first_difference, compared
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
@@ -199,3 +200,17 @@ def test_a_wrong_call_is_a_usage_error_and_a_bad_file_an_input_error(tmp_path, m
         from gradnan.offline.replay.command import replay_bundle
 
         replay_bundle(tmp_path / "no-bundle")
+
+
+def test_the_demos_bundle_against_each_of_its_operators_changed_alone(demo, changed):
+    """The demo's attention bundle (the failing step run again in place: the memory buffer is a leaf, its
+    scores overflow): against the interpreter that captured it nothing differs, and each distinct operator
+    it calls, changed alone, is the first difference (tests/test_replay_against.py)."""
+    out, _ = demo
+    (bundle,) = (out / "bundles").glob(f"*/step{DEMO_STEP:07d}_{DEMO_MODULE}")
+    same = compared(bundle, "--against", sys.executable)
+    assert same["first_difference"] is None and not any(op["uninitialized"] for op in same["operators"])
+    assert same["environments"][1]["first_nonfinite"] is not None  # the overflow, replayed
+    # its attention scores are Inf everywhere (the planted overflow): scaled, they are still Inf
+    assert_each_operator_changed_alone_is_the_first_difference(bundle, changed,
+                                                              unseen=frozenset({"aten.baddbmm.default"}))

@@ -227,7 +227,7 @@ def test_a_fused_entry_is_version_2_and_a_version_1_trace_may_not_hold_one():
     plain, _ = record(nn.Linear(2, 2), torch.ones(2), digests=False)
     assert plain.to_json()["version"] == 1
     with_digests, _ = record(_ExpModule(), torch.ones(3))
-    assert with_digests.to_json()["version"] == 3  # what capture writes: the fused entry's outputs too
+    assert with_digests.to_json()["version"] == 4  # what capture writes: the fused entry's outputs too
     assert len(with_digests.digests) == len(with_digests.ops)
     with pytest.raises(TraceError, match="malformed entry"):
         Trace.from_json({**document, "version": 1}, trace.leaves)

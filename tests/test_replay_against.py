@@ -9,9 +9,11 @@ a different dtype path). The comparison names ``aten.gelu.default`` and nothing 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,7 @@ def differences(document: dict) -> dict:
 
 def test_the_bundle_holds_a_digest_of_every_ops_outputs(mlp_bundle):
     trace = bundle_format.load_manifest(mlp_bundle / MANIFEST)["trace"]
-    assert trace["version"] == 3 and len(trace["digests"]) == len(trace["ops"])
+    assert trace["version"] == 4 and len(trace["digests"]) == len(trace["ops"])
     assert trace["ops"][GELU]["op"] == "aten.gelu.default"
     assert trace["digests"][GELU][0]["dtype"] == "bfloat16" and trace["digests"][GELU][0]["nonfinite"] == 0
 
@@ -206,3 +208,168 @@ def test_a_fused_kernel_is_compared_with_each_environments_reference_math(tmp_pa
     assert "more than 2 ulps of float16 apart" in fused["against_reference"]["B"]["difference"]
     text = format_comparison(document)
     assert f"  op #{kernel} ScaledSoftmax: A the same; B output 0: abs_" in text
+
+
+# --- attention and whole layers captured on their first call (issue 50) -----------------------------
+
+FIRST_CALL_MODULES = {"attention": "decoder.layers.0.self_attention", "layer": "decoder.layers.0"}
+# megatron-core's get_global_memory_buffer().get_tensor() on its first call: torch.empty, then [0:n].view()
+BUFFER_OPS = ["aten.empty.memory_format", "aten.slice.Tensor", "aten.view.default"]
+
+
+@pytest.fixture(scope="module")
+def first_call_bundles(tmp_path_factory):
+    """Layer 0's self-attention (megatron-core's local DotProductAttention) and the whole layer 0 of the
+    tiny GPT, bf16, each captured at step 1 in a job of its own: the first attention call of the job, whose
+    memory buffer is made by ``torch.empty`` inside the captured call."""
+    from gradnan.testing.toy import launch_many
+    from gradnan.testing.toy_job import TinyGPTJob
+
+    out = tmp_path_factory.mktemp("first_call")
+    launch_many([TinyGPTJob(world_size=1, dtype="bf16", steps=1, quiet=True,
+                            gradnan={"out_dir": str(out / name), "capture_modules": module,
+                                     "capture_steps": "1"})
+                 for name, module in FIRST_CALL_MODULES.items()])
+    return {name: next((out / name / "bundles").glob("*/*")) for name in FIRST_CALL_MODULES}
+
+
+def trace_of(bundle: Path) -> dict:
+    return bundle_format.load_manifest(bundle / MANIFEST)["trace"]
+
+
+def buffer_indices(trace: dict) -> list:
+    """Where the trace makes the memory buffer and views it (``BUFFER_OPS``, one after the other); none
+    where the buffer was made before the call (a leaf then)."""
+    names = [op["op"] for op in trace["ops"]]
+    if BUFFER_OPS[0] not in names:
+        return []
+    start = names.index(BUFFER_OPS[0])
+    assert names[start:start + len(BUFFER_OPS)] == BUFFER_OPS
+    return list(range(start, start + len(BUFFER_OPS)))
+
+
+@pytest.mark.parametrize("which", sorted(FIRST_CALL_MODULES))
+def test_against_the_capturing_interpreter_nothing_differs_whatever_the_allocator_held(first_call_bundles,
+                                                                                        which):
+    bundle = first_call_bundles[which]
+    buffer = buffer_indices(trace_of(bundle))
+    for options in ([], ["--ulps", "1000"]):
+        document = compared(bundle, "--against", sys.executable, *options)
+        assert document["first_difference"] is None, document["pairs"]
+        assert [op["index"] for op in document["operators"] if op["uninitialized"]] == buffer
+        empty = document["operators"][buffer[0]]["digests"]
+        assert empty["capture"] != empty["A"]  # garbage at capture, NaN at replay: not compared
+        text = format_comparison(document)
+        assert "No operator differs" in text and "Not compared: #" in text and "*" not in text
+        assert document["environments"][1]["verdict"] == "healthy"
+
+
+def _changeable(digests: list) -> bool:
+    """Outputs that the change alters: a floating one with a finite non-zero element, any other element."""
+    return any(item["abs_max"] if item["dtype"] in ("bfloat16", "float16", "float32", "float64")
+               else math.prod(item["shape"]) > 0 for item in digests)
+
+
+def expected_first(trace: dict, operator: str, uninitialized: list) -> object:
+    """The first call of ``operator`` whose outputs are compared and which a change alters; None where no
+    call is (``empty`` and the views of the buffer; an operator returning no tensor)."""
+    return next((index for index, (op, digests) in enumerate(zip(trace["ops"], trace["digests"]))
+                 if op["op"] == operator and index not in uninitialized and _changeable(digests)), None)
+
+
+def assert_each_operator_changed_alone_is_the_first_difference(bundle: Path, changed,
+                                                              unseen: frozenset = frozenset()) -> None:
+    """For every distinct operator the bundle's trace calls, an environment changing only that operator
+    (``changed``): its first difference against the capture is that operator's first call whose outputs
+    are compared and which the change alters (``expected_first``), nothing before it; the environment is
+    shown by the wrapper given and the interpreter that ran. No call of an operator can show the change
+    only for the buffer's, ``_local_scalar_dense`` (no tensor) and ``unseen``."""
+    trace = trace_of(bundle)
+    uninitialized = buffer_indices(trace)
+    operators = sorted({op["op"] for op in trace["ops"]})
+    found = {}
+    for start in range(0, len(operators), 8):  # at most 8 environments in one comparison
+        group = operators[start:start + 8]
+        document = compared(bundle, *[word for operator in group
+                                      for word in ("--against", str(changed(operator)))])
+        assert [op["index"] for op in document["operators"] if op["uninitialized"]] == uninitialized
+        for operator, pair, environment in zip(group, document["pairs"], document["environments"][1:]):
+            assert environment["given"] == str(changed(operator)) != environment["python"]  # a wrapper
+            found[operator] = (pair["first_difference"] or {}).get("index")
+    expected = {operator: expected_first(trace, operator, uninitialized) for operator in operators}
+    assert found == expected
+    assert {operator for operator, index in expected.items() if index is None} <= {
+        *BUFFER_OPS[:2], "aten._local_scalar_dense.default", *unseen}
+
+
+@pytest.mark.parametrize("which", sorted(FIRST_CALL_MODULES))
+def test_each_operator_changed_alone_is_the_first_difference_and_nothing_before_it(first_call_bundles,
+                                                                                    changed, which):
+    assert_each_operator_changed_alone_is_the_first_difference(first_call_bundles[which], changed)
+
+
+def test_a_venv_python_given_through_a_link_runs_in_its_venv_and_both_paths_are_shown(mlp_bundle,
+                                                                                        python_environment,
+                                                                                        tmp_path):
+    """Python finds its virtual environment beside the path it was started by: started through a link from
+    elsewhere it runs as the base interpreter, without the environment's packages (here: without its
+    changed gelu). The comparison runs it by the link's target inside the environment."""
+    regressed = python_environment("regressed", SCALED)
+    link = tmp_path / "bin" / "new-stack"
+    link.parent.mkdir()
+    link.symlink_to(regressed)
+    document = compared(mlp_bundle, "--against", str(link))
+    assert differences(document) == {"capture vs A": GELU}
+    environment = document["environments"][1]
+    assert environment["given"] == str(link) and environment["python"] == str(regressed)
+    assert environment["machine"]["cpu"] and environment["machine"]["gpu"] is None
+    text = format_comparison(document)
+    assert f"  A: {link}, ran {regressed} (torch " in text
+    assert f"; CPU {environment['machine']['cpu']}); verdict healthy" in text
+
+
+def test_what_the_other_interpreter_says_on_stderr_is_shown_even_when_it_replays(mlp_bundle,
+                                                                                  python_environment):
+    """A broken ``sitecustomize`` does not stop Python: it says so on stderr and goes on. The comparison
+    shows it, rather than passing the environment as an identical stack."""
+    broken = python_environment("broken")
+    site = next(broken.parent.parent.glob("lib/python*/site-packages"))
+    (site / "sitecustomize.py").write_text("import no_such_module_of_this_stack\n")
+    document = compared(mlp_bundle, "--against", str(broken))
+    assert document["first_difference"] is None
+    assert "Error in sitecustomize" in document["environments"][1]["stderr"]
+    text = format_comparison(document)
+    assert "    its stderr said (" in text and "      Error in sitecustomize" in text
+    quiet = compared(mlp_bundle, "--against", sys.executable)
+    assert quiet["environments"][1]["stderr"] == "" and "its stderr said" not in format_comparison(quiet)
+
+
+def _ended(pid: int) -> bool:
+    """No such process, or a zombie left for init to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_at_the_wall_clock_limit_what_the_child_started_ends_with_it(tmp_path, monkeypatch):
+    """An ``--against`` interpreter (here a script) that starts a process of its own and then waits past
+    the limit: the child's whole process group is ended, the grandchild with it."""
+    from gradnan.errors import InputError
+    from gradnan.offline.replay.isolation import replay_under
+    from gradnan.offline.replay.limits import ReplayLimits
+
+    monkeypatch.setattr(ReplayLimits, "wall_seconds", property(lambda self: 2))
+    started = tmp_path / "grandchild.pid"
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {started}\nexec sleep 300\n")
+    script.chmod(0o755)
+    bundle = hostile_bundle(tmp_path / "bundle", [op("aten.neg.default", t("args.0"), out=t("%0"))], X,
+                            t("%0"))
+    with pytest.raises(InputError, match="ran past 2 s of wall-clock time"):
+        replay_under(str(script), bundle, "cpu", ReplayLimits(max_memory=1 << 30))
+    grandchild = int(started.read_text())
+    deadline = time.monotonic() + 10
+    while not _ended(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(grandchild)

@@ -17,7 +17,7 @@ from gradnan.formats.trace import SCHEMA as TRACE
 from gradnan.formats.trace import Trace, digest
 from gradnan.formats.trace_findings import FirstNonFinite
 from gradnan.formats.trace_ops import TraceError
-from gradnan.offline.replay.command import op_digests
+from gradnan.offline.replay.command import garbage_dependent, op_digests
 from gradnan.offline.replay.comparison import compare, format_comparison, output_difference
 from gradnan.offline.replay.trace import replay
 from gradnan.training.recorder import OpRecorder
@@ -391,8 +391,10 @@ def _replayed_as(trace, name):
     replayed here in its captured dtype, as environment ``name``."""
     rank = {"global_rank": 0, "tp": 0, "pp": 0, "dp": 0, "host": "h", "device": "cpu"}
     replayed = replay(trace, device="cpu", digests=True)
+    refilled = replay(trace, device="cpu", digests=True, uninitialized_fill=1).digests
     return {"bundle": "b", "module": {"path": "m", "class": "RowParallel"}, "step": 1, "rank": rank,
-            "digests": op_digests(trace, replayed.digests, replayed.reference_digests),
+            "digests": op_digests(trace, replayed.digests, replayed.reference_digests,
+                                  garbage_dependent(trace, replayed.digests, refilled)),
             "environment": {"python": name, "versions": {}}, "verdict": "healthy", "summary": "",
             "runs": {"captured": {"first_nonfinite": None}}}
 
@@ -520,7 +522,7 @@ def test_each_op_records_the_digest_of_its_outputs_and_a_replay_takes_the_same()
     x, _ = call_inputs("mlp", torch.bfloat16)
     x.data[0, 0] = math.inf
     trace, outputs = record(module, x)
-    assert trace.to_json()["version"] == TRACE.version == 3
+    assert trace.to_json()["version"] == TRACE.version == 4
     assert len(trace.digests) == len(trace.ops)
     last = trace.digests[-1][0]  # the module's output, as the recorder saw it
     assert last == digest(outputs) and last["dtype"] == "bfloat16" and last["shape"] == [6, 8]
@@ -614,3 +616,106 @@ def test_replay_fills_uninitialized_memory_with_nan_so_the_answer_does_not_depen
     read, _ = record(_Call(lambda x: torch.empty(2) + x), torch.ones(2))
     result = _replayed(read)
     assert torch.isnan(result.outputs).all() and result.first_nonfinite is None
+
+
+def _buffered(q):
+    """Megatron's attention in small: a buffer from ``torch.empty``, sliced and viewed, handed to
+    ``baddbmm(beta=0)`` (which writes without reading it); another slice read (garbage in, garbage out)
+    and a third written whole by ``copy_`` before it is read."""
+    buffer = torch.empty(12)
+    scores = torch.baddbmm(buffer[0:4].view(1, 2, 2), q, q, beta=0.0)
+    read = buffer[4:8] + 1
+    written = buffer[8:12].copy_(q.view(4))
+    return scores, read, written * 2
+
+
+def test_uninitialized_memory_is_followed_through_views_until_an_operator_writes_it():
+    trace, _ = record(_Call(_buffered), torch.ones(1, 2, 2))
+    replayed = replay(trace, device="cpu", digests=True).digests
+    refilled = replay(trace, device="cpu", digests=True, uninitialized_fill=1).digests
+    flags = dict(enumerate(garbage_dependent(trace, replayed, refilled)))
+    ops = [op["op"] for op in trace.ops]
+    assert ops == ["aten.empty.memory_format", "aten.slice.Tensor", "aten.view.default",
+                   "aten.baddbmm.default", "aten.slice.Tensor", "aten.add.Tensor", "aten.slice.Tensor",
+                   "aten.view.default", "aten.copy_.default", "aten.mul.Tensor"]
+    assert [index for index, flag in flags.items() if flag] == [0, 1, 2, 4, 5, 6]
+
+
+def test_against_the_capture_uninitialized_memory_is_not_compared_whatever_the_allocator_held():
+    """The capture's digests of the buffer, its views and what was computed from it are whatever the
+    allocator held: made to differ from the replays' (NaN) here, they are still not compared, nor marked
+    in the table; everything else is, and nothing differs."""
+    trace, _ = record(_Call(_buffered), torch.ones(1, 2, 2))
+    for index in (0, 1, 2, 4, 5, 6):
+        for item in trace.digests[index]:
+            item.update(hash="1" * 32, canonical_hash="1" * 32, abs_max=3e38)
+    document = compare([_replayed_as(trace, "A")], {}, "cpu", None)
+    assert document["first_difference"] is None and document["pairs"][0]["compared"] == 4
+    assert [op["index"] for op in document["operators"] if op["uninitialized"]] == [0, 1, 2, 4, 5, 6]
+    text = format_comparison(document)
+    assert ("Not compared: #0 aten.empty.memory_format, #1 aten.slice.Tensor, #2 aten.view.default,"
+            " #4 aten.slice.Tensor, #5 aten.add.Tensor, #6 aten.slice.Tensor: uninitialized memory") in text
+    trace.digests[9][0]["hash"] = "2" * 32  # a real difference after them is still found
+    document = compare([_replayed_as(trace, "A")], {}, "cpu", None)
+    assert document["first_difference"]["index"] == 9
+    rows = [line for line in format_comparison(document).splitlines() if "aten." in line and "max" in line]
+    assert [row.split()[0] for row in rows if "*" in row] == ["9"]  # (uninitialized) rows are not marked
+
+
+def _nan_bits(values, pattern):
+    """``values`` (bf16) with every NaN written as the 16-bit ``pattern``."""
+    bits = values.clone().view(torch.int16)
+    bits[torch.isnan(values)] = pattern
+    return bits.view(torch.bfloat16)
+
+
+def test_nans_that_differ_in_their_bit_patterns_alone_are_told_apart_from_other_values():
+    values = torch.tensor([1.0, math.nan, -2.0, math.nan], dtype=torch.bfloat16)
+    negative, quiet = _nan_bits(values, -1), _nan_bits(values, 0x7FC0)  # 0xffff against 0x7fc0
+    one, other = digest(negative), digest(quiet)
+    assert one["hash"] != other["hash"] and one["canonical_hash"] == other["canonical_hash"]
+    assert digest(values[:1])["canonical_hash"] == digest(values[:1])["hash"]  # no NaN: the same
+    assert output_difference([one], [other], None) is None
+    assert output_difference([one], [other], None, nan_patterns=True) == (
+        "output 0: the bit patterns of its NaNs differ, and nothing else")
+    changed = quiet.clone()
+    changed[0] = 1.5
+    assert output_difference([one], [digest(changed)], None) == "output 0: its bytes differ"
+    old = {key: value for key, value in one.items() if key != "canonical_hash"}  # read from a v3 trace
+    assert output_difference([old], [other], None) == "output 0: its bytes differ"
+
+
+def test_a_comparison_reports_nan_pattern_differences_apart_and_counts_them_when_asked():
+    trace, _ = record(_Call(lambda x: torch.log(x) * 2), torch.tensor([1.0, -1.0, 2.0]).to(torch.bfloat16))
+    log = trace.ops.index(next(op for op in trace.ops if op["op"] == "aten.log.default"))
+    for index in range(log, len(trace.ops)):  # the capture's NaN was another pattern from log on
+        trace.digests[index][0]["hash"] = "3" * 32
+    ignored = compare([_replayed_as(trace, "A")], {}, "cpu", None)
+    assert ignored["first_difference"] is None and ignored["nan_patterns_counted"] is False
+    assert ignored["pairs"][0]["nan_patterns"] == {"index": log, "op": "aten.log.default"}
+    text = format_comparison(ignored)
+    assert (f"capture vs A: no operator differs; before it, the NaNs of op #{log} aten.log.default differ"
+            " in their bit patterns alone") in text
+    assert any(line.split()[0] == str(log) and "~" in line for line in text.splitlines() if "max" in line)
+    counted = compare([_replayed_as(trace, "A")], {}, "cpu", None, nan_patterns=True)
+    assert counted["first_difference"]["index"] == log
+    assert counted["pairs"][0]["first_difference"]["why"].endswith("its NaNs differ, and nothing else")
+
+
+def test_a_version_3_trace_has_digests_without_canonical_hash_and_version_4_with_it(tmp_path):
+    trace, _ = record(nn.Linear(2, 2), torch.randn(1, 2))
+    document, leaves = saved_and_loaded(trace, tmp_path)
+    assert document["version"] == 4 and all("canonical_hash" in item for entry in document["digests"]
+                                            for item in entry)
+    old = copy.deepcopy(document)
+    old["version"] = 3
+    for entry in old["digests"]:
+        for item in entry:
+            del item["canonical_hash"]
+    assert Trace.from_json(old, leaves).to_json()["version"] == 3
+    old["version"] = 4
+    with pytest.raises(TraceError, match="canonical_hash"):
+        Trace.from_json(old, leaves)
+    document["version"] = 3
+    with pytest.raises(TraceError, match="per output tensor"):
+        Trace.from_json(document, leaves)

@@ -10,6 +10,7 @@ written down, and which operators a replay may execute, is ``trace_ops``'; this 
 (``Trace``), its checks, and the digests of what each op's outputs were.
 """
 
+import ctypes
 import hashlib
 import math
 import re
@@ -30,12 +31,15 @@ from .trace_ops import (
     replayable_op,
 )
 
-SCHEMA = Schema("gradnan.trace", 3)
+SCHEMA = Schema("gradnan.trace", 4)
 # Version 2 added ``fused`` entries; a trace without one is still written as version 1, which older
 # gradnan reads (it refuses a version 2 trace in one line, as newer than it reads). Version 3 added
 # ``digests`` (what each op's outputs were at capture); a trace without them keeps its version 1 or 2.
+# Version 4 added each digest's ``canonical_hash`` (its NaNs all written alike), with which a comparison tells
+# a difference in NaN bit patterns alone from one in values.
 FUSED_VERSION = 2
 DIGEST_VERSION = 3
+CANONICAL_VERSION = 4
 
 # The precisions a replay runs a trace in, by label: as captured, then every floating tensor cast wider
 # (``cast_dtype``); a fused kernel's reference math runs in the same three.
@@ -47,39 +51,66 @@ _FUSED_KEYS = frozenset({"class", "class_module", "module"})
 _FUSED_NAME = re.compile(r"[\w.<>]{1,300}")
 _DOCUMENT_KEYS = frozenset({"schema", "version", "ops", "outputs", "first_nonfinite", "leaves"})
 _DIGEST_KEYS = frozenset({"hash", "shape", "dtype", "abs_max", "abs_sum", "nonfinite"})
+_CANONICAL_KEYS = _DIGEST_KEYS | {"canonical_hash"}
 _HASH = re.compile(r"[0-9a-f]{32}")
 
 
 # --- digests: what an op's outputs were ---------------------------------------------------------
 
 
+@torch.no_grad()
 def digest(tensor: torch.Tensor) -> Dict[str, Any]:
     """What a tensor holds, in a few numbers that any later replay can be compared with: ``hash``, a
-    BLAKE2b (128 bits) of its bytes in C order; its ``shape`` and ``dtype``; ``abs_max`` and ``abs_sum``,
-    the largest and the float64 sum of its finite magnitudes (null where it has none, or is not
-    floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one copy of the tensor,
-    taken first even on the CPU, so that every number is of one snapshot (a buffer that gloo's background
-    thread is still writing, as an MoE token exchange's, could otherwise read NaN-free for the sum and not
-    for the largest, a NaN no JSON takes)."""
-    host = tensor.detach().to("cpu", copy=True).resolve_conj().resolve_neg().contiguous()
-    raw = host.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes, no copy
+    BLAKE2b (128 bits) of its bytes in C order; ``canonical_hash``, the same with every NaN written as one
+    bit pattern (the same as ``hash`` where it has no NaN: two tensors whose ``hash`` differs and whose
+    ``canonical_hash`` does not differ in their NaNs' sign or payload alone); its ``shape`` and ``dtype``;
+    ``abs_max`` and ``abs_sum``, the largest and the float64 sum of its finite magnitudes (null where it
+    has none, or is not floating); ``nonfinite``, how many elements are NaN or Inf. Read on the host: one
+    copy of the tensor (none of a plain CPU one: a buffer that another thread is still
+    writing, as gloo writes an MoE token exchange's, may change between the reads, so a largest magnitude
+    read non-finite there is null, never a NaN that no JSON takes)."""
+    host = _on_host(tensor)
     found: Dict[str, Any] = {
-        "hash": hashlib.blake2b(raw, digest_size=16).hexdigest(),
-        "shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch."),
+        "hash": _bytes_hash(host), "shape": list(host.shape), "dtype": str(host.dtype).removeprefix("torch."),
         "abs_max": None, "abs_sum": None, "nonfinite": 0}
+    found["canonical_hash"] = found["hash"]
     if not host.is_floating_point() or host.numel() == 0:
         return found
     magnitudes = host.abs()
     total = float(magnitudes.sum(dtype=torch.float64))
     if not math.isfinite(total):  # the slow path only where something is NaN or Inf
+        nan = torch.isnan(host)
+        if bool(nan.any()):
+            found["canonical_hash"] = _bytes_hash(torch.where(nan, torch.full((), math.nan, dtype=host.dtype),
+                                                              host))
         finite = torch.isfinite(host)
         found["nonfinite"] = int(host.numel() - int(finite.sum()))
         magnitudes = torch.where(finite, magnitudes, 0)
         total = float(magnitudes.sum(dtype=torch.float64))
         if found["nonfinite"] == host.numel():
             return found
-    found["abs_max"], found["abs_sum"] = float(magnitudes.max()), total if math.isfinite(total) else None
+    largest = float(magnitudes.max())
+    found["abs_max"] = largest if math.isfinite(largest) else None
+    found["abs_sum"] = total if math.isfinite(total) else None
     return found
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself where it is a plain contiguous CPU tensor (not a subclass: a functional
+    collective's result holds no data of its own until waited for), else a contiguous CPU copy of its
+    values (``empty`` and ``copy_``): no ``detach``, ``clone``, ``contiguous`` or ``_to_copy``, operators a
+    trace records, whose change in an environment would otherwise change every digest."""
+    if (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+def _bytes_hash(host: torch.Tensor) -> str:
+    """The BLAKE2b of a contiguous CPU tensor's bytes in C order, read in place (no operator runs)."""
+    size = host.numel() * host.element_size()
+    raw = (ctypes.c_char * size).from_address(host.data_ptr()) if size else b""
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def digests_of(tree: Any) -> List[Dict[str, Any]]:
@@ -87,23 +118,26 @@ def digests_of(tree: Any) -> List[Dict[str, Any]]:
     return [digest(tensor) for tensor in tensors_in(tree)]
 
 
-def _checked_digests(digests: Any, ops: List[Any]) -> None:
-    """``digests``: one list per op, one digest per tensor the op's ``out`` names."""
+def _checked_digests(digests: Any, ops: List[Any], version: int) -> None:
+    """``digests``: one list per op, one digest per tensor the op's ``out`` names, with the keys of its
+    version."""
     if not (isinstance(digests, list) and len(digests) == len(ops)):
         raise TraceError("'digests' must be a list with one entry per op")
+    keys = _CANONICAL_KEYS if version >= CANONICAL_VERSION else _DIGEST_KEYS
     for index, (entry, op) in enumerate(zip(digests, ops)):
         if not (isinstance(entry, list) and len(entry) == len(refs(op["out"]))
-                and all(_digest_valid(item) for item in entry)):
-            raise TraceError(f"digests of op {index}: one {{{', '.join(sorted(_DIGEST_KEYS))}}} per output"
-                             " tensor")
+                and all(_digest_valid(item, keys) for item in entry)):
+            raise TraceError(f"digests of op {index}: one {{{', '.join(sorted(keys))}}} per output tensor")
 
 
-def _digest_valid(item: Any) -> bool:
+def _digest_valid(item: Any, keys: frozenset) -> bool:
     def magnitude(value: Any) -> bool:
         return value is None or (isinstance(value, float) and math.isfinite(value) and value >= 0)
 
-    return (isinstance(item, dict) and set(item) == _DIGEST_KEYS and isinstance(item["hash"], str)
-            and bool(_HASH.fullmatch(item["hash"])) and isinstance(item["shape"], list)
+    return (isinstance(item, dict) and set(item) == keys
+            and all(isinstance(item[key], str) and bool(_HASH.fullmatch(item[key]))
+                    for key in ("hash", "canonical_hash") if key in keys)
+            and isinstance(item["shape"], list)
             and all(type(size) is int and size >= 0 for size in item["shape"])
             and isinstance(item["dtype"], str)
             and isinstance(getattr(torch, item["dtype"], None), torch.dtype)
@@ -127,7 +161,7 @@ class Trace:
     digests: Optional[List[List[Dict[str, Any]]]] = field(default=None)
 
     def to_json(self) -> Dict[str, Any]:
-        version = (DIGEST_VERSION if self.digests is not None
+        version = (_digests_version(self.digests) if self.digests is not None
                    else FUSED_VERSION if any(is_fused(op) for op in self.ops) else 1)
         return {
             "schema": SCHEMA.name, "version": version,
@@ -174,9 +208,16 @@ class Trace:
             raise TraceError("'first_nonfinite' must be null or {\"index\": int, \"op\": str}")
         digests = document.get("digests")
         if digests is not None:
-            _checked_digests(digests, ops)
+            _checked_digests(digests, ops, version)
         return Trace(ops=ops, leaves=taken, outputs=document["outputs"], first_nonfinite=first,
                      digests=digests)
+
+
+def _digests_version(digests: List[List[Dict[str, Any]]]) -> int:
+    """4 where the digests have ``canonical_hash`` (``digest`` writes it), 3 for digests read from a
+    version 3 trace."""
+    return (CANONICAL_VERSION if all("canonical_hash" in item for entry in digests for item in entry)
+            else DIGEST_VERSION)
 
 
 def _checked_leaves(meta: Any, leaves: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional
 
+from .command import replay_device
 from .isolation import replay_outcome
 from .limits import ReplayLimits
 
@@ -29,13 +30,19 @@ def _version(distribution: str) -> Optional[str]:
         return None
 
 
-def environment() -> Dict[str, Any]:
-    """This interpreter and the versions of its stack."""
+def environment(device: Optional[str]) -> Dict[str, Any]:
+    """This interpreter, the versions of its stack, and the machine it replayed on: the CPU capability
+    torch's kernels dispatch to (``AVX2``, ``AVX512``, ``DEFAULT``: another kernel path, other bits) and,
+    replaying on CUDA, the GPU's name."""
     import torch
 
     versions = {name: _version(distribution) for name, distribution in STACK.items()}
     versions["torch"] = torch.__version__  # the one imported, wherever it came from
-    return {"python": sys.executable, "versions": {"python": platform.python_version(), **versions}}
+    target = replay_device(device)
+    machine = {"cpu": torch.backends.cpu.get_cpu_capability(),
+               "gpu": torch.cuda.get_device_name(target) if target.type == "cuda" else None}
+    return {"python": sys.executable, "versions": {"python": platform.python_version(), **versions},
+            "machine": machine}
 
 
 def main(argv: List[str]) -> int:
@@ -43,7 +50,7 @@ def main(argv: List[str]) -> int:
     kind, value = replay_outcome(settings["bundle"], settings["device"], ReplayLimits(**settings["limits"]),
                                  digests=True)
     if kind == "result":
-        value["environment"] = environment()
+        value["environment"] = environment(settings["device"])
     temporary = settings["result"] + ".part"
     with open(temporary, "w") as stream:
         json.dump([kind, value], stream)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -46,7 +46,7 @@ from ...formats.replay import SCHEMA, ReplayVerdict
 from ...formats.rerun_record import is_growth
 from ...formats.text import printable_lines, shell_word, untrusted
 from ...formats.trace import REPLAY_PRECISIONS, Trace, has_nonfinite, is_fused, same_values, tensors_in
-from ...formats.trace_ops import TraceError, returns_uninitialized
+from ...formats.trace_ops import TraceError, op_inputs, refs, returns_uninitialized
 from .trace import output_tree, replay
 
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
@@ -56,14 +56,16 @@ MODULE_INPUTS = ("args.", "kwargs.", "param.", "buffer.")
 
 def _run(trace: Trace, dtype: Optional[torch.dtype], grads: Dict[int, torch.Tensor],
          grad_leaves: List[str], device: torch.device, rng: Optional[torch.Tensor],
-         max_ops: Optional[int], digests: bool = False) -> Dict[str, Any]:
+         max_ops: Optional[int], digests: bool = False,
+         uninitialized_fill: Optional[int] = None) -> Dict[str, Any]:
     """Forward and backward with the captured incoming gradients, the capture's RNG state restored
-    first so dropout draws the same; ``digests``: with the digests of the forward's ops."""
+    first so dropout draws the same; ``digests``: with the digests of the forward's ops;
+    ``uninitialized_fill``: see ``trace.replay``."""
     grad_outputs = output_tree(trace, grads.get) if grads else None
     if rng is not None:
         torch.set_rng_state(rng)
     result = replay(trace, dtype=dtype, grad_outputs=grad_outputs, grad_leaves=grad_leaves, device=device,
-                    max_ops=max_ops, digests=digests)
+                    max_ops=max_ops, digests=digests, uninitialized_fill=uninitialized_fill)
     outputs = tensors_in(result.outputs)
     return {
         "outputs_nonfinite": any(has_nonfinite(t) for t in outputs),
@@ -121,6 +123,10 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
         runs = {label: _run(trace, dtype, grads, grad_leaves, target, tensors.get("rng.cpu"), max_ops,
                             digests and label == "captured")
                 for label, dtype in REPLAY_PRECISIONS}
+        # the forward again, what ``empty`` returns filled with something else than NaN: what changes
+        # depends on what the allocator held, which is compared nowhere
+        refilled = (_run(trace, None, {}, [], target, tensors.get("rng.cpu"), max_ops, True,
+                         uninitialized_fill=_SECOND_FILL)["_digests"] if digests else None)
     except (TraceError, RuntimeError) as exc:  # an op that cannot run here, a device that is not here
         raise InputError(f"{path}: cannot replay:"
                          f" {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -141,7 +147,9 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                                  " all-reduce)")
     return {
         **SCHEMA.header(),
-        **({"digests": op_digests(trace, captured["_digests"], captured["_references"])} if digests else {}),
+        **({"digests": op_digests(trace, captured["_digests"], captured["_references"],
+                                  garbage_dependent(trace, captured["_digests"], refilled))}
+           if refilled is not None else {}),
         "bundle": str(path),
         "module": manifest["module"],
         "step": manifest.get("step"),
@@ -157,21 +165,47 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
     }
 
 
+# what ``empty``-like ops return in the second forward (``garbage_dependent``): finite, unlike the NaN of
+# the first, so that any value computed from it differs
+_SECOND_FILL = 1
+
+
+def garbage_dependent(trace: Trace, replayed: List[List[Dict[str, Any]]],
+                      refilled: List[List[Dict[str, Any]]]) -> List[bool]:
+    """For each op, whether its outputs hold what an ``empty``-like op returned, or values computed from
+    it: they differ between two forwards whose ``empty`` returned NaN and ``_SECOND_FILL``, and the op
+    returns uninitialized memory or takes a tensor that did (a view of it, or a result computed from
+    it; an operator that wrote it, ``copy_`` or ``baddbmm(..., beta=0)`` into it, makes it whole again).
+    At capture these values were whatever the allocator held: they can be compared with nothing."""
+    tainted: Set[str] = set()
+    found = []
+    for op, first, second in zip(trace.ops, replayed, refilled):
+        uninitialized = not is_fused(op) and returns_uninitialized(op["op"])
+        reads_garbage = uninitialized or not tainted.isdisjoint(refs(op_inputs(op)))
+        differs = [one["hash"] for one in first] != [other["hash"] for other in second]
+        depends = reads_garbage and differs
+        (tainted.update if depends else tainted.difference_update)(refs(op["out"]))
+        found.append(depends)
+    return found
+
+
 def op_digests(trace: Trace, replayed: List[List[Dict[str, Any]]],
-               references: Dict[int, Optional[List[Dict[str, Any]]]]) -> Dict[str, Any]:
+               references: Dict[int, Optional[List[Dict[str, Any]]]],
+               uninitialized: List[bool]) -> Dict[str, Any]:
     """What a comparison needs of one replay: the capture's first non-finite op (as validated with the
     trace), and each op of the trace with its name, whether it is a collective (identity at replay) or
-    returns uninitialized memory (NaN at replay), the digests of its outputs at capture (null where the
+    holds uninitialized memory (``garbage_dependent``), the digests of its outputs at capture (null where the
     bundle has none) and at this replay, and, for a fused entry, its class and its reference math's
     digests in the captured dtype here (null without a reference)."""
     captured: Sequence[Optional[List[Dict[str, Any]]]] = (trace.digests if trace.digests
                                                           else [None] * len(trace.ops))
     return {"first_nonfinite": trace.first_nonfinite,
             "ops": [{"op": op["op"], "collective": bool(op.get("collective")),
-                     "uninitialized": not is_fused(op) and returns_uninitialized(op["op"]),
+                     "uninitialized": garbage,
                      "fused": op["fused"]["class"] if is_fused(op) else None,
                      "captured": taken, "replayed": again, "reference": references.get(index)}
-                    for index, (op, taken, again) in enumerate(zip(trace.ops, captured, replayed))]}
+                    for index, (op, taken, again, garbage)
+                    in enumerate(zip(trace.ops, captured, replayed, uninitialized))]}
 
 
 def _largest_input(tensors: Dict[str, torch.Tensor], leaf_names: List[str]) -> Optional[Dict[str, Any]]:

@@ -38,6 +38,8 @@ from .command import module_line, operator_text
 
 CAPTURE = "capture"
 _AROUND = 2  # ops shown before and after each op of interest in the table
+_STDERR_WIDTH = 200  # characters of one line of it (a longer one loses its middle)
+_STDERR_LINES = 5  # the first lines of an environment's stderr shown (a warning or an error says what first)
 
 
 def environment_names(count: int) -> List[str]:
@@ -60,9 +62,10 @@ def _beyond(left: Optional[float], right: Optional[float], ulps: int, eps: float
 
 
 def output_difference(left: Sequence[Dict[str, Any]], right: Sequence[Dict[str, Any]],
-                      ulps: Optional[int]) -> Optional[str]:
+                      ulps: Optional[int], nan_patterns: bool = False) -> Optional[str]:
     """Why one op's outputs differ between two digests lists, or None where they do not (bitwise where
-    ``ulps`` is None)."""
+    ``ulps`` is None). Outputs whose NaNs alone differ in sign or payload (``nan_patterns_differ``) are the
+    same unless ``nan_patterns``."""
     if len(left) != len(right):
         return f"{len(left)} outputs against {len(right)}"
     for position, (one, other) in enumerate(zip(left, right)):
@@ -70,6 +73,10 @@ def output_difference(left: Sequence[Dict[str, Any]], right: Sequence[Dict[str, 
             return (f"output {position} is {one['dtype']} {one['shape']} against {other['dtype']}"
                     f" {other['shape']}")
         if one["hash"] == other["hash"]:
+            continue
+        if _nan_patterns_alone(one, other):
+            if nan_patterns:
+                return f"output {position}: the bit patterns of its NaNs differ, and nothing else"
             continue
         if ulps is None:
             return f"output {position}: its bytes differ"
@@ -86,11 +93,25 @@ def output_difference(left: Sequence[Dict[str, Any]], right: Sequence[Dict[str, 
     return None
 
 
+def _nan_patterns_alone(one: Dict[str, Any], other: Dict[str, Any]) -> bool:
+    """Two digests of different bytes whose NaNs, all written alike, make them the same (``canonical_hash``,
+    where both have it: a digest read from a version 3 trace has not)."""
+    return (one["hash"] != other["hash"] and one["nonfinite"] > 0 and other["nonfinite"] > 0
+            and "canonical_hash" in one and "canonical_hash" in other
+            and one["canonical_hash"] == other["canonical_hash"])
+
+
+def nan_patterns_differ(left: Sequence[Dict[str, Any]], right: Sequence[Dict[str, Any]]) -> bool:
+    """Some output of one op differs from the other's in the bit patterns of its NaNs alone."""
+    return len(left) == len(right) and any(_nan_patterns_alone(one, other) for one, other in zip(left, right))
+
+
 def _compare_pair(operators: List[Dict[str, Any]], left: str, right: str,
-                  ulps: Optional[int]) -> Dict[str, Any]:
-    """The first op whose outputs differ between two columns, and how many ops were compared."""
+                  ulps: Optional[int], nan_patterns: bool) -> Dict[str, Any]:
+    """The first op whose outputs differ between two columns, how many ops were compared, and the first
+    op before it whose NaNs alone differ in their bit patterns (where those do not count)."""
     with_capture = CAPTURE in (left, right)
-    compared, after_collective = 0, None
+    compared, after_collective, patterns = 0, None, None
     for index, operator in enumerate(operators):
         digests = operator["digests"]
         if operator["uninitialized"] or digests[left] is None or digests[right] is None:
@@ -99,18 +120,22 @@ def _compare_pair(operators: List[Dict[str, Any]], left: str, right: str,
             after_collective = index if after_collective is None else after_collective
             continue
         compared += 1
-        why = output_difference(digests[left], digests[right], ulps)
+        why = output_difference(digests[left], digests[right], ulps, nan_patterns)
         if why is not None:
             return {"left": left, "right": right, "compared": compared, "after_collective": after_collective,
+                    "nan_patterns": patterns,
                     "first_difference": {"index": index, "op": operator["op"], "why": why}}
+        if patterns is None and nan_patterns_differ(digests[left], digests[right]):
+            patterns = {"index": index, "op": operator["op"]}
     return {"left": left, "right": right, "compared": compared, "after_collective": after_collective,
-            "first_difference": None}
+            "nan_patterns": patterns, "first_difference": None}
 
 
 def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str]], device: Optional[str],
-            ulps: Optional[int]) -> Dict[str, Any]:
+            ulps: Optional[int], nan_patterns: bool = False) -> Dict[str, Any]:
     """The ``gradnan.comparison`` document of one bundle's replays (``replay_bundle(..., digests=True)``
-    plus its ``environment``), in ``--against`` order."""
+    plus its ``environment``), in ``--against`` order. ``nan_patterns``: a difference in NaN bit patterns
+    alone counts as a difference."""
     names = environment_names(len(replays))
     first = replays[0]
     if any(len(replay["digests"]["ops"]) != len(first["digests"]["ops"]) for replay in replays):
@@ -118,7 +143,8 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
     has_capture = all(entry["captured"] is not None for entry in first["digests"]["ops"])
     columns = ([CAPTURE] if has_capture else []) + names
     operators = [{"index": index, "op": entry["op"], "collective": entry["collective"],
-                  "uninitialized": entry["uninitialized"],
+                  "uninitialized": any(replay["digests"]["ops"][index]["uninitialized"]
+                                       for replay in replays),
                   "digests": {CAPTURE: entry["captured"],
                               **{name: replay["digests"]["ops"][index]["replayed"]
                                  for name, replay in zip(names, replays)}}}
@@ -129,7 +155,7 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
              for index, entry in enumerate(first["digests"]["ops"]) if entry["fused"] is not None]
     pairs = [(CAPTURE, name) for name in names] if has_capture else []
     pairs += list(zip(names, names[1:]))
-    compared = [_compare_pair(operators, left, right, ulps) for left, right in pairs]
+    compared = [_compare_pair(operators, left, right, ulps, nan_patterns) for left, right in pairs]
     found = [pair["first_difference"] for pair in compared if pair["first_difference"] is not None]
     earliest = min((difference["index"] for difference in found), default=None)
     environments = [{"name": CAPTURE, "versions": captured_with,
@@ -141,7 +167,7 @@ def compare(replays: List[Dict[str, Any]], captured_with: Dict[str, Optional[str
     return {
         **COMPARISON.header(),
         "bundle": first["bundle"], "module": first["module"], "step": first["step"], "rank": first["rank"],
-        "device": device, "tolerance": {"ulps": ulps},
+        "device": device, "tolerance": {"ulps": ulps}, "nan_patterns_counted": nan_patterns,
         "capture_has_digests": has_capture,
         "environments": environments,
         "pairs": compared,
@@ -172,8 +198,8 @@ def _first_text(operator: Optional[Dict[str, Any]]) -> str:
 def _rows(document: Dict[str, Any]) -> List[int]:
     """The ops around the first differences and the first non-finite forward ops, in order."""
     count = len(document["operators"])
-    wanted: Set[int] = {pair["first_difference"]["index"] for pair in document["pairs"]
-                        if pair["first_difference"] is not None}
+    wanted: Set[int] = {pair[key]["index"] for pair in document["pairs"]
+                        for key in ("first_difference", "nan_patterns") if pair[key] is not None}
     wanted |= {environment["first_nonfinite"]["index"] for environment in document["environments"]
                if environment["first_nonfinite"] is not None
                and environment["first_nonfinite"].get("phase", "forward") == "forward"}
@@ -182,14 +208,19 @@ def _rows(document: Dict[str, Any]) -> List[int]:
 
 
 def _cell(digests: Optional[List[Dict[str, Any]]], reference: Optional[List[Dict[str, Any]]],
-          ulps: Optional[int]) -> str:
+          ulps: Optional[int], nan_patterns: bool) -> str:
     """``* 1a2b3c4d max 0.279 nf 3``: the first output's hash prefix and abs-max, the outputs' non-finite
-    count, ``*`` where the op differs from the reference column."""
+    count, ``*`` where the op differs from the reference column (``~`` where only the bit patterns of its
+    NaNs do, and those do not count)."""
     if digests is None:
         return "-"
     if not digests:
         return "(no tensor)"
-    mark = "*" if reference is not None and output_difference(reference, digests, ulps) else " "
+    mark = " "
+    if reference is not None and output_difference(reference, digests, ulps, nan_patterns):
+        mark = "*"
+    elif reference is not None and nan_patterns_differ(reference, digests):
+        mark = "~"
     nonfinite = sum(item["nonfinite"] for item in digests)
     return (f"{mark} {digests[0]['hash'][:8]} max {magnitude_text(digests[0]['abs_max'])}"
             + (f" nf {nonfinite}" if nonfinite else ""))
@@ -197,6 +228,7 @@ def _cell(digests: Optional[List[Dict[str, Any]]], reference: Optional[List[Dict
 
 def _table(document: Dict[str, Any]) -> List[str]:
     columns, ulps = document["columns"], document["tolerance"]["ulps"]
+    counted = document["nan_patterns_counted"]
     reference = columns[0]
     header = ["#", "op", *columns]
     rows: List[Tuple[str, ...]] = []
@@ -208,16 +240,18 @@ def _table(document: Dict[str, Any]) -> List[str]:
         digests = operator["digests"]
         note = (" (collective)" if operator["collective"]
                 else " (uninitialized)" if operator["uninitialized"] else "")
+        compared_with = None if operator["uninitialized"] else digests[reference]
         rows.append((str(index), operator["op"] + note,
-                     *(_cell(digests[column], None if column == reference else digests[reference], ulps)
+                     *(_cell(digests[column], None if column == reference else compared_with, ulps, counted)
                        for column in columns)))
         previous = index
     if not rows:
         return []
     widths = [max(len(row[i]) for row in [tuple(header), *rows]) for i in range(len(header))]
-    return [f"Operators around them (* differs from {reference}; hash, abs-max of output 0, non-finite"
-            " count):"] + ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-                          for row in [tuple(header), *rows]]
+    return [f"Operators around them (* differs from {reference}, ~ in NaN bit patterns alone; uninitialized:"
+            " not compared; hash, abs-max of output 0, non-finite count):"] + [
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in [tuple(header), *rows]]
 
 
 def _fused_lines(document: Dict[str, Any], how: str) -> List[str]:
@@ -240,6 +274,35 @@ def _versions_text(versions: Any) -> str:
                    and name != "python") or "versions not recorded"
 
 
+def _environment_lines(environment: Dict[str, Any]) -> List[str]:
+    """``A: ./new-stack.sh, ran /venv/bin/python (torch 2.13.0, ...; CPU AVX2); verdict healthy``, and what
+    that interpreter wrote on stderr, where it wrote anything (a broken ``sitecustomize``, a kernel
+    override's warning)."""
+    given, ran = environment.get("given", environment["python"]), environment["python"]
+    interpreter = shell_word(given) if given == ran else f"{shell_word(given)}, ran {shell_word(ran)}"
+    machine = environment.get("machine") or {}
+    where = listing(f"{label} {machine[key]}" for key, label in (("cpu", "CPU"), ("gpu", "GPU"))
+                    if machine.get(key))
+    lines = [f"  {environment['name']}: {interpreter} ({_versions_text(environment['versions'])}"
+             f"{'; ' + where if where else ''}); verdict {environment['verdict']}"]
+    said = [line for line in str(environment.get("stderr") or "").splitlines() if line.strip()]
+    if said:
+        first = f", the first {_STDERR_LINES}" if len(said) > _STDERR_LINES else ""
+        lines.append(f"    its stderr said ({len(said)} lines{first}):")
+        lines += [f"      {untrusted(line.strip(), _STDERR_WIDTH)}" for line in said[:_STDERR_LINES]]
+    return lines
+
+
+def _uninitialized_lines(document: Dict[str, Any]) -> List[str]:
+    """Which ops were not compared because their outputs hold uninitialized memory."""
+    skipped = [f"#{operator['index']} {operator['op']}" for operator in document["operators"]
+               if operator["uninitialized"]]
+    if not skipped:
+        return []
+    return [f"Not compared: {listing(skipped)}: uninitialized memory (an empty buffer, views of it and values"
+            " computed from it, before an operator wrote it): whatever the allocator held at capture"]
+
+
 def format_comparison(document: Dict[str, Any]) -> str:
     ulps = document["tolerance"]["ulps"]
     how = "bitwise" if ulps is None else f"within {ulps} ulps of each dtype"
@@ -252,8 +315,7 @@ def format_comparison(document: Dict[str, Any]) -> str:
                          + ("" if document["capture_has_digests"] else
                             "; no digests in this bundle (captured before gradnan.trace v3): not compared"))
         else:
-            lines.append(f"  {environment['name']}: {shell_word(environment['python'])}"
-                         f" ({_versions_text(environment['versions'])}); verdict {environment['verdict']}")
+            lines += _environment_lines(environment)
     first = document["first_difference"]
     if first is None:
         lines.append(f"No operator differs ({how}) between {', '.join(document['columns'])}.")
@@ -268,7 +330,12 @@ def format_comparison(document: Dict[str, Any]) -> str:
                                                      or difference["index"] > pair["after_collective"]):
             said += (f" (after the collective at op #{pair['after_collective']}, which replays as identity:"
                      " compare two environments there)")
+        patterns = pair["nan_patterns"]
+        if patterns is not None:
+            said += (f"; before it, the NaNs of op #{patterns['index']} {patterns['op']} differ in their bit"
+                     " patterns alone (the same values: not counted unless --nan-patterns)")
         lines.append(f"  {pair['left']} vs {pair['right']}: {said} ({pair['compared']} compared)")
+    lines += _uninitialized_lines(document)
     lines += _fused_lines(document, how)
     lines.append("First non-finite: " + "; ".join(
         f"{environment['name']} {_first_text(environment['first_nonfinite'])}"

@@ -45,6 +45,7 @@ from .command import checked_device_name, replay_bundle, replay_device
 from .limits import ReplayLimits, trace_too_long
 
 _STDERR_TAIL = 4096
+_MAX_LINKS = 40  # a chain of symbolic links longer than this is a loop
 _PACKAGE = Path(__file__).resolve().parents[2]  # this gradnan, put on another interpreter's path
 MAX_RESULT_BYTES = 1 << 30  # a result document larger than 1 GiB is no replay's
 
@@ -124,13 +125,7 @@ def _death(exitcode: Optional[int], limits: ReplayLimits, timed_out: bool, stder
 
 
 def _last_line(path: Path) -> str:
-    try:
-        with open(path, "rb") as stream:
-            stream.seek(max(0, os.fstat(stream.fileno()).st_size - _STDERR_TAIL))
-            lines = stream.read().decode("utf-8", "backslashreplace").split("\n")
-    except OSError:
-        return ""
-    return next((line.strip()[:200] for line in reversed(lines) if line.strip()), "")
+    return next((line.strip()[:200] for line in reversed(_tail(path).split("\n")) if line.strip()), "")
 
 
 def _limit(limits: ReplayLimits, device: Optional[str]) -> None:
@@ -186,7 +181,10 @@ def _child(path: str, device: Optional[str], limits: ReplayLimits, sender: Any, 
 def replay_under(python: str, path: Path, device: Optional[str], limits: ReplayLimits) -> Dict[str, Any]:
     """``replay_bundle`` with digests (and the child's ``environment``) in a child process started from
     the interpreter ``python``, under ``limits``; InputError (one line) for anything that ends it without
-    a result, an interpreter that cannot run it (no torch there, not a Python) included."""
+    a result, an interpreter that cannot run it (no torch there, not a Python) included. The child leads a
+    process group of its own, ended whole when it is done or at the wall-clock limit (whatever it started
+    dies with it). Its ``environment`` says the path given (``given``: a wrapper script, a link) beside the
+    interpreter that ran, and what it wrote on stderr (``stderr``: its last 4 KiB, empty where nothing)."""
     path = Path(path).absolute()
     checked_device_name(device)  # whether it is there is for the other interpreter's torch to say
     _refuse_too_long(path, limits)
@@ -202,26 +200,64 @@ def replay_under(python: str, path: Path, device: Optional[str], limits: ReplayL
         stderr = folder / "stderr"
         with open(stderr, "wb") as output:
             try:
-                child = subprocess.Popen([python, "-m", "gradnan.offline.replay.child", json.dumps(settings)],
+                child = subprocess.Popen([venv_interpreter(python), "-m", "gradnan.offline.replay.child",
+                                          json.dumps(settings)],
                                          cwd=folder, env=environ, stdin=subprocess.DEVNULL, stdout=output,
-                                         stderr=output)
+                                         stderr=output, start_new_session=True)
             except OSError as error:
                 raise InputError(f"--against {python}: cannot run it ({error.strerror or error})") from None
             try:
                 child.wait(timeout=limits.wall_seconds)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
                 timed_out = True
-        outcome = _result_file(folder / "result.json") if child.returncode == 0 else None
+            finally:
+                _end_group(child)
+        outcome = _result_file(folder / "result.json") if child.returncode == 0 and not timed_out else None
         if outcome is None:
             raise InputError(f"{path}: cannot replay under {python}:"
                              f" {_death(child.returncode, limits, timed_out, stderr)}")
+        said = _tail(stderr)
     kind, value = outcome
     if kind == "error":
         raise InputError(f"under {python}: {value}")
+    value["environment"].update(given=python, stderr=said)
     return value
+
+
+def _end_group(child: subprocess.Popen) -> None:
+    """End the child's process group (the child and whatever it started, which may outlive it), then reap
+    the child."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # no process of the group is left
+    child.wait()
+
+
+def venv_interpreter(given: str) -> str:
+    """The path to start for ``--against given``: where ``given`` is a symbolic link (or a chain of them)
+    to a virtual environment's python, the first link of the chain inside that environment. Python finds
+    its environment by the ``pyvenv.cfg`` beside the path it was started by, not beside what that path
+    resolves to: started through a link from elsewhere, it runs as the base interpreter."""
+    path = Path(given)
+    for _ in range(_MAX_LINKS):
+        if any((folder / "pyvenv.cfg").is_file() for folder in (path.parent, path.parent.parent)):
+            return str(path)
+        if not path.is_symlink():
+            break
+        path = path.parent / os.readlink(path)  # an absolute target replaces the parent
+    return given
+
+
+def _tail(path: Path) -> str:
+    """The last ``_STDERR_TAIL`` bytes of a file, as text."""
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, os.fstat(stream.fileno()).st_size - _STDERR_TAIL))
+            return stream.read().decode("utf-8", "backslashreplace")
+    except OSError:
+        return ""
 
 
 def _result_file(path: Path) -> Optional[Tuple[str, Any]]:

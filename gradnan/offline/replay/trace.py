@@ -101,12 +101,21 @@ def _replay_leaves(leaves: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]
             raise TraceError(f"cannot differentiate {name!r}: not a floating leaf of the trace")
     env, graph_leaves = {}, {}
     for name, tensor in leaves.items():
-        copy = tensor.detach().to(device=device, dtype=cast_dtype(tensor.dtype, dtype), copy=True)
+        with torch.no_grad():
+            copy = _copied(tensor, device, cast_dtype(tensor.dtype, dtype))
         if name in grad_names:
             graph_leaves[name] = copy.requires_grad_()
-            copy = copy.clone()  # in-place ops on a graph leaf are illegal (on real activations they are not)
+            copy = _copied(copy, device, copy.dtype)  # in-place ops on a graph leaf are illegal (on real
+            # activations they are not): a copy that autograd connects to it
         env[name] = copy
     return env, graph_leaves
+
+
+def _copied(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A copy by ``empty_like`` and ``copy_`` (differentiable): the replay's own copies go through no
+    ``detach``, ``clone`` or ``_to_copy``, operators a trace records, so that an environment whose
+    operator is changed differs first where the trace calls it."""
+    return torch.empty_like(tensor, device=device, dtype=dtype).copy_(tensor)
 
 
 def _from_env(env: Dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
@@ -183,7 +192,8 @@ def _replay_fused(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], 
 
 def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], first: FirstNonFinite,
                growth: FirstGrowth, dtype: Optional[torch.dtype], device: torch.device,
-               leaf_names: Set[str], references: Optional[Dict[int, Any]] = None) -> None:
+               leaf_names: Set[str], references: Optional[Dict[int, Any]] = None,
+               uninitialized_fill: Optional[int] = None) -> None:
     if is_fused(op):
         _replay_fused(index, op, env, first, dtype, device, leaf_names, references)
         return
@@ -206,19 +216,24 @@ def _replay_op(index: int, op: Dict[str, Any], env: Dict[str, torch.Tensor], fir
     out = func(*args, **kwargs)
     check_tensors(out, "the result")
     if returns_uninitialized(op["op"]):
-        _poison(out)
+        _poison(out, uninitialized_fill)
     first.check(index, op["op"], finite, out)
     growth.check(index, op["op"], magnitudes, out)
     _bind(op["out"], out, env)
 
 
-def _poison(created: Any) -> None:
-    """Fill what an ``empty``-like op returned with NaN (integers with 0): the replay's answer never
-    depends on what the allocator held, and an op that really reads the garbage reads NaN, every time,
-    on every machine. (An op that ignores it, ``baddbmm(..., beta=0)``, is not blamed: ``read_inputs``.)"""
+def _poison(created: Any, fill: Optional[int] = None) -> None:
+    """Fill what an ``empty``-like op returned with NaN (integers with 0), or with ``fill`` where given:
+    the replay's answer never depends on what the allocator held, and an op that really reads the garbage
+    reads NaN, every time, on every machine. (An op that ignores it, ``baddbmm(..., beta=0)``, is not
+    blamed: ``read_inputs``.) A second fill tells which outputs depend on the garbage
+    (``command.garbage_dependent``)."""
     for tensor in tensors_in(created):
         with torch.no_grad():
-            tensor.fill_(math.nan if tensor.is_floating_point() or tensor.is_complex() else 0)
+            if fill is not None:
+                tensor.fill_(fill)
+            else:
+                tensor.fill_(math.nan if tensor.is_floating_point() or tensor.is_complex() else 0)
 
 
 def _output_grads(encoded: Any, grads: Any) -> Iterator[Tuple[str, Any]]:
@@ -264,7 +279,8 @@ def output_tree(trace: Trace, values: Callable[[int], Any]) -> Any:
 
 def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any = None,
            grad_leaves: Sequence[str] = (), device: Optional[torch.device] = None,
-           max_ops: Optional[int] = None, digests: bool = False) -> ReplayResult:
+           max_ops: Optional[int] = None, digests: bool = False,
+           uninitialized_fill: Optional[int] = None) -> ReplayResult:
     """Re-execute ``trace.ops`` on copies of ``trace.leaves``.
 
     ``dtype``: every floating leaf and floating dtype argument becomes it (an fp16 computation becomes an
@@ -276,7 +292,8 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     and the backward (counted as it runs) may each run. Every op is checked before it runs
     (``checks``). Errors of the ops themselves come back as TraceError naming the op. ``digests``:
     take the digest of every forward op's outputs as it runs, to compare with the capture's (and, in the
-    captured dtype, of each fused entry's reference math)."""
+    captured dtype, of each fused entry's reference math). ``uninitialized_fill``: what ``empty``-like ops
+    return (NaN, integers 0, by default: ``_poison``)."""
     refusal = None if max_ops is None else trace_too_long(len(trace.ops), max_ops)
     if refusal is not None:
         raise TraceError(refusal)
@@ -294,7 +311,8 @@ def replay(trace: Trace, dtype: Optional[torch.dtype] = None, grad_outputs: Any 
     with torch.autocast(device.type, enabled=False), torch.set_grad_enabled(bool(graph_leaves)):
         for index, op in enumerate(trace.ops):
             try:
-                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names, references)
+                _replay_op(index, op, env, forward, growth, dtype, device, leaf_names, references,
+                           uninitialized_fill)
             except TraceError as error:
                 raise TraceError(f"op {index} ({op.get('op')}): {error}") from None
             except (RuntimeError, TypeError, IndexError, ValueError, OverflowError, MemoryError) as error:
