@@ -19,7 +19,7 @@ from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
-               "result_validation", "module_hooks"]
+               "result_validation", "module_hooks", "checkpoint"]
 OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")
 
 

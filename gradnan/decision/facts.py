@@ -28,6 +28,9 @@ class Fact(str, enum.Enum):
     """The learning rates of the steps before the failing one (``state`` records' ``learning_rates``)."""
     RERUN = "rerun"
     """The failing step run again in place (``rerun`` records)."""
+    CHECKPOINT_MARKS = "checkpoint_marks"
+    """Whether each checkpoint saved held only finite weights, main copies and moments (``checkpoint``
+    records): what the restart advice names a checkpoint by."""
 
     @property
     def description(self) -> str:
@@ -47,6 +50,7 @@ _DESCRIPTIONS = {
     Fact.REPLICA_DIGESTS: "the weights of two or more data-parallel replicas",
     Fact.LEARNING_RATES: "the learning rates of the last steps",
     Fact.RERUN: "the failing step run again in place",
+    Fact.CHECKPOINT_MARKS: "the checkpoints' marks (their weights and optimizer state finite or not)",
 }
 
 _HOW = {
@@ -58,6 +62,9 @@ _HOW = {
     Fact.REPLICA_DIGESTS: "with data parallelism, record on every rank, so that peers' weights are compared",
     Fact.LEARNING_RATES: "record on every rank with this gradnan (state records carry them since records v2)",
     Fact.RERUN: "run with rerun='auto' (the default) under megatron-core's schedules",
+    Fact.CHECKPOINT_MARKS: ("save checkpoints with gradnan installed (patch checkpoint: Megatron-LM's"
+                            " save_checkpoint, megatron-core's dist_checkpointing.save); a checkpoint saved"
+                            " before it was installed has none"),
 }
 
 

@@ -34,6 +34,9 @@ class RecordKind(str, enum.Enum):
     STATE = "state"
     """At the run's first incident, before any update: this rank's non-finite weights (model parameters and
     the optimizer's main copies), its optimizer state's faults and a digest of its weights."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint save just returned (its mark): whether this rank's weights, the optimizer's main copies
+    and its moments were all finite then, and a digest of its weights."""
 
 
 INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION,
@@ -203,7 +206,7 @@ class Action(str, enum.Enum):
 
 
 _ACTION_WORDING = {
-    Action.RESUME: "restart from a checkpoint older than {subject}; later ones hold the bad values",
+    Action.RESUME: "restart from {subject}",
     Action.FIX_LOSS: "guard the loss function: {subject} made it non-finite from a finite model output (e.g."
                      " divide by max(number of valid tokens, 1))",
     Action.INSPECT_BATCH: "look at the failing micro-batch ({subject}):",

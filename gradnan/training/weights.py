@@ -148,3 +148,38 @@ def state_fields(state: StepState, ids_by_name: Mapping[str, int],
         "weights_digest": weights_digest(state.weights), "params_checked": len(state.weights),
         "optimizer_state": faults[:MAX_STATE_ENTRIES], "optimizer_state_total": len(faults),
         "optimizer_state_checked": sum(len(held.state) for held in state.stepped)}
+
+
+MAX_MARK_ENTRIES = 32  # non-finite tensors a checkpoint mark lists (all are counted)
+
+
+def _saved_tensors(state: StepState) -> List[Tuple[str, str, torch.Tensor]]:
+    """What a checkpoint saves of this rank, as (tensor, parameter name, tensor): every model parameter
+    ("weight"), each separate copy the optimizer steps ("main") and each of its state tensors by its own
+    name ("exp_avg", "exp_avg_sq"); floating-point and non-empty only."""
+    listed = [("weight", name, tensor) for name, tensor in state.weights]
+    for slot, held in zip(state.slots, state.stepped):
+        if held.main is not None:
+            listed.append(("main", slot.name, held.main))
+        listed += [(key, slot.name, value) for key, value in sorted(held.state.items())]
+    return [(what, name, tensor) for what, name, tensor in listed
+            if tensor.numel() and torch.is_floating_point(tensor)]
+
+
+@torch.no_grad()
+def checkpoint_mark(state: StepState) -> Dict[str, Any]:
+    """A ``checkpoint`` record's fields for a save of this rank's ``state``: ``clean`` where every weight,
+    main copy and optimizer moment is finite, the non-finite ones listed, and ``weights_digest``. Each
+    tensor's largest magnitude (fused, NaN and Inf carried through) read back in one host read, with the
+    digest's one per dtype: at a save, which copies every tensor anyway, never on a training step."""
+    saved = _saved_tensors(state)
+    flags: List[bool] = []
+    if saved:
+        largest = torch._foreach_norm([tensor.detach() for _, _, tensor in saved], math.inf)
+        device = largest[0].device
+        flags = torch.isfinite(torch.stack([norm.float().to(device) for norm in largest])).tolist()
+    bad = [{"name": name, "tensor": what} for (what, name, _), finite in zip(saved, flags) if not finite]
+    kinds = [what if what in ("weight", "main") else "moment" for what, _, _ in saved]
+    checked = {key: kinds.count(key) for key in ("weight", "main", "moment")}
+    return {"clean": not bad, "nonfinite": bad[:MAX_MARK_ENTRIES], "nonfinite_total": len(bad),
+            "checked": checked, "weights_digest": weights_digest(state.weights)}
