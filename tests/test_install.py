@@ -26,6 +26,8 @@ OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")
 def _surfaces():
     """Every Megatron attribute the kit may patch, by patch, as found in its owner's own __dict__ (absent ->
     None). ``module_hooks`` patches no Megatron attribute: it hooks model modules (see below)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
     from megatron.core.pipeline_parallel import schedules
@@ -39,6 +41,7 @@ def _surfaces():
         "grad_zeroing": [(DistributedDataParallel, "zero_grad_buffer")],
         "schedules": [(schedules, name) for name in SCHEDULES],
         "result_validation": [(RerunStateMachine, "should_checkpoint_and_exit")],
+        "checkpoint": [(dist_checkpointing, "save"), (serialization, "save")],
     }
     return {patch: {(getattr(owner, "__qualname__", owner.__name__), attribute): vars(owner).get(attribute)
                     for owner, attribute in pairs}
@@ -68,7 +71,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     before = _megatron_attributes()
     installation = gradnan.install(out_dir=str(tmp_path))
     assert installation.missing == {}
-    assert len(installation.patched) == 8
+    assert len(installation.patched) == len(PATCH_NAMES)
     during = _megatron_attributes()
     changed = {key for key in before if during[key] is not before[key]}
     assert ("ChainedOptimizer", "step") in changed
@@ -77,6 +80,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     assert ("MixedPrecisionOptimizer", "_unscale_main_grads_and_check_for_nan") in changed
     assert ("megatron.core.optimizer", "_get_param_groups") in changed
     assert ("DistributedDataParallel", "zero_grad_buffer") in changed
+    assert ("megatron.core.dist_checkpointing", "save") in changed
     assert all(getattr(during[key], WRAPPED_ATTR) is before[key] for key in changed)
     gradnan.uninstall()
     after = _megatron_attributes()
@@ -97,7 +101,7 @@ def test_install_uninstall_install_again(tmp_path):
     gradnan.install(out_dir=str(tmp_path))
     gradnan.uninstall()
     again = gradnan.install(out_dir=str(tmp_path))
-    assert len(again.patched) == 8
+    assert len(again.patched) == len(PATCH_NAMES)
     assert _megatron_attributes() != before
     gradnan.uninstall()
     assert _megatron_attributes() == before
@@ -110,7 +114,7 @@ def test_a_missing_surface_is_named_not_silent(tmp_path, monkeypatch, caplog):
         installation = gradnan.install(out_dir=str(tmp_path))
     assert list(installation.missing) == ["param_groups"]
     assert "_get_param_groups" in installation.missing["param_groups"]
-    assert len(installation.patched) == 7
+    assert len(installation.patched) == len(PATCH_NAMES) - 1
     assert "MISSING: param-group builder (_get_param_groups) [param_groups]: " in caplog.text
 
 

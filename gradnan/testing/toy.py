@@ -204,8 +204,8 @@ class TinyGPT:
         return outcome
 
     def save(self, checkpoint_dir: str) -> None:
-        """The model's distributed checkpoint, labelled with the steps completed (Megatron-LM's
-        ``iter_NNNNNNN``)."""
+        """The model's and the optimizer's distributed checkpoint, as Megatron-LM saves them, labelled with
+        the steps completed (Megatron-LM's ``iter_NNNNNNN``)."""
         from megatron.core import dist_checkpointing
 
         directory = Path(checkpoint_dir) / f"iter_{len(self.result.steps):07d}"
@@ -213,7 +213,8 @@ class TinyGPT:
         state: Dict[str, Any] = {}
         for number, chunk in enumerate(self.chunks):
             state.update(chunk.sharded_state_dict(prefix=f"model{number}."))
-        dist_checkpointing.save(state, str(directory))
+        dist_checkpointing.save({"model": state, "optimizer": self.optimizer.sharded_state_dict(state)},
+                                str(directory))
 
     def param_digest(self) -> str:
         """SHA-256 over every parameter's raw bytes, chunk by chunk in name order: equal digests mean the
