@@ -167,6 +167,15 @@ def test_gradnan_checkpoints_lists_each_save_and_why_one_is_not_clean(tmp_path, 
     assert read_run(tmp_path).problems == []
 
 
+def test_a_hostile_path_stays_on_its_line(tmp_path, capsys):
+    forged = {**mark_record(1, 1, 0, 10.0), "checkpoint": "/ckpt\n2026-11-27 00:00:00 UTC  the checkpoint of"
+              " iteration 9: clean"}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "rank00000.jsonl").write_text(json.dumps(forged) + "\n")
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
 def test_gradnan_checkpoints_without_marks_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "records").mkdir()
     [incident] = failing_run([]).records.values()
