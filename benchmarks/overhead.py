@@ -27,6 +27,9 @@ Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is t
    forward pass, the capture and the files), the extra in forward passes of that model; and the operators
    the failing step dispatches (on a GPU: kernel launches) without and with the kit, in forward passes,
    by phase of the kit (``incident_operators``: the same on any machine).
+4. A checkpoint save (``--checkpoint-reps``): megatron-core's ``dist_checkpointing.save`` of the model alone,
+   and the mark gradnan takes at each save alone (the weights, main copies and moments read as at a save,
+   ``weights.checkpoint_mark``), interleaved: the mark's cost against the save's, and its host reads.
 Prints a markdown table and writes JSON (``--json``).
 """
 
@@ -58,6 +61,7 @@ from gradnan.training.replicas import ReplicaCheck, compared_weights
 from gradnan.training.rerun import StepRerun
 from gradnan.training.runup import RunUp
 from gradnan.training.scan import abs_max, find_nonfinite, finite_flag
+from gradnan.training.weights import checkpoint_mark
 
 SHAPE = dict(vocab_size=1024, seq_length=128, micro_batch_size=2)
 SIZES = {
@@ -188,6 +192,28 @@ def replica_check_cost(model: TinyGPT, reps: int, device: torch.device) -> Dict[
         check()
     return {"params": len(weights), "median_s": statistics.median(seconds), "operators": operators.total,
             "host_syncs": syncs.total, "every": GradnanConfig().replica_check_every}
+
+
+def checkpoint_cost(model: TinyGPT, reps: int, out_dir: str, device: torch.device) -> Dict[str, Any]:
+    """A save of the model (``dist_checkpointing.save``, into a fresh directory each time) and the mark the
+    kit takes at a save (``checkpoint_mark`` of what ``optimizer_tensors`` reads), interleaved ``reps``
+    times; medians, and the mark's host reads."""
+    from gradnan.patches.model import optimizer_tensors
+
+    def mark() -> Dict[str, Any]:
+        return checkpoint_mark(optimizer_tensors(model.optimizer, model.chunks))
+
+    seconds: Dict[str, List[float]] = {"save": [], "mark": []}
+    for rep in range(reps):
+        save = partial(model.save, os.path.join(out_dir, f"checkpoints{rep}"))
+        seconds["save"].append(_timed(save, device))
+        seconds["mark"].append(_timed(mark, device))
+    counter = HostSyncCounter()
+    with counter:
+        assert mark()["clean"]
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    return {"save_s": median["save"], "mark_s": median["mark"],
+            "mark_vs_save": median["mark"] / median["save"], "mark_host_syncs": counter.total}
 
 
 def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any]:
@@ -363,6 +389,13 @@ def _table(results: Dict[str, Any]) -> str:
             lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['gb_per_s']:.1f} | "
                          f"{check['vs_floor']:.2f} | {check['host_syncs']} | "
                          f"{check['peak_extra_pct_of_grads']:.3f} |")
+    saves = {size: entry["checkpoint"] for size, entry in results["sizes"].items() if "checkpoint" in entry}
+    if saves:
+        lines += ["", "| size | checkpoint save, dist_checkpointing.save (s) | the kit's mark of it (s) |"
+                  " mark / save | host reads of the mark |", "|---|---|---|---|---|"]
+        for size, cost in saves.items():
+            lines.append(f"| {size} | {cost['save_s']:.4f} | {cost['mark_s']:.4f} |"
+                         f" {cost['mark_vs_save']:.3f} | {cost['mark_host_syncs']} |")
     incidents = {size: entry["incident"] for size, entry in results["sizes"].items() if "incident" in entry}
     if incidents:
         lines += ["", "| size | forward pass (s) | failing step without the kit (s) | with it (s) | "
@@ -389,6 +422,8 @@ def main() -> None:
     parser.add_argument("--json", default="benchmark-overhead.json")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="micro-batches per step (gradient accumulation): the checks run once a step")
+    parser.add_argument("--checkpoint-reps", type=int, default=5, metavar="REPS",
+                        help="checkpoint saves and marks timed, each (0: none)")
     parser.add_argument("--incident", type=int, default=0, metavar="REPS",
                         help="also time the failing step without and with the kit, REPS times each")
     args = parser.parse_args()
@@ -412,6 +447,8 @@ def main() -> None:
             entry["runup_write"] = runup_write_cost(model, 200, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
             entry["replica_check"] = replica_check_cost(model, args.scan_reps, device)
+            if args.checkpoint_reps:
+                entry["checkpoint"] = checkpoint_cost(model, args.checkpoint_reps, out_dir, device)
             results["sizes"][size] = entry
             from gradnan.patches.model import destroy_model_parallel
 

@@ -1,5 +1,5 @@
-"""The ``gradnan`` command: demo, report, maps, frames, batch, replay, selftest. Bad input: one line on
-stderr, exit code 2."""
+"""The ``gradnan`` command: demo, report, checkpoints, maps, frames, batch, replay, selftest. Bad input: one
+line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from . import selftest
 from .commandline import OneLineParser, bad_input, positive, printable, say, shell_word, whole_number
 from .errors import GradnanError, InputError, UsageError
 from .offline.incident.analysis import analyze
+from .offline.incident.checkpoints import Save, format_saves, saves_of
 from .offline.incident.frames_view import format_frames
 from .offline.incident.read import collector_paused, map_params, read_run
 from .offline.incident.report import format_text
@@ -87,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", type=picture_path, metavar="FILE",
                         help="also draw the failing step (rank x module map) into FILE"
                              " (.png/.svg/.pdf; matplotlib)")
+    checkpoints = commands.add_parser("checkpoints", help="every checkpoint saved with gradnan installed:"
+                                      " clean or not, and why")
+    checkpoints.add_argument("run_dir", type=Path)
+    checkpoints.add_argument("--json", action="store_true", help="the saves as a JSON list")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
@@ -172,6 +177,14 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
 
 
+def _checkpoints_command(args: argparse.Namespace) -> List[Save]:
+    saves = saves_of(read_run(args.run_dir).all_records())
+    if not saves:
+        raise InputError(f"{args.run_dir}: no checkpoint marks (a checkpoint is marked when it is saved with"
+                         " gradnan installed, its patch 'checkpoint' on)")
+    return saves
+
+
 def _compare_command(args: argparse.Namespace, limits: ReplayLimits) -> str:
     """``gradnan replay BUNDLE --against PYTHON...``: each replay in turn, then the comparison."""
     from .offline.replay.comparison import capture_versions, compare, format_comparison
@@ -245,6 +258,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(json.dumps(chosen, indent=1))
             else:
                 say("\n\n".join(format_frames(record, args.last) for record in chosen))
+        elif args.command == "checkpoints":
+            saves = _checkpoints_command(args)
+            say(json.dumps([save.to_json() for save in saves], indent=1) if args.json
+                else format_saves(saves))
         elif args.command == "maps":
             rows = _maps_command(args)
             if args.json:

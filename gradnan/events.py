@@ -246,6 +246,8 @@ class Events(Protocol):
 
     def schedule_raised(self, kept: Optional[RerunnableStep]) -> None: ...
 
+    def checkpoint_saved(self, iteration: Optional[int], path: Optional[str]) -> None: ...
+
     def nonfinite_grad_norm(self, optimizer: Any, norm: float, slots: Sequence[ParamSlot],
                             grads: Grads, seen_by: FrozenSet[int] = frozenset()) -> None:
         """``seen_by``: the global ranks known to see the same non-finite norm (Megatron reduced it, or

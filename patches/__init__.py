@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 from ..errors import ConfigError
+from .checkpoint import CheckpointInstrumentor
 from .grad_sync import GradSyncInstrumentor
 from .grad_zeroing import GradZeroingInstrumentor
 from .instrumentor import Instrumentor, SurfaceMissing
@@ -24,7 +25,8 @@ __all__ = ["Instrumentor", "SurfaceMissing", "all_instrumentors", "split_disable
 def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
             GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor(),
-            ResultValidationInstrumentor(), ModuleHooksInstrumentor(), PipelineLinksInstrumentor()]
+            ResultValidationInstrumentor(), ModuleHooksInstrumentor(), PipelineLinksInstrumentor(),
+            CheckpointInstrumentor()]
 
 
 def split_disabled(instrumentors: List[Instrumentor],

@@ -20,13 +20,15 @@ from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
-               "result_validation", "module_hooks", "pipeline_links"]
+               "result_validation", "module_hooks", "pipeline_links", "checkpoint"]
 OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")
 
 
 def _surfaces():
     """Every Megatron attribute the kit may patch, by patch, as found in its owner's own __dict__ (absent ->
     None). ``module_hooks`` patches no Megatron attribute: it hooks model modules (see below)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
     from megatron.core.pipeline_parallel import schedules
@@ -41,6 +43,7 @@ def _surfaces():
         "schedules": [(schedules, name) for name in SCHEDULES],
         "result_validation": [(RerunStateMachine, "should_checkpoint_and_exit")],
         "pipeline_links": [(communicate_owner(), "_communicate")],
+        "checkpoint": [(dist_checkpointing, "save"), (serialization, "save")],
     }
     return {patch: {(getattr(owner, "__qualname__", owner.__name__), attribute): vars(owner).get(attribute)
                     for owner, attribute in pairs}
@@ -79,6 +82,7 @@ def test_install_patches_every_surface_and_uninstall_restores_the_same_objects(t
     assert ("MixedPrecisionOptimizer", "_unscale_main_grads_and_check_for_nan") in changed
     assert ("megatron.core.optimizer", "_get_param_groups") in changed
     assert ("DistributedDataParallel", "zero_grad_buffer") in changed
+    assert ("megatron.core.dist_checkpointing", "save") in changed
     assert all(getattr(during[key], WRAPPED_ATTR) is before[key] for key in changed)
     gradnan.uninstall()
     after = _megatron_attributes()

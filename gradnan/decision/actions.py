@@ -13,6 +13,7 @@ from ..formats.incident import Action
 from ..formats.layout import host_device
 from ..formats.text import untrusted
 from .evidence import Evidence, HealthReading, View
+from .facts import Fact
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,28 @@ def selftest_after_launch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return () if e.launch_first_step else selftest(e, s, so_far)
 
 
+def restart_from(e: Evidence, s: Setting, older_than: str) -> NextStep:
+    """The newest checkpoint known clean before the failure (its marks), with Megatron-LM's option that
+    loads it; else one older than ``older_than``, and why none is known clean. Never Megatron's exit save:
+    labelled with the iteration before the failing one, it holds what the failing step found."""
+    known = e.clean_checkpoint
+    if known is not None:
+        return NextStep(Action.RESUME, Action.RESUME.wording(
+            f"{known.text()}, the newest known clean (every rank's weights, main copies and optimizer moments"
+            f" finite when it was saved), older than {older_than}; the later ones hold the bad values or were"
+            " written after the failure" + ("" if known.iteration is None else
+                                              " (Megatron-LM: keep --load and add the option below)")),
+            None if known.iteration is None else ("--ckpt-step", str(known.iteration)))
+    marks = Fact.CHECKPOINT_MARKS
+    why = (e.no_clean_checkpoint if marks in e.observed
+           else f"the run directory holds no checkpoint marks (to have them: {marks.how_to_observe})")
+    exit_save = ("; not Megatron's exit save, labelled with the iteration before the failing one but written"
+                 " after the failure" if s.megatron_reran else "")
+    return NextStep(Action.RESUME, Action.RESUME.wording(
+        f"a checkpoint older than {older_than}; later ones hold the bad values{exit_save}. No checkpoint is"
+        f" known clean: {why}"))
+
+
 def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the checkpoint the launch resumed from where the weights came with it, else before the step
     (Megatron-LM's iteration where its loop gives it)."""
@@ -111,14 +134,16 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
                   " directory whose latest_checkpointed_iteration.txt names the earlier one)")
     else:
         before = f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
-    return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
+    return (restart_from(e, s, before),)
 
 
 def resume_before_divergence(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Before the replica check that saw the replicas differ (the corruption came after the check before)."""
+    """Before the replica check that saw the replicas differ (the corruption came after the check before).
+    Not the newest checkpoint its marks call clean: a mark reads finiteness, and a flipped bit is finite."""
     before = (f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
               + ", the replica check that saw the replicas differ")
-    return (NextStep(Action.RESUME, Action.RESUME.wording(before)),)
+    return (NextStep(Action.RESUME, Action.RESUME.wording(
+        f"a checkpoint older than {before}; later ones may hold the differing copy")),)
 
 
 def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -148,7 +173,7 @@ def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Step
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the update that wrote the bad weights."""
     when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
-    return (NextStep(Action.RESUME, Action.RESUME.wording(f"the update of {when}, which wrote them")),)
+    return (restart_from(e, s, f"the update of {when}, which wrote them"),)
 
 
 def fix_learning_rate(e: Evidence, s: Setting, so_far: Steps) -> Steps:

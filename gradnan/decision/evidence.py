@@ -126,6 +126,20 @@ class ReplicaDivergence:
 
 
 @dataclass(frozen=True)
+class KnownCheckpoint:
+    """The newest checkpoint saved before the failure whose marks (``checkpoint`` records of every rank)
+    found every weight, main copy and optimizer moment finite: its iteration and where it went, where the
+    saver named them."""
+
+    iteration: Optional[int]
+    path: Optional[str]
+
+    def text(self) -> str:
+        label = f"iteration {self.iteration}" if self.iteration is not None else "the last clean save"
+        return f"the checkpoint of {label}" + (f" ({untrusted(self.path)})" if self.path else "")
+
+
+@dataclass(frozen=True)
 class Evidence:
     """Every fact a rule may use, read once from the failing step's records (``evidence.evidence_of``).
     Ranks are global ranks; ``labels`` names each one for the wording ("rank 3 (tp1 pp0 dp1) on h cpu")."""
@@ -187,6 +201,9 @@ class Evidence:
     # what of the step's records contradicts another record, and the ranks whose records do
     conflicts: Tuple[str, ...] = ()
     conflict_ranks: Tuple[int, ...] = ()
+    # the checkpoint marks: the newest checkpoint known clean before the failure, else why none is
+    clean_checkpoint: Optional[KnownCheckpoint] = None
+    no_clean_checkpoint: str = ""
 
     @property
     def link_faults(self) -> Tuple[LinkFinding, ...]:

@@ -30,6 +30,9 @@ class Fact(str, enum.Enum):
     """The failing step run again in place (``rerun`` records)."""
     PIPELINE_LINKS = "pipeline_links"
     """What each pipeline stage sent and received over its point-to-point links (incident records)."""
+    CHECKPOINT_MARKS = "checkpoint_marks"
+    """Whether each checkpoint saved held only finite weights, main copies and moments (``checkpoint``
+    records): what the restart advice names a checkpoint by."""
 
     @property
     def description(self) -> str:
@@ -50,6 +53,7 @@ _DESCRIPTIONS = {
     Fact.LEARNING_RATES: "the learning rates of the last steps",
     Fact.RERUN: "the failing step run again in place",
     Fact.PIPELINE_LINKS: "what each pipeline stage sent and received over its links",
+    Fact.CHECKPOINT_MARKS: "the checkpoints' marks (their weights and optimizer state finite or not)",
 }
 
 _HOW = {
@@ -62,6 +66,9 @@ _HOW = {
     Fact.LEARNING_RATES: "record on every rank with this gradnan (state records carry them since records v2)",
     Fact.RERUN: "run with rerun='auto' (the default) under megatron-core's schedules",
     Fact.PIPELINE_LINKS: "record on every pipeline stage with the pipeline_links patch on (the default)",
+    Fact.CHECKPOINT_MARKS: ("save checkpoints with gradnan installed (patch checkpoint: Megatron-LM's"
+                            " save_checkpoint, megatron-core's dist_checkpointing.save); a checkpoint saved"
+                            " before it was installed has none"),
 }
 
 

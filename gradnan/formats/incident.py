@@ -37,6 +37,9 @@ class RecordKind(str, enum.Enum):
     REPLICA_DIVERGENCE = "replica_divergence"
     """At a periodic replica check, this rank's weights differed from its data-parallel peers' (or, with no
     majority among them, the peers' weights differed): the parameters, their first differing element."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint save just returned (its mark): whether this rank's weights, the optimizer's main copies
+    and its moments were all finite then, and a digest of its weights."""
 
 
 INCIDENT_KINDS = (RecordKind.NONFINITE_GRAD_NORM, RecordKind.LOSS_SCALE_OVERFLOW, RecordKind.PRE_REDUCTION,
@@ -211,7 +214,7 @@ class Action(str, enum.Enum):
 
 
 _ACTION_WORDING = {
-    Action.RESUME: "restart from a checkpoint older than {subject}; later ones hold the bad values",
+    Action.RESUME: "restart from {subject}",
     Action.RESTORE_ROW: "restore {subject} from a checkpoint written before it went bad (that row of the"
                         " weight and of its optimizer's main copy), or restart from that checkpoint",
     Action.FIX_LOSS: "guard the loss function: {subject} made it non-finite from a finite model output (e.g."

@@ -2,6 +2,7 @@
 
 Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
 ``nonfinite_loss``, ``state``, ``replica_divergence``
+``nonfinite_loss``, ``state``, ``checkpoint``
 (docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
 """
 
@@ -122,6 +123,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         _check_state(record, where)
     elif record.get("kind") == "replica_divergence":
         _check_divergence(record, where)
+    elif record.get("kind") == "checkpoint":
+        _check_checkpoint(record, where)
     return record
 
 
@@ -256,6 +259,31 @@ def _is_direction(seen: Any) -> bool:
     first = seen.get("first_nonfinite")
     return 0 <= seen["unchecked"] <= seen["transfers"] and (
         first is None or (is_int(first) and 0 <= first < seen["transfers"]))
+
+
+MARKED_TENSORS = ("weight", "main", "moment")  # what a checkpoint mark checks (``checked``'s keys)
+
+
+def _is_mark_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and is_text(entry.get("name")) and is_text(entry.get("tensor"))
+
+
+def _check_checkpoint(record: Dict[str, Any], where: str) -> None:
+    """A checkpoint mark: its fields as ``gradnan checkpoints`` and the restart advice read them."""
+    checked, bad = record.get("checked"), record.get("nonfinite")
+    if (not isinstance(record.get("clean"), bool) or not is_text(record.get("weights_digest"))
+            or not is_int(record.get("save")) or not is_int(record.get("nonfinite_total"))
+            or not all(optional(record.get(key), is_int) for key in ("saved_iteration", "after_incident"))
+            or not optional(record.get("checkpoint"), is_text)
+            or not (isinstance(checked, dict) and all(is_int(checked.get(key)) for key in MARKED_TENSORS))
+            or not (isinstance(bad, list) and all(map(_is_mark_entry, bad)))
+            or record["clean"] != (record["nonfinite_total"] == 0) or len(bad) > record["nonfinite_total"]):
+        raise InputError(f"{where}: a checkpoint record needs a boolean 'clean' (true exactly where"
+                         " 'nonfinite_total' is 0), a text 'weights_digest', integer"
+                         " 'save'/'nonfinite_total',"
+                         " 'saved_iteration'/'after_incident' null or integers, 'checkpoint' null or text, a"
+                         f" 'checked' object of integer {'/'.join(MARKED_TENSORS)} and a 'nonfinite' list of"
+                         " at most 'nonfinite_total' objects with text 'name'/'tensor'")
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -209,6 +209,19 @@ class TinyGPT:
             self.data.iteration_done()
         return outcome
 
+    def save(self, checkpoint_dir: str) -> None:
+        """The model's and the optimizer's distributed checkpoint, as Megatron-LM saves them, labelled with
+        the steps completed (Megatron-LM's ``iter_NNNNNNN``)."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(checkpoint_dir) / f"iter_{len(self.result.steps):07d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        state: Dict[str, Any] = {}
+        for number, chunk in enumerate(self.chunks):
+            state.update(chunk.sharded_state_dict(prefix=f"model{number}."))
+        dist_checkpointing.save({"model": state, "optimizer": self.optimizer.sharded_state_dict(state)},
+                                str(directory))
+
     def param_digest(self) -> str:
         """SHA-256 over every parameter's raw bytes, chunk by chunk in name order: equal digests mean the
         weights are bitwise equal."""
@@ -265,6 +278,8 @@ def train(job: TinyGPTJob, rank: int) -> WorkerResult:
         try:
             for _ in range(job.steps):
                 model.step()
+                if job.checkpoint_dir is not None:
+                    model.save(job.checkpoint_dir)
                 if model.result.exit_code is not None:
                     break
         finally:

@@ -142,6 +142,11 @@ class TinyGPTJob:
     # layer norm's variance overflows to NaN: data that fails wherever it is read, every weight finite
     poisoned_samples: Tuple[int, ...] = ()
     poison_position: int = 3
+    # a directory to save the model and the optimizer into after every step with megatron-core's
+    # dist_checkpointing.save, as Megatron-LM names its checkpoints (``iter_NNNNNNN``, the steps completed),
+    # and at a validate_results exit as Megatron-LM's exit save (labelled with the steps completed before the
+    # failing one)
+    checkpoint_dir: Optional[str] = None
 
     def with_(self, **changes: Any) -> "TinyGPTJob":
         return dataclasses.replace(self, **changes)

@@ -30,6 +30,7 @@ from ..events import (
 )
 from ..formats.incident import RecordKind
 from ..formats.maps import ParamSlot
+from ..log import logger
 from .board import IncidentBoard
 from .capture import CaptureManager
 from .clock import StepClock
@@ -44,7 +45,7 @@ from .replicas import Divergence, ReplicaCheck, compared_weights
 from .rerun import StepRerun
 from .scan import abs_max
 from .stops import abort_if_asked, stop_if_asked
-from .weights import finite_flag
+from .weights import checkpoint_mark, finite_flag
 from .window import RecordingWindow
 from .writer import Writer, Written
 
@@ -79,6 +80,8 @@ class Runtime:
         self._optimizer: Optional["weakref.ref[Any]"] = None  # the latest built: its state at an incident
         self._state_read = False  # the weights and optimizer state are read at the run's first incident
         self._launch_weights: Optional[torch.Tensor] = None  # were they finite at the launch's first step
+        self._incident_step: Optional[int] = None  # the step of this launch's first incident
+        self._saves = 0  # checkpoint saves this launch has made (every rank saves together)
 
     def close(self) -> None:
         """Write what this step measured so far, then remove every hook this runtime put on the model."""
@@ -203,6 +206,7 @@ class Runtime:
         rejected, self._rejected_loss = self._rejected_loss, None
         if rejected is None:
             return
+        self._first_incident()
         micro_batch, message, loss = rejected
         self._read_state_once()  # the loss check ends the step before any gradient: the weights now
         skipped = ("the step was not kept (rerun off, after the run's rerun, or a loop outside"
@@ -226,6 +230,7 @@ class Runtime:
         known to meet this incident with this rank (the grad norm's reduction group). A norm read after its
         step (one Megatron returned as a device tensor) comes after the update: that step can no longer be
         run again as it was."""
+        self._first_incident()
         self._read_state_once()
         if megatron is not None or self.clock.stepping() is not None:
             self.guarded("rerun", self.rerun.incident, trigger, megatron, self.detections.last_pre_reduction,
@@ -262,6 +267,33 @@ class Runtime:
         mine = found is not None and self.writer.coords()["global_rank"] in found.ranks
         if found is not None and mine and self.window.recording():
             self.detections.replica_divergence(found, self.clock.current(optimizer))
+
+    def _first_incident(self) -> None:
+        if self._incident_step is None:
+            self._incident_step = self.clock.current()
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def checkpoint_saved(self, iteration: Optional[int], path: Optional[str]) -> None:
+        """A checkpoint save has just returned (``iteration``: the one it is labelled with, where the saver
+        names it; ``path``: where it went): its mark, on a recording rank once an optimizer is built. A save
+        after this launch's first incident says so (``after_incident``): Megatron's exit save under
+        ``validate_results`` is labelled with the iteration before the failing one but holds what the
+        failing step found."""
+        self._saves += 1
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if optimizer is None or not self.config.detect or not self.window.recording():
+            return
+        fields = checkpoint_mark(self._facts.optimizer_tensors(optimizer, self.known_chunks()))
+        record = self.writer.record(RecordKind.CHECKPOINT, self.clock.current(), [], {
+            "saved_iteration": iteration, "checkpoint": path, "save": self._saves,
+            "after_incident": self._incident_step, **fields})
+        if not fields["clean"]:
+            first, more = fields["nonfinite"][0], fields["nonfinite_total"] - 1
+            logger.error("the checkpoint saved%s holds non-finite values on this rank: %s (%s)%s; do not"
+                         " restart from it; record: %s",
+                         "" if iteration is None else f" at iteration {iteration}", first["name"],
+                         first["tensor"], f" and {more} more" if more else "", record.path)
 
     def _weights_flag(self, optimizer: Any) -> Optional[torch.Tensor]:
         """Once, at the launch's first step: a device flag, read only at an incident, that says whether the

@@ -17,7 +17,7 @@ from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
 from .offenders import offending_params
-from .scan import SCANNED_DTYPES, find_nonfinite, integer_view, unravel
+from .scan import SCANNED_DTYPES, find_nonfinite, integer_view, nonfinite_indices, unravel
 
 MAX_STATE_ENTRIES = 32  # optimizer-state findings a record lists (all are counted)
 
@@ -180,3 +180,35 @@ def state_fields(state: StepState, ids_by_name: Mapping[str, int],
         "outlying_rows": outlying_rows(state.weights),
         "optimizer_state": faults[:MAX_STATE_ENTRIES], "optimizer_state_total": len(faults),
         "optimizer_state_checked": sum(len(held.state) for held in state.stepped)}
+
+
+MAX_MARK_ENTRIES = 32  # non-finite tensors a checkpoint mark lists (all are counted)
+
+
+def _saved_tensors(state: StepState) -> List[Tuple[str, str, torch.Tensor]]:
+    """What a checkpoint saves of this rank, as (what, parameter name, tensor): every model parameter
+    ("weight"), each separate copy the optimizer steps ("main") and each of its state tensors by its own
+    name ("exp_avg", "exp_avg_sq"); non-empty, of a dtype whose NaN and Inf the scan sees."""
+    listed = [("weight", name, tensor) for name, tensor in state.weights]
+    for slot, held in zip(state.slots, state.stepped):
+        if held.main is not None:
+            listed.append(("main", slot.name, held.main))
+        listed += [(key, slot.name, value) for key, value in sorted(held.state.items())]
+    return [(what, name, tensor) for what, name, tensor in listed
+            if tensor.numel() and tensor.dtype in SCANNED_DTYPES]
+
+
+@torch.no_grad()
+def checkpoint_mark(state: StepState) -> Dict[str, Any]:
+    """A ``checkpoint`` record's fields for a save of this rank's ``state``: ``clean`` where every weight,
+    main copy and optimizer moment is finite, the non-finite ones listed, and ``weights_digest``. The
+    scan's first level (``nonfinite_indices``: fused largest magnitudes, NaN and Inf carried through, one
+    host read) and the digest's one read per dtype: at a save, which copies every tensor anyway, never on
+    a training step."""
+    saved = _saved_tensors(state)
+    bad = [{"name": saved[index][1], "tensor": saved[index][0]}
+           for index in nonfinite_indices([tensor for _, _, tensor in saved])]
+    kinds = [what if what in ("weight", "main") else "moment" for what, _, _ in saved]
+    checked = {key: kinds.count(key) for key in ("weight", "main", "moment")}
+    return {"clean": not bad, "nonfinite": bad[:MAX_MARK_ENTRIES], "nonfinite_total": len(bad),
+            "checked": checked, "weights_digest": weights_digest(state.weights)}

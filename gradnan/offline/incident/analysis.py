@@ -38,6 +38,7 @@ from ...formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordK
 from ...formats.layout import host_device, rank_ranges
 from ...formats.text import untrusted
 from ...formats.wording import micro_batch_words
+from .checkpoints import saves_of
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .frames_view import frames_summary, probes_summary
 from .gradients import backward_key, capture_settings, module_of, pattern_of, rank_entry, rank_view
@@ -240,7 +241,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                  else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
                            rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
-                           reruns_here, divergences)
+                           reruns_here, divergences, saves_of(files.all_records()))
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes,

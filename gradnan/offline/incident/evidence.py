@@ -27,6 +27,7 @@ from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
 from ...formats.layout import peers_key, rank_label
+from .checkpoints import Save, newest_clean
 from .conflicts import conflicts_of
 from .gradients import rank_view
 from .read import RunFiles
@@ -162,9 +163,10 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
                 recurs: bool, iterations_seen: Tuple[int, ...] = (),
                 reruns: Sequence[Dict[str, Any]] = (),
-                divergences: Sequence[Dict[str, Any]] = ()) -> Evidence:
+                divergences: Sequence[Dict[str, Any]] = (), saves: Sequence[Save] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
-    records; ``divergences``: its ``replica_divergence`` records)."""
+    records; ``divergences``: its ``replica_divergence`` records) and the run directory's checkpoint
+    marks (``saves``)."""
     basis, origin = gradient
     conflicts = conflicts_of(at_step, states, reruns)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
@@ -186,6 +188,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                                                 for view in rerun.origins)
     rerun_origins = tuple(view["global_rank"] for view in rerun.origins) if rerun is not None else ()
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
+    failed_at = min((r.get("time") or math.inf for r in list(at_step) + list(reruns)), default=math.inf)
+    clean, no_clean = newest_clean(saves, failed_at, iteration)
     return Evidence(
         step=step, iteration=iteration, iterations_seen=iterations_seen,
         labels=RankLabels(ranks),
@@ -225,7 +229,9 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},
         links=link_findings([*at_step, *states]),
-        observed=_observed(at_step, states, rerun, pattern, origin, compared),
+        observed=_observed(at_step, states, rerun, pattern, origin, compared) | (
+            {Fact.CHECKPOINT_MARKS} if saves else set()),
+        clean_checkpoint=clean, no_clean_checkpoint=no_clean,
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 

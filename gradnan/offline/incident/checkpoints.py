@@ -1,0 +1,157 @@
+"""Checkpoint marks read back (``checkpoint`` records): one ``Save`` per checkpoint save of a launch, from
+its ranks' marks; which one is the newest known clean before a failure (the restart advice), and the
+``gradnan checkpoints`` listing.
+
+A save is clean when every rank of the job marked it and every mark found its weights, the optimizer's
+main copies and moments finite. Before a failure, only a save made before it counts: none made after the
+launch's first incident (Megatron's exit save under ``validate_results`` among them, labelled with the
+iteration before the failing one), and none that a later save of the same iteration to the same place
+wrote over (that exit save writes over the regular save of that iteration).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ...decision.evidence import KnownCheckpoint
+from ...formats.incident import RecordKind
+from ...formats.text import untrusted
+from .runs import split_runs
+
+MAX_NAMED = 4  # non-finite tensors (and ranks) a save's description names
+
+
+@dataclass(frozen=True)
+class Save:
+    """One save of a launch (``number``: its n-th), as its ranks' marks say: the iteration it is labelled
+    with and where it went (where the saver named them), when (its first mark), the step of the launch's
+    first incident before it, the ranks that marked it out of ``world_size``, and each non-finite tensor
+    as (rank, parameter, tensor)."""
+
+    launch: str
+    number: int
+    iteration: Optional[int]
+    path: Optional[str]
+    time: float
+    after_incident: Optional[int]
+    ranks: Tuple[int, ...]
+    world_size: Optional[int]
+    nonfinite: Tuple[Tuple[int, str, str], ...]
+    unclean_ranks: Tuple[int, ...]
+
+    @property
+    def all_marked(self) -> bool:
+        return self.world_size is not None and len(self.ranks) >= self.world_size
+
+    @property
+    def clean(self) -> bool:
+        return self.all_marked and not self.unclean_ranks
+
+    def place(self) -> Tuple[Optional[str], Optional[int]]:
+        """What a later save of the same place writes over (None: a save that names neither)."""
+        return self.path, self.iteration
+
+    def name(self) -> str:
+        label = f"iteration {self.iteration}" if self.iteration is not None else f"save {self.number}"
+        return f"the checkpoint of {label}" + (f" ({untrusted(self.path)})" if self.path else "")
+
+    def condition(self) -> str:
+        """"clean", or what is wrong with its contents or its marks."""
+        if self.unclean_ranks:
+            shown = ", ".join(f"{untrusted(name)} ({untrusted(tensor)}) on rank {rank}"
+                              for rank, name, tensor in self.nonfinite[:MAX_NAMED])
+            more = len(self.nonfinite) - MAX_NAMED
+            return (f"not clean: non-finite on rank(s) {', '.join(map(str, self.unclean_ranks))}: {shown}"
+                    + (f" and {more} more listed" if more > 0 else ""))
+        if not self.all_marked:
+            return (f"not known clean: marked by {len(self.ranks)} of"
+                    f" {self.world_size if self.world_size is not None else 'an unknown number of'} ranks")
+        return "clean"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"launch": self.launch, "save": self.number, "iteration": self.iteration, "path": self.path,
+                "time": self.time, "after_incident": self.after_incident, "clean": self.clean,
+                "condition": self.condition(), "ranks": list(self.ranks), "world_size": self.world_size,
+                "nonfinite": [{"global_rank": rank, "name": name, "tensor": tensor}
+                              for rank, name, tensor in self.nonfinite]}
+
+
+def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
+    """Every save the run directory's checkpoint marks name, oldest first."""
+    marks = [record for record in records if record.get("kind") == RecordKind.CHECKPOINT]
+    saves = []
+    for launch, in_launch in split_runs(marks).items():
+        by_save: Dict[int, List[Dict[str, Any]]] = {}
+        for record in in_launch:
+            by_save.setdefault(record["save"], []).append(record)
+        for number, group in sorted(by_save.items()):
+            group.sort(key=lambda record: record["rank"].get("global_rank", -1))
+            first = group[0]
+            sizes = [record["rank"].get("world_size") for record in group]
+            saves.append(Save(
+                launch=launch, number=number, iteration=first.get("saved_iteration"),
+                path=first.get("checkpoint"),
+                time=min(record.get("time") or 0.0 for record in group),
+                after_incident=min((record["after_incident"] for record in group
+                                    if record.get("after_incident") is not None), default=None),
+                ranks=tuple(record["rank"].get("global_rank") for record in group),
+                world_size=max((size for size in sizes if isinstance(size, int)), default=None),
+                nonfinite=tuple((record["rank"].get("global_rank"), entry["name"], entry["tensor"])
+                                for record in group for entry in record["nonfinite"]),
+                unclean_ranks=tuple(record["rank"].get("global_rank") for record in group
+                                    if not record["clean"])))
+    return sorted(saves, key=lambda save: save.time)
+
+
+def _overwritten(save: Save, saves: Sequence[Save]) -> Optional[Save]:
+    """The last later save to the same place, which wrote over it."""
+    if save.place() == (None, None) or save.iteration is None:
+        return None
+    return next((later for later in reversed(saves)
+                 if later.time > save.time and later.place() == save.place()), None)
+
+
+def why_not(save: Save, saves: Sequence[Save], failure_time: float,
+            iteration: Optional[int]) -> Optional[str]:
+    """Why ``save`` is not a checkpoint to restart from after a failure at ``failure_time`` (of Megatron-LM's
+    ``iteration``, where known); None: it is one."""
+    if save.after_incident is not None or save.time >= failure_time:
+        incident = "" if save.after_incident is None else f" (the incident of step {save.after_incident})"
+        return f"{save.name()} was written after the failure{incident}"
+    if iteration is not None and save.iteration is not None and save.iteration >= iteration:
+        return f"{save.name()} is not older than the failing iteration {iteration}"
+    over = _overwritten(save, saves)
+    if over is not None:
+        after = " after the failure" if over.after_incident is not None or over.time >= failure_time else ""
+        return f"{save.name()} was written over by a later save{after} ({over.condition()})"
+    if not save.clean:
+        return f"{save.name()} is {save.condition()}"
+    return None
+
+
+def newest_clean(saves: Sequence[Save], failure_time: float,
+                 iteration: Optional[int]) -> Tuple[Optional[KnownCheckpoint], str]:
+    """The newest checkpoint saved before the failure and known clean, else None and why none is (the
+    newest saves' reasons)."""
+    reasons = []
+    for save in reversed(saves):
+        reason = why_not(save, saves, failure_time, iteration)
+        if reason is None:
+            return KnownCheckpoint(save.iteration, save.path), ""
+        reasons.append(reason)
+    return None, "; ".join(reasons[:MAX_NAMED]) + (f" (and {len(reasons) - MAX_NAMED} older)"
+                                                   if len(reasons) > MAX_NAMED else "")
+
+
+def format_saves(saves: Sequence[Save]) -> str:
+    """``gradnan checkpoints``: one line per save, oldest first."""
+    lines = []
+    for save in saves:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(save.time))
+        after = ("" if save.after_incident is None
+                 else f"; written after the incident of step {save.after_incident} (do not restart from it)")
+        lines.append(f"{when} UTC  {save.name()}  launch {untrusted(save.launch)} save {save.number}:"
+                     f" {save.condition()}{after}")
+    return "\n".join(lines)

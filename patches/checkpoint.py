@@ -1,0 +1,78 @@
+"""Checkpoint saves: megatron-core's ``dist_checkpointing.save`` (every distributed checkpoint of
+Megatron-LM, ``torch_dist`` its default format, and of loops of one's own) and Megatron-LM's
+``save_checkpoint``, in ``megatron.training.checkpointing`` and the training loop's binding of it, where
+those modules are already imported when gradnan is installed (gradnan never imports Megatron-LM).
+
+Once a save has returned, the runtime marks it (``Events.checkpoint_saved``): one mark per save, by the
+outermost of the nested calls (``save_checkpoint`` calls ``dist_checkpointing.save``). Its iteration is
+``save_checkpoint``'s argument, else the ``iter_NNNNNNN`` directory Megatron-LM names a checkpoint by,
+else unknown. The save itself goes on unchanged, with its arguments and its result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ..events import Events
+from .instrumentor import Instrumentor
+from .reentrancy_guard import Outermost
+from .result_validation import _arguments
+from .undo_log import Patcher
+
+_DIST_SAVE = ("megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.serialization")
+_LM_SAVE = ("megatron.training.checkpointing", "megatron.training.training")
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+
+Labelled = Tuple[Optional[int], Optional[str]]  # (the iteration a save is labelled with, its path)
+
+
+def _dist_save_label(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Labelled:
+    """``dist_checkpointing.save``'s directory, and the iteration its name gives (Megatron-LM's)."""
+    directory = _arguments(original, args, kwargs).get("checkpoint_dir")
+    path = os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else None
+    named = _ITERATION_DIR.fullmatch(os.path.basename(os.path.normpath(path))) if path else None
+    return (int(named.group(1)) if named else None), path
+
+
+def _lm_save_label(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Labelled:
+    """Megatron-LM's ``save_checkpoint(iteration, ...)``: its iteration, and its ``--save`` directory."""
+    iteration = _arguments(original, args, kwargs).get("iteration")
+    save_dir = getattr(getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None),
+                       "save", None)
+    return (iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None,
+            save_dir if isinstance(save_dir, str) else None)
+
+
+class CheckpointInstrumentor(Instrumentor):
+    name = "checkpoint"
+    description = "checkpoint saves (dist_checkpointing.save, Megatron-LM's save_checkpoint)"
+    without = ("no checkpoint marks: the report's restart advice names no checkpoint known clean, and"
+               " gradnan checkpoints lists none")
+
+    def _apply(self, patcher: Patcher, runtime: Events) -> None:
+        outermost = Outermost()
+
+        def marking(label: Callable[..., Labelled]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            def make_wrapper(original):
+                def wrapper(*args, **kwargs):
+                    with outermost.enter() as first:
+                        result = original(*args, **kwargs)
+                        if first:
+                            runtime.guarded("checkpoint", runtime.checkpoint_saved,
+                                            *label(original, args, kwargs))
+                        return result
+
+                return wrapper
+
+            return make_wrapper
+
+        for module_name in _DIST_SAVE:
+            patcher.wrap(importlib.import_module(module_name), "save", marking(_dist_save_label))
+        for module_name in _LM_SAVE:
+            module = sys.modules.get(module_name)
+            if module is not None and hasattr(module, "save_checkpoint"):
+                patcher.wrap(module, "save_checkpoint", marking(_lm_save_label))

@@ -1,0 +1,186 @@
+"""Issue 49 (checkpoint marks) and issue 48 case 7, unit level: what a rank marks at a save
+(``weights.checkpoint_mark``), the record's validation, which save the restart advice names (the newest
+known clean, never one written after the failure such as Megatron's exit save), and ``gradnan
+checkpoints``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradnan.cli import main
+from gradnan.decision.facts import Fact
+from gradnan.errors import InputError
+from gradnan.events import ParamTensors, StepState
+from gradnan.formats import records
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.checkpoints import newest_clean, saves_of
+from gradnan.offline.incident.read import RunFiles, read_run
+from gradnan.offline.incident.report import format_text
+from gradnan.training.weights import checkpoint_mark, weights_digest
+
+from .test_weights_unit import slot
+
+WEIGHT = "decoder.layers.0.mlp.linear_fc1.weight"
+RUN = {"id": "job", "attempt": "0", "started": 1.0, "rendezvous": None}
+
+
+def held(weight_value=1.0, main_value=1.0, moment_value=0.0) -> StepState:
+    weight = torch.full((2, 3), weight_value, dtype=torch.bfloat16)
+    main = torch.full((2, 3), main_value)
+    moments = {"exp_avg": torch.full((2, 3), moment_value), "exp_avg_sq": torch.zeros(2, 3)}
+    bias = torch.ones(3)
+    return StepState([(WEIGHT, weight), ("b.bias", bias)], [slot(0, WEIGHT, (2, 3)), slot(1, "b.bias", (3,))],
+                     [ParamTensors(weight, main, moments),
+                      ParamTensors(bias, None, {"exp_avg": torch.zeros(3)})])
+
+
+def test_a_clean_state_is_marked_clean_with_the_weights_digest_of_the_state_record():
+    mark = checkpoint_mark(held())
+    assert mark["clean"] is True and mark["nonfinite"] == [] and mark["nonfinite_total"] == 0
+    assert mark["checked"] == {"weight": 2, "main": 1, "moment": 3}
+    assert mark["weights_digest"] == weights_digest(held().weights)
+
+
+@pytest.mark.parametrize("state, found", [
+    (dict(weight_value=float("nan"), main_value=float("nan")), [(WEIGHT, "weight"), (WEIGHT, "main")]),
+    (dict(main_value=float("inf")), [(WEIGHT, "main")]),  # the model's copy finite, the stepped one not
+    (dict(moment_value=float("nan")), [(WEIGHT, "exp_avg")]),
+])
+def test_a_non_finite_weight_main_copy_or_moment_makes_the_save_not_clean(state, found):
+    mark = checkpoint_mark(held(**state))
+    assert mark["clean"] is False
+    assert [(entry["name"], entry["tensor"]) for entry in mark["nonfinite"]] == found
+    assert mark["nonfinite_total"] == len(found)
+
+
+def mark_record(save, iteration, rank, time, clean=True, after_incident=None, world_size=2):
+    coords = {"global_rank": rank, "tp": 0, "pp": 0, "dp": rank, "dp_size": world_size,
+              "world_size": world_size, "host": "h", "device": "cpu"}
+    fields = checkpoint_mark(held() if clean else held(weight_value=float("nan"), main_value=float("nan")))
+    record = records.to_json("checkpoint", 2, None, coords, RUN, [], 0, {
+        "saved_iteration": iteration, "checkpoint": f"/ckpt/iter_{iteration:07d}", "save": save,
+        "after_incident": after_incident, **fields})
+    record["time"] = time
+    return record
+
+
+def test_the_reader_takes_a_mark_and_refuses_one_whose_fields_disagree():
+    good = mark_record(1, 1, 0, 10.0)
+    assert records.from_json(json.loads(json.dumps(good)), "r:1")["clean"] is True
+    for broken in ({"clean": False}, {"nonfinite_total": "1"}, {"checked": {"weight": 1}},
+                   {"nonfinite": [{"name": 3}]}, {"saved_iteration": 1.5}, {"weights_digest": None}):
+        with pytest.raises(InputError, match="a checkpoint record needs"):
+            records.from_json({**good, **broken}, "r:1")
+
+
+def failing_run(marks, megatron=True):
+    """Iteration 3 fails on a weight of rank 1 gone NaN before it (two data-parallel replicas, rank 0's
+    finite): its incident records at time 30, ``marks`` beside them."""
+    def coords(rank):
+        return {"global_rank": rank, "tp": 0, "pp": 0, "dp": rank, "dp_size": 2, "world_size": 2, "host": "h",
+                "device": "cpu"}
+
+    incident = []
+    for rank in (0, 1):
+        base = {"schema": "gradnan.record", "version": 2, "step": 3, "iteration": 3, "time": 30.0,
+                "rank": coords(rank), "run": RUN}
+        bad = [{"id": 0, "name": WEIGHT, "copy": "model", "nan": 1, "inf": 0, "first_bad_index": [0, 0]}]
+        incident.append({**base, "kind": "pre_reduction", "params": [{"id": 0, "name": WEIGHT, "nan": 6,
+                                                                       "inf": 0, "order": 0}],
+                         "params_total": 1, "pre_reduction": "nonfinite"})
+        incident.append({**base, "kind": "state", "params": bad if rank == 1 else [],
+                         "params_total": rank, "weights_digest": f"d{rank}", "params_checked": 2,
+                         "optimizer_state_total": 0, "optimizer_state_checked": 2, "optimizer_state": []})
+        if megatron:
+            incident.append({**base, "kind": "rerun", "trigger": "megatron_validation", "params": [],
+                             "params_total": 0, "megatron": "reproducible",
+                             "role": "clean", "conclusion": "backward", "own_failure": None,
+                             "micro_batch": 0, "module": None, "class": None, "bundle": None, "batch": None})
+    return RunFiles(Path("/run"), records={Path("/run/records/r.jsonl"): incident + list(marks)})
+
+
+REGULAR = [mark_record(1, 1, rank, 10.0 + rank) for rank in (0, 1)] + [
+    mark_record(2, 2, rank, 20.0 + rank) for rank in (0, 1)]
+# Megatron's exit save after the failure: labelled 2, written over the regular save of 2, NaN on rank 1
+EXIT_SAVE = [mark_record(3, 2, rank, 40.0, clean=rank == 0, after_incident=3) for rank in (0, 1)]
+
+
+def resume_step(files):
+    report = analyze(files)
+    [step] = [step for step in report.incident.next_steps if step.action.value == "resume"]
+    return step, format_text(report)
+
+
+def test_the_advice_names_the_newest_clean_save_and_never_the_exit_save_over_it():
+    """Case 7: "older than iteration 3" would take the checkpoint of iteration 2, which Megatron's exit
+    save rewrote after the failure with the NaN in it."""
+    step, text = resume_step(failing_run(REGULAR + EXIT_SAVE))
+    assert step.command == ("--ckpt-step", "1"), step.text
+    assert step.text.startswith("restart from the checkpoint of iteration 1 (/ckpt/iter_0000001), the newest"
+                                " known clean"), step.text
+    assert "\n     --ckpt-step 1\n" in text
+
+
+def test_without_the_exit_save_the_regular_save_before_the_failure_is_named():
+    step, _ = resume_step(failing_run(REGULAR, megatron=False))
+    assert step.command == ("--ckpt-step", "2")
+
+
+def test_without_marks_the_advice_says_no_checkpoint_is_known_clean_and_why_and_warns_of_the_exit_save():
+    step, _ = resume_step(failing_run([]))
+    assert step.command is None
+    assert "older than step 3 (iteration 3)" in step.text
+    assert "not Megatron's exit save" in step.text
+    assert ("No checkpoint is known clean: the run directory holds no checkpoint marks (to have them:"
+            f" {Fact.CHECKPOINT_MARKS.how_to_observe})") in step.text
+
+
+def test_a_save_one_rank_did_not_mark_is_not_known_clean():
+    step, _ = resume_step(failing_run([REGULAR[0], *REGULAR[2:], *EXIT_SAVE]))  # rank 1 never marked save 1
+    assert step.command is None and "No checkpoint is known clean: " in step.text
+    saves = saves_of(REGULAR[:1] + REGULAR[2:] + EXIT_SAVE)
+    known, why = newest_clean(saves, 30.0, 3)
+    assert known is None
+    assert ("the checkpoint of iteration 2 (/ckpt/iter_0000002) was written after the failure (the incident"
+            " of step 3)") in why
+    assert "was written over by a later save after the failure (not clean: non-finite on rank(s) 1" in why
+    assert "is not known clean: marked by 1 of 2 ranks" in why
+
+
+def test_gradnan_checkpoints_lists_each_save_and_why_one_is_not_clean(tmp_path, capsys):
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "rank00000.jsonl").write_text(
+        "".join(json.dumps(record) + "\n" for record in REGULAR + EXIT_SAVE))
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].endswith("the checkpoint of iteration 1 (/ckpt/iter_0000001)  launch job#0 save 1: clean")
+    assert "save 3: not clean: non-finite on rank(s) 1:" in lines[2] and "(weight) on rank 1" in lines[2]
+    assert "written after the incident of step 3 (do not restart from it)" in lines[2]
+    assert main(["checkpoints", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(save["iteration"], save["clean"]) for save in listed] == [(1, True), (2, True), (2, False)]
+    assert read_run(tmp_path).problems == []
+
+
+def test_a_hostile_path_stays_on_its_line(tmp_path, capsys):
+    forged = {**mark_record(1, 1, 0, 10.0), "checkpoint": "/ckpt\n2026-11-27 00:00:00 UTC  the checkpoint of"
+              " iteration 9: clean"}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "rank00000.jsonl").write_text(json.dumps(forged) + "\n")
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_gradnan_checkpoints_without_marks_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "records").mkdir()
+    [incident] = failing_run([]).records.values()
+    (tmp_path / "records" / "rank00000.jsonl").write_text(json.dumps(incident[0]) + "\n")
+    assert main(["checkpoints", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and "no checkpoint marks" in error
+    assert main(["checkpoints", str(tmp_path / "absent")]) == 2
