@@ -188,7 +188,7 @@ def test_an_nvml_list_longer_than_nvml_gives_is_a_listed_problem(tmp_path):
 
 # --- junk: microseconds a line, a bounded amount of work a file --------------------------------------------
 
-@pytest.mark.parametrize("junk", [b"x\n", b"\n", b" \n", b"\xff\n", b"[1]\n"])
+@pytest.mark.parametrize("junk", [b"x\n", b"\n", b" \n", b"\xff\n", b"[1]\n", b"{\n", b"{\"a\": 1}\n"])
 def test_a_file_of_junk_lines_is_given_up_after_a_bounded_amount_of_work(tmp_path, junk):
     """20 MB of one-character lines (the issue: 100 MB took 89 s of CPU): given up after
     ``MAX_JUNK_LINES`` of them, with a problem that says so."""

@@ -98,7 +98,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     _check_largest(record.get("largest_grad"), where)
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
-                         " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
+                         " of numbers, booleans or lists of integers or text, and an 'unread' object of text"
+                         f" (at most {MAX_HEALTH_ITEMS} of each, and of each list's items)")
     key = _bad_key(record, ("kind", "pre_reduction", "mode", "map", "runup"), is_text)
     if key is not None:
         raise InputError(f"{where}: '{key}' must be text")
@@ -319,9 +320,10 @@ def _split_lines(data: bytes) -> Iterator[bytes]:
         start = end
 
 
-# lines that are no record (blank, or not a JSON object) read before a file that holds more of them than
-# records is given up: a file of 100 MB of one-character lines costs these lines, not 50 M of them
-MAX_JUNK_LINES = 1000
+# lines that are no record (blank, not a JSON object, or one that does not parse) read before a file that
+# holds more of them than records is given up: 100 MB of one-character lines cost these lines (a few
+# milliseconds), not 50 M of them; a file of records torn by a few thousand bad lines is still read whole
+MAX_JUNK_LINES = 10_000
 
 
 def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
@@ -330,23 +332,24 @@ def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
         start, offset = offset, offset + len(raw)
         first = raw[:1]
         if first != b"{" and (not first.isspace() or raw.lstrip()[:1] != b"{"):  # no record: not parsed
-            junk += 1
-            if junk > MAX_JUNK_LINES and junk > good:
-                yield Line(number, start, None, f"{path}:{number}: given up: {junk} of its first {number}"
-                                                " lines are no record (a records file holds one JSON object"
-                                                " a line)")
-                return
-            if not raw.isspace():  # never empty: a file's lines, or _split_lines'
-                yield Line(number, start, None, f"{path}:{number}: not a JSON object")
-            continue
-        cut_short = not raw.endswith(b"\n")
-        try:
-            yield Line(number, start, _parse_line(raw, path, number), None)
-            good += 1
-        except InputError as exc:
-            junk += 1
-            yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
-                                            " writing it)" if cut_short else str(exc))
+            problem = None if raw.isspace() else f"{path}:{number}: not a JSON object"
+        else:
+            try:
+                record = _parse_line(raw, path, number)
+            except InputError as exc:
+                problem = (f"{path}:{number}: truncated last line (the rank died while writing it)"
+                           if not raw.endswith(b"\n") else str(exc))
+            else:
+                good += 1
+                yield Line(number, start, record, None)
+                continue
+        junk += 1
+        if junk > MAX_JUNK_LINES and junk > good:
+            yield Line(number, start, None, f"{path}:{number}: given up: {junk} of its first {number} lines"
+                                            " are no record (a records file holds one JSON object a line)")
+            return
+        if problem is not None:
+            yield Line(number, start, None, problem)
 
 
 def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:
