@@ -120,6 +120,53 @@ def test_any_field_of_any_document_of_a_real_run_mutated_gives_a_bounded_result_
         file.write_bytes(saved)
 
 
+def _list_fields(root: Path) -> List[Tuple[str, str, int, Tuple]]:
+    """The fields of ``_fields`` that hold a list in the real runs (each list at its first element)."""
+    found = []
+    for run, relative, number, path in _fields(root):
+        file = root / run / relative
+        value = json.loads(file.read_text().splitlines()[number] if number >= 0 else file.read_text())
+        for key in path:
+            value = value[key]
+        if isinstance(value, list):
+            found.append((run, relative, number, path))
+    return found
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_list_of_a_real_run_100000_long_gives_a_bounded_report(real_runs, data):
+    """The text lists the first few of each list and counts the rest; ``--json`` holds at most what the
+    readers keep (1,024 parameters a record) or refuses the file as a listed problem."""
+    run, relative, number, path = data.draw(st.sampled_from(_list_fields(real_runs)), label="list")
+    file = real_runs / run / relative
+    saved = file.read_bytes()
+    try:
+        lines = saved.decode().splitlines()
+        document = json.loads(lines[number] if number >= 0 else saved)
+        current = document
+        for key in path:
+            current = current[key]
+        text = json.dumps(_mutated(document, path, [current[0] if current else 0] * 100_000))
+        if number >= 0:
+            lines[number] = text
+            text = "\n".join(lines) + "\n"
+        file.write_text(text)
+        for command in (["report", str(real_runs / run)], ["report", str(real_runs / run), "--json"]):
+            started = time.process_time()
+            code, out, err = cli(*command)
+            where = f"{run}/{relative}:{number + 1}{list(path)} {command[1:]}"
+            assert_clean_outcome(code, out, err, where)
+            assert time.process_time() - started < 20, where
+            if "--json" in command:
+                assert out.count("\n") < 40_000 and len(out) < 3_000_000, (where, out.count("\n"), len(out))
+            else:
+                assert out.count("\n") < MAX_LINES and max(map(len, out.split("\n"))) < 3000, where
+    finally:
+        file.write_bytes(saved)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [("data", "rerun", "module"), ("data", "rerun", "micro_batch"),
                                   ("data", "rerun", "class")])
@@ -174,6 +221,21 @@ def test_100000_listed_parameters_give_a_bounded_report_in_bounded_time(tmp_path
             assert incident["origin"][0]["params_total"] == count
         else:
             assert out.count("\n") < MAX_LINES and "99999 more parameter(s)" in out, out
+
+
+def test_4000_origin_ranks_give_a_bounded_report_and_a_one_line_capture_setting(tmp_path):
+    """Every rank of a 4,000-rank job an origin, every other one in a second run directory: each section
+    of the text lists the first few, and the capture setting names the ranks in a range."""
+    for name, step in (("consecutive", 1), ("scattered", 2)):
+        size = 4_000 * step
+        documents = [a_record(rank={**coords(0), "global_rank": rank, "world_size": size, "tp": rank % 2,
+                                    "dp": rank // 2, "dp_size": size // 2})
+                     for rank in range(0, size, step)]
+        run_dir = write_run(tmp_path / name, {f"records/{rank_tag(coords(0))}.jsonl": b"".join(
+            as_record_line(document) + b"\n" for document in documents)})
+        code, out, err = cli("report", str(run_dir))
+        assert code == 0 and out.count("\n") < MAX_LINES and max(map(len, out.split("\n"))) < 300, out
+        assert f"GRADNAN_CAPTURE_RANKS=0-{size - step}\n" in out, out
 
 
 def test_an_nvml_list_longer_than_nvml_gives_is_a_listed_problem(tmp_path):

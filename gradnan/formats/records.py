@@ -25,7 +25,7 @@ from typing import (
 
 from ..errors import InputError
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
-from .rerun_record import check_rerun
+from .rerun_record import MAX_DIMS, check_rerun
 from .schema import (
     Schema,
     check_rank,
@@ -119,7 +119,6 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
 # a record's offending parameters kept by a reader, in the order written (backward order: the first to go
 # bad); the writer lists 64 (max_params_per_record): a file listing 100,000 costs the report no more
 MAX_PARAMS_READ = 1024
-MAX_DIMS = 64  # a tensor index has at most this many dimensions (torch allows 64)
 
 
 def _is_index(value: Any) -> bool:
@@ -200,10 +199,10 @@ def _check_largest(largest: Any, where: str) -> None:
         return
     if not (isinstance(largest, dict) and is_text(largest.get("name")) and is_stat(largest.get("value"))
             and all(optional(largest.get(key), is_int) for key in ("id", "flat"))
-            and isinstance(largest.get("index"), list) and all(is_int(i) for i in largest["index"])
+            and _is_index(largest.get("index"))
             and isinstance(largest.get("overflows"), bool)):
         raise InputError(f"{where}: 'largest_grad' needs a text 'name', a numeric 'value', an 'index' list of"
-                         " integers and a boolean 'overflows'")
+                         f" at most {MAX_DIMS} integers and a boolean 'overflows'")
 
 
 MAX_HEALTH_ITEMS = 256  # items of one NVML list (XID errors, throttle reasons): NVML reports a few
