@@ -60,7 +60,8 @@ def untrusted(text: Any, limit: int = MAX_VALUE) -> str:
     return text.replace(" ", GLUE)
 
 
-MAX_MESSAGE = 1000  # characters of one error message; the middle of a longer one is dropped, the count said
+MAX_MESSAGE = 2000  # characters of one error message (the longest gradnan words: 1,100); the middle of a
+# longer one is dropped, the count said
 
 
 def message_line(text: Any) -> str:
