@@ -202,6 +202,7 @@ def _params(names: List[str]) -> List[dict]:
              "numel": 8, "order": i} for i, name in enumerate(names)]
 
 
+@pytest.mark.slow  # 25 MB of records written and read twice: 20 s
 def test_100000_listed_parameters_give_a_bounded_report_in_bounded_time(tmp_path):
     """A map and two records (pre-reduction, grad norm) of rank 0 listing 100,000 offending parameters
     with their counts: the issue measured 53 s for the text and 114 s and 705 MB for ``--json``."""
