@@ -34,7 +34,7 @@ DESCRIPTION = ("Forensics for a Megatron-LM run whose grad norm went NaN or Inf:
                " 'gradnan report RUN_DIR'. Bad input: one line on stderr, exit code 2.")
 SELFTEST = ("Confirm or clear a suspect GPU: every rank checks its arithmetic against the others' and the"
             " collectives between them. Launch it like training, one process per GPU: torchrun"
-            " --nproc_per_node=N -m gradnan selftest --out RUN_DIR (docs/selftest.md).")
+            " --nproc_per_node=N --no-python gradnan selftest --out RUN_DIR (docs/selftest.md).")
 
 
 PICTURE_FORMATS = ("png", "svg", "pdf")  # matplotlib's formats that run no other program (not pgf: LaTeX)

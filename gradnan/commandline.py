@@ -9,7 +9,7 @@ from typing import NoReturn, Optional, TextIO
 
 from .config.sources import parse_bool
 from .errors import GradnanError, UsageError
-from .formats.text import printable, printable_lines, shell_word
+from .formats.text import message_line, printable, printable_lines, shell_word
 
 __all__ = ["printable", "printable_lines", "shell_word"]  # the escaping every command's output goes through
 
@@ -57,5 +57,5 @@ def say(text: str, file: Optional[TextIO] = None) -> None:
 def bad_input(program: str, error: GradnanError) -> int:
     """Say what was wrong in one line on stderr; the exit code for bad input."""
     message = str(error) if isinstance(error, ArgumentError) else f"{program}: error: {error}"
-    print(printable(message), file=sys.stderr)  # one line whatever the message holds (a path with a newline)
+    print(message_line(message), file=sys.stderr)  # one line whatever it holds (a path with a newline)
     return EXIT_BAD_INPUT

@@ -233,3 +233,24 @@ def changed(tmp_path_factory):
         return script
 
     return wrapper
+
+
+@pytest.fixture(scope="session")
+def real_runs(tmp_path_factory) -> Path:
+    """Three run directories, under the returned folder: ``data``, a forward failure in megatron-core's mock
+    data with its rerun, samples, kept micro-batch and bundle; ``device``, a transient one with NVML's
+    reading of the device; ``synthetic``, a self-test result, a probe and a bundle (every other kind). For
+    the tests that plant hostile values in every field of what real runs write (one launch for them all)."""
+    from gradnan.testing.toy import launch_many
+
+    from .test_device_health import TRANSIENT
+    from .test_samples import BASE
+    from .test_untrusted import run_files, valid_documents, write_run
+
+    root = tmp_path_factory.mktemp("real_runs")
+    launch_many([
+        BASE.with_(poisoned_samples=(13,), gradnan={"out_dir": str(root / "data"), "frames": "detect"}),
+        TRANSIENT.with_(gradnan={"out_dir": str(root / "device")},
+                        prepare="tests.test_device_health:stand_in_nvml")])
+    write_run(root / "synthetic", run_files(valid_documents()))
+    return root

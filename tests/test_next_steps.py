@@ -35,13 +35,13 @@ def test_a_transient_fault_names_the_device_to_drain_and_the_self_test_for_its_n
     assert [step.action.value for step in steps] == ["drain", "selftest"]
     assert steps[0].text == "drain node00272 cuda:1 (rank 9): take its node out of the job before restarting"
     assert steps[0].command is None
-    assert steps[1].command == ("torchrun", "--nproc_per_node=2", "-m", "gradnan", "selftest", "--out",
-                                "/run")  # the job ran two ranks on node00272
+    assert steps[1].command == ("torchrun", "--nproc_per_node=2", "--no-python", "gradnan", "selftest",
+                                "--out", "/run")  # the job ran two ranks on node00272
     assert document[1] == {"action": "selftest", "text": steps[1].text, "command": list(steps[1].command),
                            "health": []}  # NVML's readings are beside the drain
     section = text.split("Next:\n")[1].split("Evidence:")[0]
     assert section.startswith(f"  1. {steps[0].text}\n"), text
-    assert "\n     torchrun --nproc_per_node=2 -m gradnan selftest --out /run\n" in section, text
+    assert "\n     torchrun --nproc_per_node=2 --no-python gradnan selftest --out /run\n" in section, text
     assert "node00001" not in section
 
 

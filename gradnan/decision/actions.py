@@ -87,7 +87,8 @@ def _selftest(with_health: bool) -> ActionRule:
         for host in dict.fromkeys(host for host, _ in s.devices()):
             processes = sum(1 for coords in s.ranks.values() if coords.get("host") == host) or 1
             steps.append(NextStep(Action.SELFTEST, Action.SELFTEST.wording(f"{untrusted(host)}'s devices"), (
-                "torchrun", f"--nproc_per_node={processes}", "-m", "gradnan", "selftest", "--out", s.run_dir),
+                "torchrun", f"--nproc_per_node={processes}", "--no-python", "gradnan", "selftest", "--out",
+                s.run_dir),
                 health=tuple(reading for reading in s.health
                              if with_health and reading.rank.get("host") == host)))
         return tuple(steps)

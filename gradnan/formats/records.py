@@ -26,7 +26,7 @@ from typing import (
 
 from ..errors import InputError
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
-from .rerun_record import check_rerun
+from .rerun_record import MAX_DIMS, check_rerun
 from .schema import (
     Schema,
     check_rank,
@@ -86,6 +86,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     params = record.get("params")
     if not isinstance(params, list):
         raise InputError(f"{where}: a record needs a 'params' list")
+    if len(params) > MAX_PARAMS_READ:  # the rest are counted in params_total: the writer caps them so too
+        params = record["params"] = params[:MAX_PARAMS_READ]
     for position, entry in enumerate(params):
         if not _is_param(entry):
             raise InputError(f"{where}: params[{position}] needs a text 'name', integer counts, a numeric"
@@ -103,7 +105,8 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     _check_largest(record.get("largest_grad"), where)
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"
-                         " of numbers, booleans or lists of integers or text, and an 'unread' object of text")
+                         " of numbers, booleans or lists of integers or text, and an 'unread' object of text"
+                         f" (at most {MAX_HEALTH_ITEMS} of each, and of each list's items)")
     if not optional(record.get("pipeline_links"), _is_links):
         raise InputError(f"{where}: 'pipeline_links' needs an object whose keys are among"
                          f" {', '.join(LINK_DIRECTIONS)}, each an object with integer 'transfers' and"
@@ -128,7 +131,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     return record
 
 
-MAX_DIMS = 64  # a tensor index has at most this many dimensions (torch allows 64)
+# a record's offending parameters kept by a reader, in the order written (backward order: the first to go
+# bad); the writer lists 64 (max_params_per_record): a file listing 100,000 costs the report no more
+MAX_PARAMS_READ = 1024
 
 
 def _is_index(value: Any) -> bool:
@@ -201,6 +206,8 @@ def _is_rows(value: Any) -> bool:
 
 def _check_state(record: Dict[str, Any], where: str) -> None:
     faults = record.get("optimizer_state")
+    if isinstance(faults, list) and len(faults) > MAX_PARAMS_READ:  # optimizer_state_total counts them
+        faults = record["optimizer_state"] = faults[:MAX_PARAMS_READ]
     if (not all(entry.get("copy") in WEIGHT_COPIES for entry in record["params"])
             or not is_text(record.get("weights_digest"))
             or not optional(record.get("launch_weights_finite"), lambda v: isinstance(v, bool))
@@ -292,15 +299,19 @@ def _check_largest(largest: Any, where: str) -> None:
         return
     if not (isinstance(largest, dict) and is_text(largest.get("name")) and is_stat(largest.get("value"))
             and all(optional(largest.get(key), is_int) for key in ("id", "flat"))
-            and isinstance(largest.get("index"), list) and all(is_int(i) for i in largest["index"])
+            and _is_index(largest.get("index"))
             and isinstance(largest.get("overflows"), bool)):
         raise InputError(f"{where}: 'largest_grad' needs a text 'name', a numeric 'value', an 'index' list of"
-                         " integers and a boolean 'overflows'")
+                         f" at most {MAX_DIMS} integers and a boolean 'overflows'")
+
+
+MAX_HEALTH_ITEMS = 256  # items of one NVML list (XID errors, throttle reasons): NVML reports a few
 
 
 def _is_health_value(value: Any) -> bool:
     return isinstance(value, bool) or is_finite(value) or (
-        isinstance(value, list) and all(is_int(item) or is_text(item) for item in value))
+        isinstance(value, list) and len(value) <= MAX_HEALTH_ITEMS
+        and all(is_int(item) or is_text(item) for item in value))
 
 
 def is_device_health(health: Any) -> bool:
@@ -308,7 +319,8 @@ def is_device_health(health: Any) -> bool:
     device at the incident. The report prints its values: each must be a plain number, a boolean or a
     list of integers or text, named by text."""
     if not (isinstance(health, dict) and is_text(health.get("source"))
-            and all(isinstance(health.get(key), dict) for key in ("device", "values", "unread"))):
+            and all(isinstance(health.get(key), dict) and len(health[key]) <= MAX_HEALTH_ITEMS
+                    for key in ("device", "values", "unread"))):
         return False
     device, values, unread = health["device"], health["values"], health["unread"]
     return (optional(device.get("index"), is_int) and all(optional(device.get(key), is_text)
@@ -368,16 +380,16 @@ class Line(NamedTuple):
     problem: Optional[str]
 
 
-def _decode(raw: bytes, path: Path) -> str:
+def _decode(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise InputError(f"{path}: not UTF-8 text") from None
+        raise InputError(f"{where}: not UTF-8 text") from None
 
 
-def _parse_line(text: str, path: Path, number: int) -> Dict[str, Any]:
+def _parse_line(raw: bytes, path: Path, number: int) -> Dict[str, Any]:
     where = f"{path}:{number}"
-    return from_json(parse_json(text, where), where)
+    return from_json(parse_json(_decode(raw, where), where), where)
 
 
 SMALL_FILE = 1 << 20  # a records file up to this size is read at once, a larger one line by line
@@ -387,8 +399,9 @@ def stream(path: Path) -> Iterator[Line]:
     """The lines of one rank's file, read one at a time (a file of any size in the memory of one line;
     one of at most ``SMALL_FILE`` bytes read at once: 131,072 ranks' files cost a read each).
 
-    A last line without its newline is a record cut short (the process died while writing it). Bytes
-    that are not UTF-8 raise InputError for the whole file."""
+    A last line without its newline is a record cut short (the process died while writing it); a line
+    that is not UTF-8 is a problem of its own. A file that holds more lines that are no record than records
+    is given up after ``MAX_JUNK_LINES`` of them, with a problem that says so."""
     data = read_if_small(path, SMALL_FILE)
     if data is not None:
         yield from _lines(path, _split_lines(data))
@@ -406,28 +419,43 @@ def _split_lines(data: bytes) -> Iterator[bytes]:
         start = end
 
 
+# lines that are no record (blank, not a JSON object, or one that does not parse) read before a file that
+# holds more of them than records is given up: 100 MB of one-character lines cost these lines (a few
+# milliseconds), not 50 M of them; a file of records torn by a few thousand bad lines is still read whole
+MAX_JUNK_LINES = 10_000
+
+
 def _lines(path: Path, raws: Iterable[bytes]) -> Iterator[Line]:
-    offset = 0
+    offset, junk, good = 0, 0, 0
     for number, raw in enumerate(raws, start=1):
         start, offset = offset, offset + len(raw)
-        if raw.isspace():  # never empty: a file's lines, or _split_lines'
-            continue
-        text = _decode(raw, path)
-        cut_short = not raw.endswith(b"\n")
-        try:
-            if not text.lstrip().startswith("{"):  # no record: told without a JSON parser's exception
-                raise InputError(f"{path}:{number}: not a JSON object")
-            yield Line(number, start, _parse_line(text, path, number), None)
-        except InputError as exc:
-            yield Line(number, start, None, f"{path}:{number}: truncated last line (the rank died while"
-                                            " writing it)" if cut_short else str(exc))
+        first = raw[:1]
+        if first != b"{" and (not first.isspace() or raw.lstrip()[:1] != b"{"):  # no record: not parsed
+            problem = None if raw.isspace() else f"{path}:{number}: not a JSON object"
+        else:
+            try:
+                record = _parse_line(raw, path, number)
+            except InputError as exc:
+                problem = (f"{path}:{number}: truncated last line (the rank died while writing it)"
+                           if not raw.endswith(b"\n") else str(exc))
+            else:
+                good += 1
+                yield Line(number, start, record, None)
+                continue
+        junk += 1
+        if junk > MAX_JUNK_LINES and junk > good:
+            yield Line(number, start, None, f"{path}:{number}: given up: {junk} of its first {number} lines"
+                                            " are no record (a records file holds one JSON object a line)")
+            return
+        if problem is not None:
+            yield Line(number, start, None, problem)
 
 
 def load_at(path: Path, number: int, offset: int) -> Dict[str, Any]:
     """The record on line ``number`` that starts at byte ``offset`` (as ``stream`` found it)."""
     with open_regular(path) as handle:
         handle.seek(offset)
-        return _parse_line(_decode(handle.readline(), path), path, number)
+        return _parse_line(handle.readline(), path, number)
 
 
 def load(path: Path) -> Tuple[List[Dict[str, Any]], List[str]]:

@@ -51,10 +51,10 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
                          " and 'grew_in' absent, null or an object with text 'module'/'class'/'dtype',"
                          " integer 'call', finite 'output_abs_max'/'inputs_abs_max' and boolean"
                          " 'near_limit', 'samples' absent, null or an object with integer 'consumed',"
-                         " 'data_parallel_rank'/'data_parallel_size' and 'indices'/'sources' null or lists,"
-                         " 'nonfinite_at' absent, null or an object with integer 'output' and"
-                         " 'shape'/'index' lists of integers, and 'reduction' absent, null or one of"
-                         f" {', '.join(REDUCTION_FINDINGS)}")
+                         " 'data_parallel_rank'/'data_parallel_size' and 'indices'/'sources' null or lists"
+                         f" (at most {MAX_SAMPLES}), 'nonfinite_at' absent, null or an object with integer"
+                         f" 'output' and 'shape'/'index' lists of at most {MAX_DIMS} integers, and"
+                         f" 'reduction' absent, null or one of {', '.join(REDUCTION_FINDINGS)}")
 
 
 def _concluded(record: Dict[str, Any]) -> bool:
@@ -76,14 +76,19 @@ def is_growth(grew_in: Any) -> bool:
             and isinstance(grew_in.get("near_limit"), bool))
 
 
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(is_int(item) for item in value)
+MAX_DIMS = 64  # a tensor's dimensions (torch allows 64): an index or a shape
+MAX_SAMPLES = 1024  # samples of one micro-batch, documents packed into one sample: far above real batches
+
+
+def _int_list(value: Any, most: int = MAX_SAMPLES) -> bool:
+    return isinstance(value, list) and len(value) <= most and all(is_int(item) for item in value)
 
 
 def is_element(element: Any) -> bool:
     """A ``rerun`` record's ``nonfinite_at``: the origin output's first non-finite element (optional)."""
-    return (isinstance(element, dict) and is_int(element.get("output")) and _int_list(element.get("shape"))
-            and _int_list(element.get("index")) and len(element["index"]) == len(element["shape"]))
+    return (isinstance(element, dict) and is_int(element.get("output"))
+            and _int_list(element.get("shape"), MAX_DIMS) and _int_list(element.get("index"), MAX_DIMS)
+            and len(element["index"]) == len(element["shape"]))
 
 
 def _is_source(source: Any) -> bool:
@@ -102,4 +107,5 @@ def is_samples(samples: Any) -> bool:
             and all(optional(samples.get(key), is_text) for key in ("sampler", "not_derived"))
             and optional(samples.get("micro_batch_size"), is_int)
             and optional(samples.get("indices"), _int_list)
-            and optional(samples.get("sources"), lambda v: isinstance(v, list) and all(map(_is_source, v))))
+            and optional(samples.get("sources"),
+                         lambda v: isinstance(v, list) and len(v) <= MAX_SAMPLES and all(map(_is_source, v))))

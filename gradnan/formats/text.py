@@ -60,6 +60,18 @@ def untrusted(text: Any, limit: int = MAX_VALUE) -> str:
     return text.replace(" ", GLUE)
 
 
+MAX_MESSAGE = 2000  # characters of one error message (the longest gradnan words: 1,100); the middle of a
+# longer one is dropped, the count said
+
+
+def message_line(text: Any) -> str:
+    """An error message, which may quote a file's values (a leaf name, a path, a reason), as the one line
+    ``bad_input`` prints: what ``untrusted`` makes of a value (escaped, each run of spaces as one, cut in
+    the middle), at a message's length. A run of spaces in a file's value cannot push a fake command to
+    the start of a terminal's row on this path either."""
+    return unglued(untrusted(text, MAX_MESSAGE))
+
+
 def listing(items: Iterable[Any], limit: int = MAX_LISTED) -> str:
     """Items from a file as a text lists them: the first ``limit`` (each ``untrusted``), then the count."""
     items = list(items)
@@ -95,8 +107,10 @@ def shell_word(value: Any) -> str:
     """``value`` (a path, a name) quoted for a POSIX shell, as a command the user copies needs it: a path
     with a space or a ``;`` stays one argument and runs nothing (``shlex.quote``), and is never broken by
     ``wrap``. A value that is not printable or holds a run of spaces is written in bash's ``$'...'`` form
-    (every space ``\\x20``, a control character ``\\x1b``): still the same path to bash and zsh, and no
-    run of spaces that could push a value's text to the start of a line."""
+    with byte escapes (every space ``\\x20``, a control character ``\\x1b``, U+202E as its UTF-8 bytes
+    ``\\xe2\\x80\\xae``): still the same path to bash and zsh in every locale (a ``\\u`` escape is
+    encoded in the shell's own locale: under ``LANG=C`` it names another file), and no run of spaces that
+    could push a value's text to the start of a line."""
     text = str(value)
     if text.isprintable() and "  " not in text:
         return shlex.quote(text).replace(" ", GLUE)
@@ -104,13 +118,17 @@ def shell_word(value: Any) -> str:
 
 
 def _ansi_c(character: str) -> str:
-    """One character inside bash's ``$'...'`` quoting."""
+    """One character inside bash's ``$'...'`` quoting: itself where printable, else its bytes (UTF-8, or
+    the byte a file name's undecodable byte stands for) as ``\\xNN``."""
     if character in "\\'":
         return "\\" + character
     if character.isprintable() and character != " ":
         return character
-    code = ord(character)
-    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    try:
+        data = character.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        data = character.encode("utf-8", "surrogatepass")
+    return "".join(f"\\x{byte:02x}" for byte in data)
 
 
 class PlainSpaces(logging.Filter):

@@ -6,7 +6,7 @@ origin is decided by ``decision.origin``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...formats.incident import GradientPass
 from ...formats.layout import shown_axes
@@ -77,4 +77,23 @@ def capture_settings(pattern: Pattern, origin: Sequence[View], step: int,
         return None
     return {"GRADNAN_CAPTURE_MODULES": module_of(pattern.first_in_backward),
             "GRADNAN_CAPTURE_STEPS": str(iteration if isinstance(iteration, int) else step),
-            "GRADNAN_CAPTURE_RANKS": ",".join(str(e["global_rank"]) for e in origin)}
+            "GRADNAN_CAPTURE_RANKS": capture_ranks([e["global_rank"] for e in origin])}
+
+
+MAX_RANK_RUNS = 8  # runs of consecutive ranks one capture setting names; more: the span of them all
+
+
+def capture_ranks(ranks: Sequence[int]) -> str:
+    """``GRADNAN_CAPTURE_RANKS`` for ``ranks`` in the option's syntax (``0,4-7``): each run of three or more
+    consecutive ranks as a range; more than ``MAX_RANK_RUNS`` runs (20,000 scattered origin ranks), the
+    span from the first to the last, a capture on a few more ranks in a setting of one line."""
+    runs: List[List[int]] = []  # [first, last] of each run
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    if len(runs) > MAX_RANK_RUNS:
+        return f"{runs[0][0]}-{runs[-1][1]}"
+    return ",".join(f"{first}-{last}" if last - first >= 2 else ",".join(map(str, range(first, last + 1)))
+                    for first, last in runs)

@@ -83,17 +83,17 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         megatron=megatron[0].conclusion if megatron else None, conclusion=Conclusion(strongest.conclusion),
         concluded_by=strongest.ranks, own_failure=strongest.own_failure, conclusions=tuple(conclusions),
         megatron_split=tuple(megatron) if len(megatron) > 1 else (),
-        module=first["module"] if first else None, module_class=first["class"] if first else None,
+        module=first.get("module") if first else None, module_class=first.get("class") if first else None,
         rank=rank_view(first["rank"]) if first else None,
-        micro_batch=first["micro_batch"] if first else next(
+        micro_batch=first.get("micro_batch") if first else next(
             (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None
              and conclusion_of(r).value == strongest.conclusion), None),
         output_abs_max=first.get("output_abs_max") if first else None,
         bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
         batch=batch["path"] if batch else None,
-        origins=tuple({**rank_view(r["rank"]), "module": r["module"], "reduction": r.get("reduction")}
+        origins=tuple({**rank_view(r["rank"]), "module": r.get("module"), "reduction": r.get("reduction")}
                       for r in origins),
-        receivers=tuple({**rank_view(r["rank"]), "module": r["module"]} for r in at_step
+        receivers=tuple({**rank_view(r["rank"]), "module": r.get("module")} for r in at_step
                         if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)),
         origins_absent=_origins_absent(at_step))
