@@ -17,7 +17,7 @@ import pytest
 from gradnan.formats.incident import Cause
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
-from gradnan.testing.plants import LINKS, Plant, coordinates, expert_of, holds, sender_stage
+from gradnan.testing.plants import LEARNING_RATE, LINKS, Plant, coordinates, expert_of, holds, sender_stage
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob
 
@@ -72,6 +72,8 @@ def _all_plants():
                     micro_batch = job.micro_batches - 1 if cause is Cause.LOSS else 0
                     plants.append(Plant(cause, job, target, where, step, micro_batch))
         plants += [Plant(Cause.WEIGHTS, job, ROW[0], where, 2, row=ROW[1]) for where in wheres]
+        if not (job.dtype == "fp16" or job.rerun_mode):  # a broken schedule's rate (issue 48, case 3)
+            plants.append(Plant(Cause.OPTIMIZER_UPDATE, job, LEARNING_RATE))
         # a loss function that reports a finite value and hands backward a NaN (issue 48, case 4)
         plants += [Plant(Cause.LOSS, job, "", where, 2, job.micro_batches - 1, after_report=True)
                    for where in wheres if not where[0]]
@@ -90,7 +92,7 @@ def _sample(plants, seed: int):
     rng.shuffle(pool)
     chosen = []
     for wanted in [*(p for p in Cause if p is not Cause.UNDETERMINED), *PARAMETERS, *MODULES, *ROW_PARALLEL,
-                   *(job for job in LAYOUTS), ROW[1], "after_report"]:
+                   *(job for job in LAYOUTS), ROW[1], "after_report", LEARNING_RATE]:
         if any(wanted in _marks(plant) for plant in chosen):
             continue
         chosen.append(next(p for p in pool if wanted in _marks(p)))
@@ -144,6 +146,8 @@ def _named(plant, incident) -> bool:
     if plant.cause is Cause.REPLICA_DIVERGENCE:
         return plant.target in {weight["name"] for entry in incident.origin
                                 for weight in entry.get("diverged", [])}
+    if plant.target == LEARNING_RATE:
+        return incident.verdict.rule == "learning_rate"
     if plant.cause is Cause.OPTIMIZER_UPDATE:
         return plant.target in {fault["name"] for entry in incident.origin
                                 for fault in entry.get("optimizer_state", [])}
@@ -240,6 +244,7 @@ def test_the_sample_holds_every_cause_layout_and_layer_kind():
     assert {plant.cause for plant in PLANTS} == set(Cause) - {Cause.UNDETERMINED}
     assert {plant.job for plant in PLANTS} == {*LAYOUTS, EP.with_(world_size=4), PP_TP, VIRTUAL}
     assert any(plant.row is not None for plant in PLANTS) and any(plant.after_report for plant in PLANTS)
+    assert any(plant.target == LEARNING_RATE for plant in PLANTS)
     assert {plant.target for plant in PLANTS} >= set(LINKS)
     assert set(PARAMETERS) | set(MODULES) | set(ROW_PARALLEL) <= {plant.target for plant in PLANTS}
     assert all(plant.coordinate in coordinates(plant.job) for plant in PLANTS)

@@ -44,12 +44,13 @@ def holds(job: TinyGPTJob, coordinate: Coordinate, name: str) -> bool:
 
 
 LINKS = ("link:forward", "link:backward")  # a pipeline link's plant: what arrives at the stage ``stage``
+LEARNING_RATE = "learning_rate"  # an optimizer-update plant's target: the schedule's rate, on every rank
 
 
 def stage_of(job: TinyGPTJob, name: str) -> int:
     """The pipeline stage that holds a parameter or module, by its global name (none: the loss's, the
     last; with model chunks, layer l's virtual stage l // layers-per-chunk runs on stage that mod pp)."""
-    if name.startswith("embedding"):
+    if name.startswith("embedding") or name == LEARNING_RATE:  # the rate: every stage's, the first named
         return 0
     if not name or name.startswith(("output_layer", "decoder.final_layernorm")):
         return job.pp - 1
@@ -85,7 +86,9 @@ class Plant:
       range);
     - OPTIMIZER_UPDATE: ``target``'s ``exp_avg_sq`` made negative before the update of ``step``, on the
       rank(s) whose optimizer holds the element (the whole replica ``where`` names without the
-      distributed optimizer; its shard owner with it): the failure comes at ``step + 1``;
+      distributed optimizer; its shard owner with it): the failure comes at ``step + 1``; with ``target``
+      ``LEARNING_RATE``, every rank's learning rate made Inf for that update (a broken schedule): every
+      rank's weights go bad;
     - FORWARD_OP: ``target`` (a module)'s output made Inf on the rank ``where`` names, again when run again;
     - LOSS: micro-batch ``micro_batch``'s loss divides by zero on the replica ``where`` names (with
       ``after_report``, after the loss function reported a finite value: only backward's loss is NaN);
@@ -139,6 +142,9 @@ class Plant:
             planted = ("nan", "weight", 3) if self.row is None else ("1e30", "row", self.row)
             return tuple(Injection(global_rank(self.job, *c), step, target, planted[0], where=planted[1],
                                    index=planted[2]) for c in holders)
+        if cause is Cause.OPTIMIZER_UPDATE and target == LEARNING_RATE:
+            return tuple(Injection(global_rank(self.job, *c), step, "", "inf", where="learning_rate")
+                         for c in coordinates(self.job))
         if cause is Cause.OPTIMIZER_UPDATE:
             return tuple(Injection(global_rank(self.job, *c), step, target, "-1", where="optimizer_state",
                                    index=3) for c in coordinates(self.job) if c[:2] == (tp, pp)
