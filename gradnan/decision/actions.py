@@ -128,11 +128,13 @@ def restart_from(e: Evidence, s: Setting, older_than: str) -> NextStep:
 
 def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the checkpoint the launch resumed from where the weights came with it, else before the step
-    (Megatron-LM's iteration where its loop gives it)."""
+    (Megatron-LM's iteration where its loop gives it). How Megatron-LM loads an earlier one is said once:
+    with a checkpoint known clean, its ``--ckpt-step``."""
     if e.launch_first_step:
         resumed = "" if e.iteration is None else f" (iteration {e.iteration - e.step})"
-        before = (f"the checkpoint this launch resumed from{resumed}, which holds them (Megatron-LM: --load a"
-                  " directory whose latest_checkpointed_iteration.txt names the earlier one)")
+        how = ("" if e.clean_checkpoint is not None else " (Megatron-LM: --load a directory whose"
+               " latest_checkpointed_iteration.txt names the earlier one)")
+        before = f"the checkpoint this launch resumed from{resumed}, which holds them{how}"
     else:
         before = f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
     return (restart_from(e, s, before),)
