@@ -184,3 +184,16 @@ def test_gradnan_checkpoints_without_marks_is_one_line_and_exit_2(tmp_path, caps
     error = capsys.readouterr().err
     assert len(error.strip().splitlines()) == 1 and "no checkpoint marks" in error
     assert main(["checkpoints", str(tmp_path / "absent")]) == 2
+
+
+def test_two_launches_read_as_one_keep_their_saves_apart():
+    """A restart within minutes on the same rendezvous, without a run id, reads as one launch
+    (``split_runs``): both launches' first save is save 1. Seen on pretrain_gpt.py: the restart's save of
+    iteration 6 was counted as a second mark of iteration 1's, and vanished from the list."""
+    restarted = [mark_record(1, 6, rank, 60.0 + rank) for rank in (0, 1)]
+    saves = saves_of(REGULAR + restarted)
+    assert [(save.number, save.iteration, save.ranks, save.clean) for save in saves] == [
+        (1, 1, (0, 1), True), (2, 2, (0, 1), True), (1, 6, (0, 1), True)]
+    again = [mark_record(1, 1, rank, 70.0 + rank) for rank in (0, 1)]  # the same save, again
+    assert [(save.iteration, save.ranks) for save in saves_of(REGULAR + again)] == [
+        (1, (0, 1)), (2, (0, 1)), (1, (0, 1))]

@@ -83,10 +83,7 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
     marks = [record for record in records if record.get("kind") == RecordKind.CHECKPOINT]
     saves = []
     for launch, in_launch in split_runs(marks).items():
-        by_save: Dict[int, List[Dict[str, Any]]] = {}
-        for record in in_launch:
-            by_save.setdefault(record["save"], []).append(record)
-        for number, group in sorted(by_save.items()):
+        for (number, *_), group in sorted(_by_save(in_launch).items(), key=lambda item: item[0][0]):
             group.sort(key=lambda record: record["rank"].get("global_rank", -1))
             first = group[0]
             sizes = [record["rank"].get("world_size") for record in group]
@@ -103,6 +100,20 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
                 unclean_ranks=tuple(record["rank"].get("global_rank") for record in group
                                     if not record["clean"])))
     return sorted(saves, key=lambda save: save.time)
+
+
+def _by_save(marks: Sequence[Dict[str, Any]]) -> Dict[Tuple[Any, ...], List[Dict[str, Any]]]:
+    """A launch's marks by save: its number, iteration and place, and where one rank marked that more than
+    once (two launches that ``split_runs`` could not tell apart, restarted within minutes without a run
+    id), the n-th of each rank's marks in time order as the n-th save."""
+    groups: Dict[Tuple[Any, ...], List[Dict[str, Any]]] = {}
+    marked: Dict[Tuple[Any, ...], int] = {}  # (save key, rank): how many of its marks came before
+    for record in sorted(marks, key=lambda record: record.get("time") or 0.0):
+        key = (record["save"], record.get("saved_iteration"), record.get("checkpoint"))
+        repeat = marked.get((*key, record["rank"].get("global_rank")), 0)
+        marked[(*key, record["rank"].get("global_rank"))] = repeat + 1
+        groups.setdefault((*key, repeat), []).append(record)
+    return groups
 
 
 def _overwritten(save: Save, saves: Sequence[Save]) -> Optional[Save]:
