@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import random
 import shutil
@@ -131,6 +132,9 @@ EP_PLANTS = (Plant(Cause.FORWARD_OP, EP, EXPERT.format(0, 1), (0, 0)),
              Plant(Cause.FORWARD_OP, EP, "decoder.layers.1.self_attention.linear_proj", (0, 1)),
              Plant(Cause.BACKWARD_OP, EP, "decoder.layers.0.self_attention.linear_qkv.weight", (0, 0)))
 PLANTS = (*PLANTS, Plant(Cause.FORWARD_OP, EP.with_(world_size=4), EXPERT.format(0, 3), (0, 3)))
+# issue 48 case 8: records made to contradict each other on a real run (``test_a_planted_conflict...``)
+CONFLICTED = Plant(Cause.WEIGHTS, TP_DP, "decoder.layers.0.mlp.linear_fc1.weight", (1, 1), 2)
+PLANTS = (*PLANTS, CONFLICTED)
 
 
 def _named(plant, incident) -> bool:
@@ -238,6 +242,29 @@ def _wrong(outcomes):
                          f" {incident.verdict.cause.value} ({incident.verdict.rule}) at step {incident.step},"
                          f" origin {sorted(origin)}, expected {sorted(expected.must)}")
     return "\n".join(wrong)
+
+
+def test_a_planted_conflict_between_records_is_undetermined_naming_both_ranks(outcomes, tmp_path):
+    """Case 8 planted on a real run: one replica's weight made NaN (its ``state`` record names it), then
+    its clean peer's record made to report the same weights digest, which equal weights would have: the
+    records contradict each other, and the verdict says so instead of ``one_replica_weights``."""
+    _, _, _, _, run_dir = next(outcome for outcome in outcomes if outcome[0] is CONFLICTED)
+    forged = tmp_path / "run"
+    shutil.copytree(run_dir, forged)
+    states = {r["rank"]["global_rank"]: r for r in read_run(forged).all_records() if r["kind"] == "state"}
+    bad = CONFLICTED.rank
+    peer = next(rank for rank, r in states.items() if r["rank"]["tp"] == states[bad]["rank"]["tp"]
+                and rank != bad)
+    for path in (forged / "records").iterdir():
+        lines = path.read_text().splitlines()
+        edited = [json.dumps({**record, "weights_digest": states[bad]["weights_digest"]})
+                  if record["kind"] == "state" and record["rank"]["global_rank"] == peer else line
+                  for line, record in zip(lines, map(json.loads, lines))]
+        path.write_text("\n".join(edited) + "\n")
+    incident = analyze(read_run(forged)).incident
+    assert (incident.verdict.cause, incident.verdict.rule) == (Cause.UNDETERMINED, "records_conflict")
+    assert f"ranks {min(bad, peer)} and {max(bad, peer)} report equal digests" in incident.verdict.summary
+    assert {entry["global_rank"] for entry in incident.origin} == {bad, peer}
 
 
 def test_the_sample_holds_every_cause_layout_and_layer_kind():
