@@ -169,7 +169,7 @@ def test_a_nan_weight_caught_by_megatrons_loss_check_is_the_weight_not_the_forwa
 def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without_a_rerun(tmp_path):
     """PP=2: only the last stage computes the loss and raises; the first stage waits in its point-to-point
     exchange, so no collective rerun: the record says why, the micro-batch is kept, the report names the
-    rank and the micro-batch."""
+    rank and the micro-batch, and that the NaN came over the link from a stage whose side was not seen."""
     failure = _raised(BASE.with_(pp=2, dtype="bf16", rerun_mode="disabled",
                                  injections=(Injection(0, 2, FIRST_STAGE_CORE, "nan", where="forward"),)),
                       tmp_path)
@@ -184,11 +184,15 @@ def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without
     analysis = analyze(read_run(tmp_path))
     text = format_text(analysis)
     assert text.splitlines()[1].startswith("First failing step: 2  (nonfinite_loss)"), text
-    verdict = analysis.to_json()["incident"]["verdict"]["summary"]
-    assert "rejected a non-finite loss (nan) on rank 1, micro-batch 0" in verdict
-    assert "pipeline parallelism" in verdict and record["batch"]["path"] in verdict
+    # stage 1 received the NaN over the link from stage 0, which died waiting before it wrote anything
+    verdict = analysis.incident.verdict
+    assert (verdict.cause.value, verdict.rule) == ("undetermined", "link_unobserved"), verdict
+    assert "received a non-finite activation over the pipeline link pp0 -> pp1" in verdict.summary
+    assert "rejected a non-finite loss (nan) on rank 1, micro-batch 0" in " ".join(verdict.evidence)
+    [step] = analysis.incident.next_steps  # recording everywhere cannot help: Megatron's rerun, the batch
+    assert "--rerun-mode validate_results" in step.text and step.command[-1] == record["batch"]["path"]
     assert "rank 1 (tp0 pp1 dp0)" in text and "non-finite loss (nan) at micro-batch 0" in text, text
-    assert analysis.incident.origin_basis.value == "loss_check"
+    assert analysis.incident.origin_basis.value == "link_unobserved"
 
 
 def test_validate_results_mode_at_iteration_1_goes_through_the_grad_norm(runs):

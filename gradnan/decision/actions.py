@@ -287,6 +287,17 @@ def decide_rejected_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
                      ("gradnan", "batch", (e.rejected or {})["batch"])),)
 
 
+def decide_link(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    """A link whose sender's side was not observed: where Megatron's loss check raised on the last stage,
+    the other stages died waiting in their exchange and never wrote it (recording everywhere cannot help):
+    Megatron's own rerun runs the step again on every stage, and the kept micro-batch; else record on
+    every stage."""
+    if e.rejected_losses:
+        return decide_rejected_loss(e, s, so_far)
+    return decide_by("rerun from the last checkpoint with gradnan recording on every pipeline stage (its"
+                     " default), so the sender's side of the link is checked too")(e, s, so_far)
+
+
 def next_steps(actions: Sequence[ActionRule], e: Evidence, s: Setting) -> Steps:
     """The steps of a rule's ``actions``, in its order."""
     steps: Steps = ()

@@ -183,8 +183,7 @@ RULES: Tuple[Rule, ...] = (
          " there not observed",
          lambda e: bool(e.links_unobserved), lambda e: tuple(found.receiver for found in e.links_unobserved),
          say.link_unobserved,
-         (act.decide_by("rerun from the last checkpoint with gradnan recording on every pipeline stage (its"
-                        " default), so the sender's side of the link is checked too"),)),
+         (act.decide_link,), basis=OriginBasis.LINK_UNOBSERVED),
     Rule("tensor_parallel_collective", Cause.COLLECTIVE, _RERUN,
          "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
          lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, _rerun_origins,

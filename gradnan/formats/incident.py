@@ -270,6 +270,9 @@ class OriginBasis(str, enum.Enum):
     (``replica_divergence``)."""
     LINK = "link"
     """The two ends of a pipeline link: the sender sent a finite tensor, the receiver got a non-finite one."""
+    LINK_UNOBSERVED = "link_unobserved"
+    """The receiving end of a pipeline link that delivered a non-finite tensor, what its sender sent there
+    not observed: a receiver, named because nothing upstream was seen."""
     CONFLICT = "conflict"
     """Their records contradict another record of the step: nothing is concluded from them."""
     NONE = "none"
@@ -282,6 +285,8 @@ class OriginBasis(str, enum.Enum):
 
 _BASIS_TEXT = {
     OriginBasis.LINK: "an end of the pipeline link: sent finite, received non-finite",
+    OriginBasis.LINK_UNOBSERVED: "the receiving end of a pipeline link: received non-finite, what its sender"
+                                 " sent there not observed",
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
