@@ -278,18 +278,15 @@ def expected_first(trace: dict, operator: str, uninitialized: list) -> object:
 
 
 def assert_each_operator_changed_alone_is_the_first_difference(bundle: Path, changed,
-                                                              unseen: frozenset = frozenset(),
-                                                              covered: frozenset = frozenset()) -> None:
-    """For every distinct operator the bundle's trace calls (but those ``covered`` by another bundle's
-    sweep, where it is one of its modules: each changed environment is a second of torch's import), an
-    environment changing only that operator
+                                                              unseen: frozenset = frozenset()) -> None:
+    """For every distinct operator the bundle's trace calls, an environment changing only that operator
     (``changed``): its first difference against the capture is that operator's first call whose outputs
     are compared and which the change alters (``expected_first``), nothing before it; the environment is
     shown by the wrapper given and the interpreter that ran. No call of an operator can show the change
     only for the buffer's, ``_local_scalar_dense`` (no tensor) and ``unseen``."""
     trace = trace_of(bundle)
     uninitialized = buffer_indices(trace)
-    operators = sorted({op["op"] for op in trace["ops"]} - covered)
+    operators = sorted({op["op"] for op in trace["ops"]})
     found = {}
     for start in range(0, len(operators), 8):  # at most 8 environments in one comparison
         group = operators[start:start + 8]
@@ -308,11 +305,7 @@ def assert_each_operator_changed_alone_is_the_first_difference(bundle: Path, cha
 @pytest.mark.parametrize("which", sorted(FIRST_CALL_MODULES))
 def test_each_operator_changed_alone_is_the_first_difference_and_nothing_before_it(first_call_bundles,
                                                                                     changed, which):
-    """The whole layer's sweep leaves out the operators its attention's sweep changes already."""
-    covered = (frozenset(op["op"] for op in trace_of(first_call_bundles["attention"])["ops"])
-               if which == "layer" else frozenset())
-    assert_each_operator_changed_alone_is_the_first_difference(first_call_bundles[which], changed,
-                                                               covered=covered)
+    assert_each_operator_changed_alone_is_the_first_difference(first_call_bundles[which], changed)
 
 
 def test_a_venv_python_given_through_a_link_runs_in_its_venv_and_both_paths_are_shown(mlp_bundle,
