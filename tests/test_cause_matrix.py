@@ -132,6 +132,9 @@ EP_PLANTS = (Plant(Cause.FORWARD_OP, EP, EXPERT.format(0, 1), (0, 0)),
              Plant(Cause.FORWARD_OP, EP, "decoder.layers.1.self_attention.linear_proj", (0, 1)),
              Plant(Cause.BACKWARD_OP, EP, "decoder.layers.0.self_attention.linear_qkv.weight", (0, 0)))
 PLANTS = (*PLANTS, Plant(Cause.FORWARD_OP, EP.with_(world_size=4), EXPERT.format(0, 3), (0, 3)))
+# under fp16 the step is not run again with experts (whether an overflow is an incident may differ between
+# replicas): an honest undetermined, not the receiver's gradients read as a backward operator
+FP16_EXPERT = Plant(Cause.FORWARD_OP, EP.with_(dtype="fp16"), EXPERT.format(0, 2), (0, 1))
 # issue 48 case 8: records made to contradict each other on a real run (``test_a_planted_conflict...``)
 CONFLICTED = Plant(Cause.WEIGHTS, TP_DP, "decoder.layers.0.mlp.linear_fc1.weight", (1, 1), 2)
 PLANTS = (*PLANTS, CONFLICTED)
@@ -181,7 +184,7 @@ def outcomes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expert_outcomes(tmp_path_factory):
-    return _outcomes(tmp_path_factory.mktemp("experts"), EP_PLANTS)
+    return _outcomes(tmp_path_factory.mktemp("experts"), (*EP_PLANTS, FP16_EXPERT))
 
 
 def _read_state(run_dir):
@@ -199,8 +202,18 @@ def test_every_planted_cause_is_named_with_its_origin_and_parameter(outcomes):
 
 def test_every_cause_planted_under_expert_parallelism_is_named(expert_outcomes):
     """Each expert is named by its global number on the expert-parallel rank that holds it."""
-    wrong = _wrong(expert_outcomes)
+    wrong = _wrong(expert_outcomes[:len(EP_PLANTS)])
     assert not wrong, wrong
+
+
+def test_an_expert_overflow_under_fp16_not_run_again_is_undetermined_not_a_backward_operator(expert_outcomes):
+    """It was ``backward_op`` on the receiving rank's ``output_layer.weight``: that rank's gradients were
+    only partly non-finite, and its fp16 skip recorded a non-finite loss (the forward pass made it)."""
+    plant, report, *_ = expert_outcomes[-1]
+    assert plant is FP16_EXPERT and report.incident.rerun is None
+    verdict = report.incident.verdict
+    assert (verdict.cause, verdict.rule) == (Cause.UNDETERMINED, "forward_not_rerun"), verdict
+    assert "was non-finite in the failing pass" in verdict.summary
 
 
 def test_an_expert_overflow_without_its_ranks_files_is_undetermined_naming_that_rank(expert_outcomes,

@@ -202,6 +202,18 @@ def test_every_gradient_bad_with_a_clean_forward_pass_and_loss_run_again_is_back
     assert "not run again" not in decided.summary
 
 
+def test_some_gradients_bad_beside_a_non_finite_loss_without_a_rerun_is_not_a_backward_operator():
+    """Seen planting an expert's forward overflow under fp16 and expert parallelism (no rerun there): the
+    receiving rank's gradients were only partly non-finite, its first in backward order the output layer's,
+    and its fp16 skip said its loss was non-finite: the forward pass made it, not backward."""
+    facts = dict(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1), share_nonfinite=0.6,
+                 first_rank=0, first_in_backward="output_layer.weight")
+    assert decide(evidence(**facts)).rule == "backward_operator"
+    decided = decide(evidence(**facts, losses_nonfinite=(0,)))
+    assert (decided.cause, decided.rule) == (Cause.UNDETERMINED, "forward_not_rerun")
+    assert decided.summary.startswith("the loss of rank 0 was non-finite in the failing pass: the forward")
+
+
 def test_a_loss_from_finite_outputs_is_the_loss_not_the_device():
     facts, _ = CASES["loss_function"]
     decided = decide(evidence(**facts))

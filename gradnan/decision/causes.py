@@ -223,15 +223,17 @@ RULES: Tuple[Rule, ...] = (
          lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, _gradient_origin, say.collective,
          _COLLECTIVE),
     Rule("backward_operator", Cause.BACKWARD_OP, (Fact.OWN_GRADIENTS,),
-         "a rank's own gradients non-finite before the collective: only some of them, or all with the forward"
-         " pass and the loss finite when run again",
+         "a rank's own gradients non-finite before the collective: only some of them (no loss non-finite),"
+         " or all with the forward pass and the loss finite when run again",
          lambda e: e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE and bool(e.gradient_origin)
          and (e.rerun in (Conclusion.BACKWARD, Conclusion.AFTER_COLLECTIVE)
-              or (not e.forward_pattern and bool(e.first_in_backward))),
+              or (not e.forward_pattern and bool(e.first_in_backward) and not e.losses_nonfinite)),
          lambda e: e.gradient_makers, say.backward_op, (act.replay_or_capture, act.selftest, act.bisect)),
     Rule("forward_not_rerun", Cause.UNDETERMINED, (Fact.GRADIENTS, Fact.PARAMETER_MAPS),
-         "(nearly) every gradient of the origin non-finite, the step not run again",
-         lambda e: e.forward_pattern and bool(e.gradient_origin) and e.rerun is None,
+         "(nearly) every gradient of the origin non-finite, or a loss non-finite in the failing pass, the"
+         " step not run again",
+         lambda e: (e.forward_pattern or bool(e.losses_nonfinite)) and bool(e.gradient_origin)
+         and e.rerun is None,
          _gradient_origin, say.forward_unconfirmed, (act.decide_by(
              "rerun from the last checkpoint with rerun='auto' (the default) so the failing step is run"
              " again in place and its forward operator named"),)),

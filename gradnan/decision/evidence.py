@@ -192,6 +192,9 @@ class Evidence:
     # Megatron's loss check (--rerun-mode disabled) rejected these ranks' loss before any gradient existed
     rejected_losses: Tuple[int, ...] = ()
     rejected: Optional[Mapping[str, Any]] = None  # the first one: micro_batch, loss, batch, rerun_skipped
+    # the ranks whose own loss was non-finite in the failing pass (an fp16 skip recorded with
+    # ``loss_finite: false``): the forward pass or the loss made it, whatever the gradients look like
+    losses_nonfinite: Tuple[int, ...] = ()
     recurs: bool = False  # the next step failed too, with no update applied in between (fp16 skips)
     iterations_seen: Tuple[int, ...] = ()  # every Megatron-LM iteration the step's records name (one: agreed)
     # the gradient origin's offending parameters, backward order, and its largest finite gradient, by rank

@@ -229,9 +229,12 @@ def backward_op(e: Evidence) -> str:
 
 
 def forward_unconfirmed(e: Evidence) -> str:
-    return (f"{e.share_nonfinite:.0%} of the gradients of {e.labelled(e.gradient_origin)} are non-finite:"
-            " the forward pass or the loss already was, but the step was not run again in place to say"
-            " which operator (rerun='auto', the default, with megatron-core's schedules decides it)")
+    seen = (f"{e.share_nonfinite:.0%} of the gradients of {e.labelled(e.gradient_origin)} are non-finite"
+            if e.forward_pattern
+            else f"the loss of {e.labelled(e.losses_nonfinite)} was non-finite in the failing pass")
+    return (f"{seen}: the forward pass or the loss already was, but the step was not run again in place to"
+            " say which operator (rerun='auto', the default, with megatron-core's schedules decides it;"
+            " where it was skipped, the ranks' INFO line says why)")
 
 
 def rejected_loss(e: Evidence) -> str:

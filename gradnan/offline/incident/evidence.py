@@ -219,6 +219,9 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         largest_before_collective=any(entry["kind"] == RecordKind.PRE_REDUCTION for entry in origin
                                       if entry.get("largest_grad")),
         rejected_losses=tuple(r["rank"].get("global_rank") for r in losses),
+        losses_nonfinite=tuple(sorted({r["rank"].get("global_rank") for r in at_step
+                                       if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW
+                                       and r.get("loss_finite") is False})),
         rejected=({"global_rank": losses[0]["rank"].get("global_rank"),
                    "micro_batch": losses[0].get("micro_batch"),
                    "loss": losses[0].get("loss"), "rerun_skipped": losses[0].get("rerun_skipped"),
