@@ -14,10 +14,12 @@ import random
 import shutil
 
 import pytest
+from packaging.version import Version
 
 from gradnan.formats.incident import Cause
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
+from gradnan.patches.instrumentor import megatron_version
 from gradnan.testing.plants import LEARNING_RATE, LINKS, Plant, coordinates, expert_of, holds, sender_stage
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import TinyGPTJob
@@ -50,6 +52,9 @@ TP_DUPLICATES = ("layernorm", "position_embeddings")  # the same copy on every t
 FP16_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
 # what a loss check sees: a non-finite loss, from a weight, a forward operator or the loss function
 LOSS_CHECK_CAUSES = FP16_CAUSES
+# the loss backward runs from is read where megatron-core returns it (forward_step_calc_loss, 0.13 on);
+# before, only the reported loss is (docs/megatron-versions.md): a loss that differs from it is not judged
+LOSS_USED_SEEN = (megatron_version() or Version("0")) >= Version("0.13")
 # a token's row of the output layer (every step reads each of its rows) set to 1e30, on one replica
 ROW = ("output_layer.weight", 9)
 
@@ -233,6 +238,8 @@ def test_an_expert_overflow_without_its_ranks_files_is_undetermined_naming_that_
 def _wrong(outcomes):
     wrong = []
     for plant, report, applied, read, _ in outcomes:
+        if plant.after_report and not LOSS_USED_SEEN:
+            continue
         incident = report.incident
         expected = plant.expected(applied)
         if plant.cause in (Cause.WEIGHTS, Cause.OPTIMIZER_UPDATE):
