@@ -126,6 +126,11 @@ def restart_from(e: Evidence, s: Setting, older_than: str) -> NextStep:
         f" known clean: {why}"))
 
 
+def _failing_step(e: Evidence) -> str:
+    """The failing step, with Megatron-LM's iteration where its loop gives it."""
+    return f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
+
+
 def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the checkpoint the launch resumed from where the weights came with it, else before the step
     (Megatron-LM's iteration where its loop gives it). How Megatron-LM loads an earlier one is said once:
@@ -136,15 +141,14 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
                " latest_checkpointed_iteration.txt names the earlier one)")
         before = f"the checkpoint this launch resumed from{resumed}, which holds them{how}"
     else:
-        before = f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
+        before = _failing_step(e)
     return (restart_from(e, s, before),)
 
 
 def resume_before_divergence(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the replica check that saw the replicas differ (the corruption came after the check before).
     Not the newest checkpoint its marks call clean: a mark reads finiteness, and a flipped bit is finite."""
-    before = (f"step {e.step}" + ("" if e.iteration is None else f" (iteration {e.iteration})")
-              + ", the replica check that saw the replicas differ")
+    before = f"{_failing_step(e)}, the replica check that saw the replicas differ"
     return (NextStep(Action.RESUME, Action.RESUME.wording(
         f"a checkpoint older than {before}; later ones may hold the differing copy")),)
 
