@@ -13,7 +13,9 @@ Real megatron-core, one process (CPU with the shim, or a real GPU when CUDA is t
    the rerun's kept step (``rerun="off"``), pre-reduction sync, capture armed on one MLP with retention,
    i.e. its every call traced; each mode installed, one untimed step, one timed step, then one step with
    the kit's own time clocked, whose device synchronizations stay out of the timed one), reported as
-   medians and the median of the per-round ratios.
+   medians and the median of the per-round ratios; and, the kit off, Megatron's own per-bucket
+   ``check_for_nan_in_grad`` (``megatron_check``: a norm and two host reads per bucket), the check a user
+   would weigh gradnan's against.
 2. The replica check alone (issue 49): one check's digest of the weights, its all-reduce and its read, timed,
    with its operators and host syncs, and its share of a healthy step at the default cadence
    (``replica_check_every``).
@@ -74,7 +76,9 @@ SIZES = {
 }
 MODES = {"off": None, "defaults": {}, "runup_off": {"runup_steps": 0}, "rerun_off": {"rerun": "off"},
          "pre_reduction_sync": {"pre_reduction": "sync"},
-         "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True}}
+         "capture_armed": {"capture_modules": "decoder.layers.0.mlp", "capture_retain": True},
+         "megatron_check": None}
+MEGATRON_CHECK = "megatron_check"  # the kit off, Megatron's own per-bucket check_for_nan_in_grad on
 
 
 def _sync(device: torch.device) -> None:
@@ -137,6 +141,8 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
             gradnan.uninstall()
             if MODES[mode] is not None:
                 gradnan.install(out_dir=out_dir, log_level="ERROR", **MODES[mode])
+            for chunk in model.chunks:
+                chunk.ddp_config.check_for_nan_in_grad = mode == MEGATRON_CHECK
             model.step()
             times[mode].append(_timed(model.step, device))
             if mode in kit_share:
@@ -144,7 +150,9 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
                     seconds = _timed(model.step, device)
                 kit_share[mode].append(clock.seconds / seconds)
     gradnan.uninstall()
-    ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in kit_share}
+    for chunk in model.chunks:
+        chunk.ddp_config.check_for_nan_in_grad = False
+    ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in times if mode != "off"}
     runup = [t / base for t, base in zip(times["defaults"], times["runup_off"])]
     return {
         "runup_ratio": {"median": statistics.median(runup), "quartiles": _quartiles(runup),
@@ -249,13 +257,34 @@ def scan_costs(model: TinyGPT, reps: int, device: torch.device) -> Dict[str, Any
             check()
         with PeakMemory(device) as peak:
             check()
+        with OperatorCounter() as operators:
+            check()
         median = statistics.median(seconds[name])
         result["checks"][name] = {"median_s": median, "vs_floor": median / floor, "host_syncs": counter.total,
+                                  "operators": operators.total, "kernels": kernel_profile(check, device),
                                   "gb_per_s": result["grad_buffer_bytes"] / median / 1e9,
                                   "peak_extra_bytes": peak.bytes,
                                   "peak_extra_pct_of_grads": 100.0 * peak.bytes / result["grad_buffer_bytes"]}
     grads[bad].zero_()
     return result
+
+
+def kernel_profile(check: Callable[[], Any], device: torch.device, top: int = 6) -> Dict[str, Any]:
+    """On a GPU, what one call of ``check`` ran on the device (``torch.profiler``): kernels launched, their
+    device time in all, and the ``top`` kernels by device time; nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        check()
+        _sync(device)
+    kernels = [event for event in profiled.key_averages() if getattr(event, "device_time_total", 0) > 0]
+    kernels.sort(key=lambda event: event.device_time_total, reverse=True)
+    return {"launches": sum(event.count for event in kernels),
+            "device_ms": sum(event.device_time_total for event in kernels) / 1e3,
+            "top": [{"kernel": event.key[:90], "calls": event.count, "device_ms": event.device_time_total / 1e3}
+                    for event in kernels[:top]]}
 
 
 def incident_cost(job: TinyGPTJob, reps: int, out_dir: str, device: torch.device) -> Dict[str, Any]:
@@ -363,9 +392,10 @@ def _table(results: Dict[str, Any]) -> str:
         steps = entry["steps"]
         for mode in steps["median_ratio"]:
             low, _, high = steps["ratio_quartiles"][mode]
+            share = steps["median_kit_share"].get(mode)
             lines.append(f"| {size} | {entry['model_params'] / 1e6:.1f}M | {steps['median_s']['off']:.3f} "
                          f"| {mode} | {steps['median_ratio'][mode]:.3f} [{low:.3f}, {high:.3f}] | "
-                         f"{100 * steps['median_kit_share'][mode]:.2f}% |")
+                         f"{'-' if share is None else f'{100 * share:.2f}%'} |")
     lines += ["", "| size | run-up: defaults / runup_off step, median [quartiles] | kit time / step,"
               " difference | ring writes alone / step (buckets) |", "|---|---|---|---|"]
     for size, entry in results["sizes"].items():
@@ -382,13 +412,22 @@ def _table(results: Dict[str, Any]) -> str:
         share = check["median_s"] / (check["every"] * entry["steps"]["median_s"]["off"])
         lines.append(f"| {size} | {check['median_s'] * 1e3:.3f} | {check['operators']:,} |"
                      f" {check['host_syncs']} | {check['params']} | {check['every']} | {100 * share:.4f}% |")
-    lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | peak extra (% of grad bytes) "
-              "|", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | operators | peak extra (% of grad "
+              "bytes) |", "|---|---|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
         for name, check in entry["scan"]["checks"].items():
             lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['gb_per_s']:.1f} | "
-                         f"{check['vs_floor']:.2f} | {check['host_syncs']} | "
+                         f"{check['vs_floor']:.2f} | {check['host_syncs']} | {check['operators']:,} | "
                          f"{check['peak_extra_pct_of_grads']:.3f} |")
+    profiled = [(size, name, check["kernels"]) for size, entry in results["sizes"].items()
+                for name, check in entry["scan"]["checks"].items() if check["kernels"]]
+    if profiled:
+        lines += ["", "| size | check | kernels launched | device time (ms) | its kernels by device time |",
+                  "|---|---|---|---|---|"]
+        for size, name, kernels in profiled:
+            top = "; ".join(f"{kernel['kernel']} x{kernel['calls']} {kernel['device_ms']:.3f} ms"
+                            for kernel in kernels["top"])
+            lines.append(f"| {size} | {name} | {kernels['launches']} | {kernels['device_ms']:.3f} | {top} |")
     saves = {size: entry["checkpoint"] for size, entry in results["sizes"].items() if "checkpoint" in entry}
     if saves:
         lines += ["", "| size | checkpoint save, dist_checkpointing.save (s) | the kit's mark of it (s) |"
@@ -444,9 +483,12 @@ def main() -> None:
             model.step()
             entry = {"model_params": sum(p.numel() for p in model.chunk.parameters())}
             entry["steps"] = step_times(model, args.rounds or default_rounds[size], out_dir, device)
+            print(f"{size}: steps {json.dumps(entry['steps'])}", flush=True)
             entry["runup_write"] = runup_write_cost(model, 200, device)
             entry["scan"] = scan_costs(model, args.scan_reps, device)
+            print(f"{size}: scan {json.dumps(entry['scan'])}", flush=True)
             entry["replica_check"] = replica_check_cost(model, args.scan_reps, device)
+            print(f"{size}: replica check {json.dumps(entry['replica_check'])}", flush=True)
             if args.checkpoint_reps:
                 entry["checkpoint"] = checkpoint_cost(model, args.checkpoint_reps, out_dir, device)
             results["sizes"][size] = entry

@@ -8,7 +8,8 @@ Skipped where no CUDA device is present (CI is CPU-only); run on a GPU machine w
 - losses, grad norms, step outcomes and final weights bitwise identical with and without the kit;
 - planted faults (a NaN gradient, a bf16 and an fp16 forward overflow): the same rank, parameter, element,
   forward origin and conclusion on the GPU as the same job on the CPU; the bundle captured on CUDA replays
-  on CUDA and on the CPU with the same verdict;
+  on CUDA and on the CPU with the same verdict, and compared operator by operator (``--against``) with the
+  digests taken in training;
 - ``gradnan selftest`` on the GPU.
 """
 
@@ -206,6 +207,25 @@ def test_the_fp16_overflow_bundle_captured_on_cuda_replays_on_cuda_and_on_cpu(pl
     first = [replayed["runs"]["captured"]["first_nonfinite"]["op"] for replayed in (on_gpu, on_cpu)]
     assert first[0] == first[1]
     assert on_gpu["replay_matches_saved_outputs"]
+
+
+def _compared(bundle: Path, device: str):
+    result = subprocess.run([sys.executable, "-m", "gradnan", "replay", str(bundle), "--json", "--device", device,
+                             "--against", sys.executable], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_cuda_bundle_compared_operator_by_operator_on_cuda_and_on_the_cpu(planted):
+    """``--against``: each operator's outputs against the digests the capture took in training on the GPU.
+    Replayed on the GPU the kernels are the capture's, so nothing differs; on the CPU the first operator that
+    differs is named (a CPU kernel's rounding), and both replays reach the same first non-finite operator."""
+    [bundle, *_] = sorted((planted["cuda"]["overflow_fp16"][0] / "bundles").glob("rank00000_*/*"))
+    on_gpu, on_cpu = _compared(bundle, "cuda"), _compared(bundle, "cpu")
+    assert on_gpu["capture_has_digests"] and on_cpu["capture_has_digests"]
+    assert on_gpu["first_difference"] is None, on_gpu["first_difference"]
+    first = [document["environments"][1]["first_nonfinite"]["op"] for document in (on_gpu, on_cpu)]
+    assert first[0] == first[1]
 
 
 def test_selftest_on_the_gpu(tmp_path):

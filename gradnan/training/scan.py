@@ -34,6 +34,7 @@ CHUNK_MIN = 1024
 CHUNK_MAX = 1 << 22
 CHUNKS_PER_SCAN = 512
 EXACT_SLICE_ELEMENTS = 1 << 22  # elements counted exactly at once (about 30 bytes of temporaries each)
+SERIAL_ELEMENTS = 512  # the longest run of elements one segmented reduction's thread reads (``_segmented``)
 
 # Row sums over one span, the row length, and which positions its elements ``[low, high)`` cover.
 _Rows = Tuple[torch.Tensor, int, Callable[[int, int], List[int]]]
@@ -321,20 +322,39 @@ def _joined(runs: List[_Run]) -> _Run:
     return torch.cat([flat for flat, _ in runs]), [segment for _, segments in runs for segment in segments]
 
 
+def _pieces(lengths: List[int], device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each segment cut into pieces of at most ``SERIAL_ELEMENTS``: the pieces' lengths, and how many pieces
+    each segment has (every length is positive)."""
+    counts = [-(-length // SERIAL_ELEMENTS) for length in lengths]
+    pieces = torch.full((sum(counts),), SERIAL_ELEMENTS, dtype=torch.long, device=device)
+    last = torch.tensor([end - 1 for end in accumulate(counts)], device=device)
+    pieces[last] = torch.tensor([length - (count - 1) * SERIAL_ELEMENTS for length, count in zip(lengths, counts)],
+                                device=device)
+    return pieces, torch.tensor(counts, device=device)
+
+
+def _segmented(values: torch.Tensor, reduce: str, pieces: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``torch.segment_reduce`` of a 1-D tensor per segment, in two stages: over the segments' pieces, then
+    over each segment's pieces' results. On CUDA one thread reduces a segment serially: a slice counted as
+    one segment of 2**22 elements took 278 ms on an H100 ([n, 3] input), in pieces of 512 under 0.2 ms."""
+    lengths, counts = pieces
+    return torch.segment_reduce(torch.segment_reduce(values, reduce, lengths=lengths), reduce, lengths=counts)
+
+
 def _slice_stats(flat: torch.Tensor, lengths: List[int]) -> torch.Tensor:
     """Per segment of a 1-D slice (``lengths`` elements each, back to back): NaN, +Inf and -Inf counts, the
     index in the slice of its first non-finite element (inf: none) and its largest finite magnitude; one
     row per segment (float64 for float64 input). float32 counts and indices are exact: a slice holds at
     most 2**24 elements."""
-    segments = torch.tensor(lengths, device=flat.device)
+    pieces = _pieces(lengths, flat.device)
     finite = torch.isfinite(flat)
-    kinds = torch.stack([torch.isnan(flat), torch.isposinf(flat), torch.isneginf(flat)], dim=1)
-    counts = torch.segment_reduce(kinds.to(torch.float32), "sum", lengths=segments)
+    counts = [_segmented(kind(flat).to(torch.float32), "sum", pieces)
+              for kind in (torch.isnan, torch.isposinf, torch.isneginf)]
     index = torch.arange(flat.numel(), dtype=torch.float32, device=flat.device)
-    first = torch.segment_reduce(torch.where(finite, math.inf, index), "min", lengths=segments)
+    first = _segmented(torch.where(finite, math.inf, index), "min", pieces)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32  # every magnitude exact
-    largest = torch.segment_reduce(torch.where(finite, flat.abs(), 0).to(wide), "max", lengths=segments)
-    return torch.cat([counts, first.unsqueeze(1), largest.unsqueeze(1)], dim=1)
+    largest = _segmented(torch.where(finite, flat.abs(), 0).to(wide), "max", pieces)
+    return torch.stack([*(count.to(wide) for count in counts), first.to(wide), largest], dim=1)
 
 
 @torch.no_grad()
