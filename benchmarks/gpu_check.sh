@@ -4,6 +4,7 @@
 # machine has them), with megatron-core's cp312 wheel carried in .whl/ (fetched as
 # /work/.library/device/README.md says). Then, each under its own time limit, so that one overrun leaves
 # the rest's figures:
+#   0. benchmarks/segment_reduce.py (the exact counts' segmented reductions, one segment against pieces);
 #   1. benchmarks/overhead.py at --sizes 1b: the healthy step per mode (Megatron's own check_for_nan_in_grad
 #      beside it), the scan against the floor with its kernel profile, the replica check, a checkpoint
 #      save against its mark, and the incident in time and operators;
@@ -26,6 +27,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c \
   "import sys, torch, megatron.core; print(sys.version.split()[0], torch.__version__, megatron.core.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
+timeout 60 python3 benchmarks/segment_reduce.py 2>&1 | tee "$OUT/segment_reduce.log"
 timeout "${BENCH_SECONDS:-290}" python3 benchmarks/overhead.py --sizes "${SIZES:-1b}" --rounds "${ROUNDS:-7}" --scan-reps 5 \
     --checkpoint-reps 3 --incident 2 --json "$OUT/overhead-1b.json" 2>&1 | tee "$OUT/overhead-1b.log"
 bench=$?

@@ -152,7 +152,8 @@ def step_times(model: TinyGPT, rounds: int, out_dir: str, device: torch.device) 
     gradnan.uninstall()
     for chunk in model.chunks:
         chunk.ddp_config.check_for_nan_in_grad = False
-    ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])] for mode in times if mode != "off"}
+    ratios = {mode: [t / base for t, base in zip(times[mode], times["off"])]
+              for mode in times if mode != "off"}
     runup = [t / base for t, base in zip(times["defaults"], times["runup_off"])]
     return {
         "runup_ratio": {"median": statistics.median(runup), "quartiles": _quartiles(runup),
@@ -283,8 +284,8 @@ def kernel_profile(check: Callable[[], Any], device: torch.device, top: int = 6)
     kernels.sort(key=lambda event: event.device_time_total, reverse=True)
     return {"launches": sum(event.count for event in kernels),
             "device_ms": sum(event.device_time_total for event in kernels) / 1e3,
-            "top": [{"kernel": event.key[:90], "calls": event.count, "device_ms": event.device_time_total / 1e3}
-                    for event in kernels[:top]]}
+            "top": [{"kernel": event.key[:90], "calls": event.count,
+                     "device_ms": event.device_time_total / 1e3} for event in kernels[:top]]}
 
 
 def incident_cost(job: TinyGPTJob, reps: int, out_dir: str, device: torch.device) -> Dict[str, Any]:
@@ -412,8 +413,8 @@ def _table(results: Dict[str, Any]) -> str:
         share = check["median_s"] / (check["every"] * entry["steps"]["median_s"]["off"])
         lines.append(f"| {size} | {check['median_s'] * 1e3:.3f} | {check['operators']:,} |"
                      f" {check['host_syncs']} | {check['params']} | {check['every']} | {100 * share:.4f}% |")
-    lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | operators | peak extra (% of grad "
-              "bytes) |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| size | check | median (ms) | GB/s | x floor | host syncs | operators | peak extra "
+              "(% of grad bytes) |", "|---|---|---|---|---|---|---|---|"]
     for size, entry in results["sizes"].items():
         for name, check in entry["scan"]["checks"].items():
             lines.append(f"| {size} | {name} | {check['median_s'] * 1e3:.3f} | {check['gb_per_s']:.1f} | "

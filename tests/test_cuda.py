@@ -210,8 +210,9 @@ def test_the_fp16_overflow_bundle_captured_on_cuda_replays_on_cuda_and_on_cpu(pl
 
 
 def _compared(bundle: Path, device: str):
-    result = subprocess.run([sys.executable, "-m", "gradnan", "replay", str(bundle), "--json", "--device", device,
-                             "--against", sys.executable], capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "gradnan", "replay", str(bundle), "--json", "--device", device,
+               "--against", sys.executable]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

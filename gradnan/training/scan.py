@@ -328,8 +328,8 @@ def _pieces(lengths: List[int], device: torch.device) -> Tuple[torch.Tensor, tor
     counts = [-(-length // SERIAL_ELEMENTS) for length in lengths]
     pieces = torch.full((sum(counts),), SERIAL_ELEMENTS, dtype=torch.long, device=device)
     last = torch.tensor([end - 1 for end in accumulate(counts)], device=device)
-    pieces[last] = torch.tensor([length - (count - 1) * SERIAL_ELEMENTS for length, count in zip(lengths, counts)],
-                                device=device)
+    tails = [length - (count - 1) * SERIAL_ELEMENTS for length, count in zip(lengths, counts)]
+    pieces[last] = torch.tensor(tails, device=device)
     return pieces, torch.tensor(counts, device=device)
 
 
