@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 from ..formats.incident import Action
 from ..formats.layout import host_device
 from ..formats.text import untrusted
+from ..formats.wording import micro_batch_words
 from .evidence import Evidence, HealthReading, View
 from .facts import Fact
 
@@ -200,7 +201,7 @@ def check_interconnect(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def fix_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    return (NextStep(Action.FIX_LOSS, Action.FIX_LOSS.wording(f"micro-batch {e.micro_batch}")),)
+    return (NextStep(Action.FIX_LOSS, Action.FIX_LOSS.wording(micro_batch_words(e.micro_batch))),)
 
 
 def tune_numerics(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -217,7 +218,7 @@ def tune_numerics_if_it_recurs(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 def inspect_batch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     if not s.batch:
         return ()
-    return (NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(f"micro-batch {e.micro_batch}"),
+    return (NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(micro_batch_words(e.micro_batch)),
                      ("gradnan", "batch", s.batch)),)
 
 

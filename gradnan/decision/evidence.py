@@ -27,9 +27,11 @@ class BadWeight:
     nan: int
     inf: int
     order: int = -1  # its registration order on its rank (backward runs the last registered first)
+    token: Optional[int] = None  # a vocabulary weight's: the token its first bad element's row holds
 
     def text(self) -> str:
-        where = f"[{', '.join(map(str, self.index))}]"
+        token = "" if self.token is None else f" (token {self.token})"
+        where = f"[{', '.join(map(str, self.index))}]{token}"
         copy = "" if self.copy == "model" else " (the optimizer's main copy)"
         return f"{untrusted(self.name)}{where}{copy}: {self.nan} NaN, {self.inf} Inf"
 

@@ -8,7 +8,7 @@ from typing import Iterable, Tuple
 
 from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import untrusted
-from ..formats.wording import grew_text, norm_overflow_summary, rejected_loss_summary
+from ..formats.wording import grew_text, micro_batch_words, norm_overflow_summary, rejected_loss_summary
 from .evidence import BadWeight, Evidence, StateFault
 from .links import LinkFinding
 
@@ -75,7 +75,7 @@ def outlying_row(e: Evidence) -> str:
     more = len({(row.name, row.token) for row in e.outlying_rows}) - 1
     holders = tuple(row.rank for row in e.outlying_rows if (row.name, row.token) == (first.name, first.token))
     failed = (f"; run again in place, the step went non-finite again in {untrusted(e.rerun_module)},"
-              f" micro-batch {e.micro_batch}" if e.rerun_module else "")
+              f" {micro_batch_words(e.micro_batch)}" if e.rerun_module else "")
     return (f"a token's row of the vocabulary's weights is far out of range when step {e.step} began:"
             f" {first.text()} on {e.labelled(holders)}" + (f" (and {more} more row(s))" if more > 0 else "")
             + f"{failed}. No trained row is that large (a bad write, a corrupted checkpoint): it overflows"
@@ -137,9 +137,10 @@ def replica_divergence(e: Evidence) -> str:
 
 
 def tensor_parallel_collective(e: Evidence) -> str:
-    return (f"the tensor-parallel reduction in {untrusted(e.rerun_module)}: run again in place, every rank's"
-            f" partial sum was finite and the reduced value was not, on {e.labelled(e.rerun_origins)},"
-            f" micro-batch {e.micro_batch}: a transfer or reduction fault")
+    where = f" in {untrusted(e.rerun_module)}" if e.rerun_module else ""
+    return (f"the tensor-parallel reduction{where}: run again in place, every rank's partial sum was finite"
+            f" and the reduced value was not, on {e.labelled(e.rerun_origins)},"
+            f" {micro_batch_words(e.micro_batch)}: a transfer or reduction fault")
 
 
 def pipeline_link(e: Evidence) -> str:
@@ -164,7 +165,7 @@ def link_unobserved(e: Evidence) -> str:
 
 def loss(e: Evidence) -> str:
     return (f"the loss function made it: run again in place, every module's output was finite and the loss"
-            f" of micro-batch {e.micro_batch} computed from it was not, on {e.labelled(e.loss_stage)}"
+            f" of {micro_batch_words(e.micro_batch)} computed from it was not, on {e.labelled(e.loss_stage)}"
             " (a division by a zero token count, a log of zero); the model, its weights and the device are"
             " not at fault")
 

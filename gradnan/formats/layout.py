@@ -164,3 +164,9 @@ def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
             return f"{text}... ({len(ranks)} in all)"
         text += part + (", " if position + 1 < len(parts) else "")
     return text
+
+
+def vocabulary_token(tp: Any, rows: int, row: int) -> int:
+    """The token a row of a vocabulary weight holds: ``row`` of tensor-parallel rank ``tp``'s shard of
+    ``rows`` rows (Megatron splits the padded vocabulary evenly over the tensor-parallel ranks)."""
+    return (tp if isinstance(tp, int) else 0) * rows + row

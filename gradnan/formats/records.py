@@ -55,7 +55,7 @@ FLOAT32_SQUARE_LIMIT = DTYPE_MAX["torch.float32"] ** 0.5
 LINK_DIRECTIONS = ("sent_forward", "received_forward", "sent_backward", "received_backward")
 
 
-_PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat")
+_PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "first_bad_flat", "vocab_rows")
 
 
 def to_json(kind: str, step: int, iteration: Optional[int], coords: Mapping[str, Any],

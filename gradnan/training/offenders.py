@@ -12,6 +12,14 @@ from ..formats.records import DTYPE_MAX
 from ..formats.schema import json_float
 from .scan import find_nonfinite, unravel
 
+VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # a row per token
+
+
+def vocabulary_rows(name: str, shape: Sequence[int]) -> Dict[str, int]:
+    """``{"vocab_rows": rows}`` for a weight with a row per token (this rank's shard of the vocabulary: the
+    report names the token an element is in), else nothing."""
+    return {"vocab_rows": int(shape[0])} if name in VOCABULARY_ROWS and len(shape) == 2 else {}
+
 
 @torch.no_grad()
 def largest_gradient(slots: Sequence[ParamSlot],
@@ -78,6 +86,7 @@ def offending_params(
                 "shard": list(slot.shard) if slot.shard else None,
                 "is_expert": slot.is_expert,
                 "order": slot.order,
+                **vocabulary_rows(slot.name, slot.shape),
             }
         )
     return offending

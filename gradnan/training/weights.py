@@ -16,7 +16,7 @@ import torch
 from ..events import ParamTensors, StepState
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
-from .offenders import offending_params
+from .offenders import VOCABULARY_ROWS, offending_params, vocabulary_rows
 from .scan import SCANNED_DTYPES, find_nonfinite, integer_view, nonfinite_indices, unravel
 
 MAX_STATE_ENTRIES = 32  # optimizer-state findings a record lists (all are counted)
@@ -33,7 +33,8 @@ def nonfinite_weights(state: StepState, ids_by_name: Mapping[str, int]) -> List[
         found.append({"id": ids_by_name.get(name), "name": name, "copy": "model", "kind": located.kind,
                       "nan": located.nan, "inf": located.inf, "first_bad_flat": located.first_bad,
                       "first_bad_index": unravel(located.first_bad, tensor.shape),
-                      "abs_max_finite": json_float(located.abs_max_finite), "numel": tensor.numel()})
+                      "abs_max_finite": json_float(located.abs_max_finite), "numel": tensor.numel(),
+                      **vocabulary_rows(name, tensor.shape)})
     found += [{**entry, "copy": "main"}
               for entry in offending_params(state.slots, [held.main for held in state.stepped])]
     return found
@@ -137,7 +138,6 @@ def finite_flag(weights: Sequence[Tuple[str, torch.Tensor]]) -> Optional[torch.T
     return torch.isfinite(torch.stack([norm.float() for norm in largest])).all()
 
 
-VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # a row per token
 ROW_OUTLIER = 1e4  # a row whose largest magnitude is this many times the rows' median: no trained row is
 MAX_ROWS = 8  # rows a record lists (all are counted)
 

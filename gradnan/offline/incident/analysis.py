@@ -165,8 +165,12 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
     if e.conflicts:  # what the records say of the gradients' origin is in question
         lines += [f"records disagree: {conflict}" for conflict in e.conflicts[:MAX_CONFLICT_LINES]]
     elif e.gradient_basis is OriginBasis.BEFORE_COLLECTIVE:
+        passed_on = sorted(set(e.gradient_origin) - set(e.rerun_origins)) if e.rerun_origins else []
         lines.append("own gradients non-finite before the data-parallel collective on rank(s)"
-                     f" {rank_ranges(list(e.gradient_origin))}")
+                     f" {rank_ranges(list(e.gradient_origin))}" + (
+                         f" (rank(s) {rank_ranges(passed_on)} received the value from rank(s)"
+                         f" {rank_ranges(list(e.rerun_origins))} within the step, before that collective,"
+                         " so their own gradients hold it too)" if passed_on else ""))
     elif e.gradient_basis is OriginBasis.AFTER_COLLECTIVE:
         lines.append("every rank's own gradients were finite before the data-parallel collective")
     if e.forward_pattern and e.share_nonfinite is not None:
@@ -341,8 +345,10 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                          next(reversed(list(runs)), None))
     launch = runs.get(chosen, []) if chosen is not None else []
     incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
-    in_launch = (split_runs(list(files.bundles.values()) + launch).get(chosen, [])
-                 if chosen is not None and files.bundles else [])
+    by_launch = split_runs(list(files.bundles.values()) + launch) if files.bundles else {}
+    if chosen is None and by_launch:  # no records (a healthy run): the latest launch its bundles tell
+        chosen = next(reversed(list(by_launch)))
+    in_launch = by_launch.get(chosen, []) if chosen is not None else []
     bundles = tuple({"path": str(path), "module": doc["module"]["path"], "step": doc["step"],
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
                     for path, doc in sorted(files.bundles.items())
@@ -353,7 +359,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                                           for key in ("rank", "host", "device", "reasons")}
                                          for entry in doc["failing_ranks"]]}
                       for path, doc in sorted(files.selftests.items()))
-    first_step = failing[chosen] if chosen is not None else None
+    first_step = failing.get(chosen) if chosen is not None else None
     incident: Optional[Incident] = None
     later: Dict[int, set] = {}
     if first_step is not None:

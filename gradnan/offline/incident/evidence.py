@@ -26,7 +26,7 @@ from ...decision.links import link_findings
 from ...decision.origin import facts_of_step
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
-from ...formats.layout import peers_key, rank_label
+from ...formats.layout import peers_key, rank_label, vocabulary_token
 from .checkpoints import Save, newest_clean
 from .conflicts import conflicts_of
 from .gradients import rank_view
@@ -158,6 +158,14 @@ class RankLabels(Mapping):
         return sum(1 for _ in self)
 
 
+
+def token_of(tp: Any, param: Dict[str, Any]) -> Optional[int]:
+    """The token the first bad element's row holds, for a weight whose record gives ``vocab_rows``."""
+    rows, index = param.get("vocab_rows"), param.get("first_bad_index")
+    if isinstance(rows, int) and rows > 0 and isinstance(index, list) and len(index) == 2:
+        return vocabulary_token(tp, rows, index[0])
+    return None
+
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
@@ -174,13 +182,14 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     odd, split = replica_digests(states)
     weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
                               tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"],
-                              p["order"] if isinstance(p.get("order"), int) else -1)
+                              p["order"] if isinstance(p.get("order"), int) else -1,
+                              token_of(record["rank"].get("tp"), p))
                     for record in states for p in record["params"])
     faults = tuple(StateFault(record["rank"].get("global_rank"), f["name"], f["state"], f["nan"], f["inf"],
                               f["negative"]) for record in states for f in record["optimizer_state"])
     rows = tuple(OutlyingRow(record["rank"].get("global_rank"), row["name"], row["row"],
-                             (record["rank"].get("tp") or 0) * row["rows"] + row["row"], row["largest"],
-                             row["median"], row.get("every_step") is not False)
+                             vocabulary_token(record["rank"].get("tp"), row["rows"], row["row"]),
+                             row["largest"], row["median"], row.get("every_step") is not False)
                  for record in states for row in record.get("outlying_rows") or ())
     losses = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS]
     conclusion = rerun.conclusion if rerun is not None else None

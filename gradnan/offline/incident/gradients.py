@@ -35,7 +35,8 @@ def backward_key(rank: Dict[str, Any], param: Dict[str, Any]):
 
 def _param_view(param: Dict[str, Any], dtype: Optional[str]) -> Dict[str, Any]:
     return {**{key: param.get(key) for key in ("id", "name", "kind", "nan", "inf", "first_bad_index",
-                                               "abs_max_finite", "near_limit", "order", "copy")},
+                                               "abs_max_finite", "near_limit", "order", "copy",
+                                               "vocab_rows")},
             "dtype": dtype}
 
 

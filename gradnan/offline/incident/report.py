@@ -8,12 +8,20 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...formats.health import health_line
-from ...formats.incident import Action, Conclusion, OriginBasis, RecordKind, failing_step_headline
-from ...formats.layout import AXES, host_device, rank_label, rank_ranges, step_label
+from ...formats.incident import (
+    Action,
+    Conclusion,
+    OriginBasis,
+    RecordKind,
+    RunUpFinding,
+    failing_step_headline,
+)
+from ...formats.layout import AXES, host_device, rank_label, rank_ranges, step_label, vocabulary_token
 from ...formats.schema import nonfinite_counts
 from ...formats.text import magnitude, printable_lines, shell_word, untrusted, wrap
 from ...formats.wording import describe_largest, growth_path, micro_batch_words, samples_wording
 from .analysis import analyze
+from .evidence import token_of
 from .frames_view import summary_lines
 from .gradients import module_of
 from .read import RunFiles
@@ -115,31 +123,84 @@ def _ranks_section(title: str, views: Sequence[Dict[str, Any]],
     return [f"{title}: {len(views)} rank(s)"] + _grouped_lines(views, origin)
 
 
+def _origin_modules(incident: Incident) -> Dict[int, List[str]]:
+    """The modules the verdict names as the origin, per rank: the rerun's forward origin (parameterless or
+    not), else the modules of the weights a state record names; none where the origin is a rank's
+    gradients."""
+    rerun = incident.rerun
+    if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
+        named: Dict[int, List[str]] = {}
+        for view in rerun.origins:
+            if view.get("module"):
+                named.setdefault(view["global_rank"], []).append(view["module"])
+        return named
+    return {entry["global_rank"]: list(dict.fromkeys(
+        module_of(weight["name"]) for weight in entry["params"] + entry.get("outlying_rows", [])))
+            for entry in incident.origin if entry.get("kind") == RecordKind.STATE}
+
+
+TABLE_MARKS = {"O": "the origin module", "o": "non-finite gradients on an origin rank",
+               "r": "non-finite gradients received", ".": "finite gradients"}
+
+
+def _module_rows(incident: Incident, named: Dict[int, List[str]], max_modules: int) -> List[Dict[str, Any]]:
+    """The table's rows: the first ``max_modules`` offending modules in backward order, then each origin
+    module no row shows: one with offending parameters after them, in backward order; one without (an
+    attention core: no gradient of its own to list) beside the first row of its parent, at the top where
+    none."""
+    origins = set(name for names in named.values() for name in names)
+    rows = [dict(module) for index, module in enumerate(incident.parameters)
+            if index < max_modules or module["module"] in origins]
+    shown = {row["module"] for row in rows}
+    for module in sorted(origins - shown):
+        parent = module.rsplit(".", 1)[0] + "."
+        at = next((index for index, row in enumerate(rows) if row["module"].startswith(parent)), 0)
+        rows.insert(at, {"module": module, "params": []})
+    return rows
+
+
 def _module_table(incident: Incident, max_modules: int) -> List[str]:
-    """One line per offending module, in backward order, with a column per rank (``focus_ranks``): O origin,
-    r received (holds a non-finite gradient there), . clean; and the origin's counts per parameter."""
-    marks: Dict[int, Dict[str, str]] = {}
-    for entry in incident.origin:
-        marks[entry["global_rank"]] = {module_of(p["name"]): "O" for p in entry["params"]}
+    """One line per offending module, in backward order, with a column per rank (``focus_ranks``): the
+    origin module itself, the origin ranks' other non-finite gradients, those received, the finite ones
+    (``TABLE_MARKS``); and the counts per parameter on the first rank holding them."""
+    named = _origin_modules(incident)
+    origin_ranks = {entry["global_rank"] for entry in incident.origin}
+    holding = {module["module"]: {rank for p in module["params"] for rank in p["ranks"]}
+               for module in incident.parameters}
     for view in incident.receivers:
-        marks[view["global_rank"]] = {module: "r" for module in view["modules"]}
+        for module in view["modules"]:
+            holding.setdefault(module, set()).add(view["global_rank"])
+
+    def mark(rank: int, row: Dict[str, Any]) -> str:
+        if row["module"] in named.get(rank, ()):
+            return "O"
+        if not row["params"]:
+            return ""
+        if rank in holding.get(row["module"], ()):
+            return "o" if rank in origin_ranks else "r"
+        return "."
+
     ranks = focus_ranks(incident, MAX_TABLE_RANKS)
-    modules = incident.parameters
-    names = {m["module"]: untrusted(m["module"]) for m in modules[:max_modules]}
+    rows = _module_rows(incident, named, max_modules)
+    names = {row["module"]: untrusted(row["module"]) for row in rows}
     width = max((len(name) for name in names.values()), default=6)
     cell = max([3] + [len(str(rank)) + 1 for rank in ranks])
-    first = {p["ranks"][0] for module in modules[:max_modules] for p in module["params"]}
+    first = {p["ranks"][0] for row in rows for p in row["params"]}
     counted = f"on rank {first.pop()}" if len(first) == 1 else "on the first rank holding it"
-    lines = ["Offending modules in backward order (O origin, r received, . clean):",
-             f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks)
-             + f"  {counted}"]
-    for module in modules[:max_modules]:
-        cells = " ".join(f"{marks.get(rank, {}).get(module['module'], '.'):<{cell}}" for rank in ranks)
+    cells = {row["module"]: [mark(rank, row) for rank in ranks] for row in rows}
+    used = {value for marks in cells.values() for value in marks}
+    legend = ", ".join(f"{value} {text}" for value, text in TABLE_MARKS.items() if value in used)
+    lines = wrap(f"Offending modules in backward order ({legend}):", WIDTH, subsequent_indent="    ")
+    lines.append(f"  {'module':<{width}}  " + " ".join(f"{'r' + str(rank):<{cell}}" for rank in ranks)
+                 + f"  {counted}")
+    for row in rows:
+        marks = " ".join(f"{value:<{cell}}" for value in cells[row["module"]])
         counts = ", ".join(f"{untrusted(p['name'].rsplit('.', 1)[-1])} {nonfinite_counts(p)}"
-                           + (" [near dtype limit]" if p["near_limit"] else "") for p in module["params"])
-        lines.append(f"  {names[module['module']]:<{width}}  {cells}  {counts}")
-    if len(modules) > max_modules:
-        lines.append(f"  ... and {len(modules) - max_modules} more module(s) (see --json)")
+                           + (" [near dtype limit]" if p["near_limit"] else "") for p in row["params"])
+        lines.append(f"  {names[row['module']]:<{width}}  {marks}  {counts or '(no parameters)'}")
+    hidden = len({m["module"] for m in incident.parameters} - set(names))
+    if hidden:
+        lines.append(f"  ... and {hidden} more module(s) (see --json)")
     total = len(incident.origin) + len(incident.receivers) + len(incident.silent)
     if total > len(ranks):
         lines.append(f"  ({total - len(ranks)} more rank(s) not shown: the columns are the origin, the ranks"
@@ -174,28 +235,45 @@ def _megatron_line(rerun: RerunFinding) -> List[str]:
     return [f"  Megatron's own rerun of it (validate_results): {untrusted(rerun.megatron)}"]
 
 
-def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = ()) -> List[str]:
+def held_weight(incident: Incident) -> Optional[str]:
+    """The origin's bad weight inside the rerun's forward origin, where the two differ: the forward origin is
+    the first module whose output went non-finite, and a weight's own module can keep its outputs finite
+    (a bias returned unadded, for the parent to add)."""
+    rerun = incident.rerun
+    if rerun is None or rerun.module is None:
+        return None
+    return next((p["name"] for entry in incident.origin if entry.get("kind") == RecordKind.STATE
+                 for p in entry["params"] if module_of(p["name"]).startswith(rerun.module + ".")), None)
+
+
+def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = (),
+                held: Optional[str] = None) -> List[str]:
     """The headline of the in-place rerun: the forward origin, its micro-batch, the conclusion (the
     strongest; every other replica's below it). ``shown``: next steps already printing the bundle's replay
-    or the micro-batch, not repeated here."""
+    or the micro-batch, not repeated here; ``held``: the origin's weight inside the forward origin
+    (``held_weight``)."""
     if rerun is None:
         return []
     when = step_label(rerun.step, rerun.iteration)
     conclusion = rerun.conclusion.headline
     grew_in = rerun.grew_in
     if rerun.module is None:
-        lines = [f"Rerun of {when} in place: {conclusion}, on the replica of rank(s)"
-                 f" {rank_ranges(rerun.concluded_by)}"]
+        lines = [f"Rerun of {when} in place: {conclusion} (the rerun records of rank(s)"
+                 f" {rank_ranges(rerun.concluded_by)})"]
         if grew_in:
             lines.append(f"  {growth_path(grew_in, None, None)}, on rank {grew_in['global_rank']}")
     else:
         origin = (growth_path(grew_in, rerun.module, rerun.module_class) if grew_in
                   else f"{untrusted(rerun.module)} ({untrusted(rerun.module_class)})")
-        lines = [f"Forward origin ({when} run again in place): {origin}",
-                 f"  on {_rank_label(rerun.rank)}, micro-batch {rerun.micro_batch}: {conclusion}"]
+        lines = wrap(f"Forward origin ({when} run again in place): {origin}" + (
+            "" if held is None else f", the first module whose output went non-finite; it holds the origin"
+            f" weight {untrusted(held)}, whose own module's outputs stayed finite"
+            + (" (a bias returned unadded, for its parent to add)" if held.endswith(".bias") else "")),
+            WIDTH, subsequent_indent="    ")
+        lines.append(f"  on {_rank_label(rerun.rank)}, {micro_batch_words(rerun.micro_batch)}: {conclusion}")
         if grew_in and grew_in["global_rank"] != rerun.global_rank:
             lines.append(f"  the value grew on rank {grew_in['global_rank']},"
-                         f" micro-batch {grew_in['micro_batch']}")
+                         f" {micro_batch_words(grew_in['micro_batch'])}")
     lines += [f"  rank(s) {rank_ranges(group.ranks)}: {Conclusion(group.conclusion).headline}"
               for group in rerun.conclusions[1:]]
     lines += _megatron_line(rerun)
@@ -240,9 +318,9 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
         module = next((view["module"] for view in rerun.origins
                        if view["global_rank"] == entry["global_rank"]), None)
         if module:
-            return f"  {_rank_label(entry)}: {untrusted(module)}, micro-batch {rerun.micro_batch}"
+            return f"  {_rank_label(entry)}: {untrusted(module)}, {micro_batch_words(rerun.micro_batch)}"
         if rerun.conclusion is Conclusion.LOSS:
-            return f"  {_rank_label(entry)}: the loss of micro-batch {rerun.micro_batch}"
+            return f"  {_rank_label(entry)}: the loss of {micro_batch_words(rerun.micro_batch)}"
     return f"  {_rank_label(entry)}: {_origin_holds(entry)}"
 
 
@@ -254,12 +332,13 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         weights = sorted(entry["params"], key=lambda p: p.get("copy") != "model")  # the model's own first
         names = {p["name"] for p in weights}
         more = f" and {len(names) - 1} more parameter(s)" if len(names) > 1 else ""
-        parts = [f"{untrusted(p['name'])}{_element(p)} {nonfinite_counts(p)}{more}"
+        parts = [f"{untrusted(p['name'])}{_element(p, entry.get('tp'))} {nonfinite_counts(p)}{more}"
                  for p in weights[:1]]
         parts += [f"{untrusted(f['state'])} of {untrusted(f['name'])}: {f['nan']} NaN, {f['inf']} Inf,"
                   f" {f['negative']} negative"
                   for f in entry.get("optimizer_state", [])[:2]]
-        parts += [f"row {row['row']} of {untrusted(row['name'])}: largest magnitude"
+        parts += [f"row {row['row']} of {untrusted(row['name'])} (token"
+                  f" {vocabulary_token(entry.get('tp'), row['rows'], row['row'])}): largest magnitude"
                   f" {magnitude(row['largest'])}" for row in entry.get("outlying_rows", [])[:1]]
         return "; ".join(parts) or "its weights differ from its data-parallel peers'"
     if entry.get("kind") == RecordKind.REPLICA_DIVERGENCE:
@@ -274,17 +353,21 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
     if entry["params"] and not entry.get("largest_grad"):
         first = entry["params"][0]
         more = f" and {entry['params_total'] - 1} more parameter(s)" if entry["params_total"] > 1 else ""
-        return f"{untrusted(first['name'])}{_element(first)} {nonfinite_counts(first)}{more}"
+        return f"{untrusted(first['name'])}{_element(first, entry.get('tp'))} {nonfinite_counts(first)}{more}"
     if entry["params_total"] or not entry.get("largest_grad"):
         return f"{entry['params_total']} parameter(s)"
     when = " before the data-parallel collective" if entry["kind"] == RecordKind.PRE_REDUCTION else ""
     return f"largest gradient{when}: {describe_largest(entry['largest_grad'])} (finite)"
 
 
-def _element(param: Dict[str, Any]) -> str:
-    """A parameter's first bad element as ``[0, 7]``; nothing where the record names none."""
+def _element(param: Dict[str, Any], tp: Any) -> str:
+    """A parameter's first bad element as ``[0, 7]``, and for a weight with a row per token the token that
+    row holds (``evidence.token_of``); nothing where the record names no element."""
     index = param.get("first_bad_index")
-    return "" if index is None else str(index)
+    if index is None:
+        return ""
+    token = token_of(tp, param)
+    return f"{index}" + ("" if token is None else f" (token {token})")
 
 
 def step_headline(incident: Incident) -> str:
@@ -298,8 +381,9 @@ def verdict_headline(incident: Incident) -> str:
 
 
 def runup_lines(runup: Optional[RunUp]) -> List[str]:
-    """The run-up's finding (nothing where no rank wrote a run-up)."""
-    if runup is None:
+    """The run-up's finding; nothing where it says nothing (no rank wrote a run-up, or too few steps
+    were kept to decide: ``--json`` and the plot still give why)."""
+    if runup is None or runup.finding is RunUpFinding.UNDECIDED:
         return []
     return wrap(f"Run-up: {runup.summary} (gradnan report --plot draws it)", WIDTH,
                          subsequent_indent="    ")
@@ -335,7 +419,7 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines.append("Evidence:")
     for item in verdict.evidence:
         lines += wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
-    lines += rerun_lines(incident.rerun, [step.action for step in incident.next_steps])
+    lines += rerun_lines(incident.rerun, [step.action for step in incident.next_steps], held_weight(incident))
     lines += samples_lines(incident.rerun)
     lines += runup_lines(incident.runup)
     lines += _ranks_section("Received it (through a collective or the norm's all-reduce)", incident.receivers,
@@ -358,7 +442,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
         hidden = len(report.runs) - MAX_LISTED
         more = f" and {hidden} more (see --json)" if hidden > 0 else ""
         lines.append(f"Launches here: {listed}{more}; showing {shell_word(report.run)}"
-                     " (--run KEY for another)")
+                     " (--run RUN for another)")
     incident = report.incident
     if incident is None and report.loss_scale_overflow_steps:
         steps = report.loss_scale_overflow_steps
