@@ -216,7 +216,9 @@ def tune_numerics_if_it_recurs(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def inspect_batch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    if not s.batch:
+    """The kept micro-batch, where one was kept and the failure is its own (not an fp16 overflow that
+    recurs on the next step's data)."""
+    if not s.batch or e.recurs:
         return ()
     return (NextStep(Action.INSPECT_BATCH, Action.INSPECT_BATCH.wording(micro_batch_words(e.micro_batch)),
                      ("gradnan", "batch", s.batch)),)

@@ -172,10 +172,12 @@ def loss(e: Evidence) -> str:
 
 def forward_op(e: Evidence) -> str:
     where = f"in {untrusted(e.rerun_module)}" + (f", after {grew_text(e.grew_in)}" if e.grew_in else "")
+    cause = ("the numerics (an overflow), not one batch: the next step overflowed too, on other data, with"
+             " no update in between" if e.recurs
+             else "the data or the numerics (an overflow), not a passing fault")
     return (f"a forward operator made it: the failing step, run again in place with the same micro-batches"
-            f" and RNG state, went non-finite again {where} on {e.labelled(e.rerun_origins[:1])}, micro-batch"
-            f" {e.micro_batch}, with finite inputs and finite weights: the data or the numerics (an"
-            " overflow), not a passing fault")
+            f" and RNG state, went non-finite again {where} on {e.labelled(e.rerun_origins[:1])},"
+            f" {micro_batch_words(e.micro_batch)}, with finite inputs and finite weights: {cause}")
 
 
 def origin_records_absent(e: Evidence) -> str:

@@ -265,12 +265,13 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = (),
     else:
         origin = (growth_path(grew_in, rerun.module, rerun.module_class) if grew_in
                   else f"{untrusted(rerun.module)} ({untrusted(rerun.module_class)})")
-        lines = wrap(f"Forward origin ({when} run again in place): {origin}" + (
-            "" if held is None else f", the first module whose output went non-finite; it holds the origin"
-            f" weight {untrusted(held)}, whose own module's outputs stayed finite"
-            + (" (a bias returned unadded, for its parent to add)" if held.endswith(".bias") else "")),
-            WIDTH, subsequent_indent="    ")
-        lines.append(f"  on {_rank_label(rerun.rank)}, {micro_batch_words(rerun.micro_batch)}: {conclusion}")
+        lines = [f"Forward origin ({when} run again in place): {origin}",
+                 f"  on {_rank_label(rerun.rank)}, {micro_batch_words(rerun.micro_batch)}: {conclusion}"]
+        if held is not None:
+            lines += wrap(f"the first module whose output went non-finite; it holds the origin weight"
+                          f" {untrusted(held)}, whose own module's outputs stayed finite"
+                          + (" (a bias returned unadded, for its parent to add)" if held.endswith(".bias")
+                             else ""), WIDTH, initial_indent="  ", subsequent_indent="    ")
         if grew_in and grew_in["global_rank"] != rerun.global_rank:
             lines.append(f"  the value grew on rank {grew_in['global_rank']},"
                          f" {micro_batch_words(grew_in['micro_batch'])}")
@@ -442,7 +443,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
         hidden = len(report.runs) - MAX_LISTED
         more = f" and {hidden} more (see --json)" if hidden > 0 else ""
         lines.append(f"Launches here: {listed}{more}; showing {shell_word(report.run)}"
-                     " (--run RUN for another)")
+                     " (--run KEY for another)")
     incident = report.incident
     if incident is None and report.loss_scale_overflow_steps:
         steps = report.loss_scale_overflow_steps
