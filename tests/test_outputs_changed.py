@@ -15,7 +15,7 @@ from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 from gradnan.training.error_guard import ErrorGuard
-from gradnan.training.module_capture import ModuleCapture, bundle_contents
+from gradnan.training.module_capture import ModuleCapture, bundle_contents, parameter_names
 
 from .conftest import UNIT_COORDS
 
@@ -158,6 +158,13 @@ def test_a_returned_parameter_changed_by_the_update_is_named_not_a_corruption(tm
     assert ("Output 1 is the module's parameter bias, returned as itself (as a linear layer built with"
             " skip_bias_add returns its bias): it changed after the call because training updated the"
             f" parameter (the optimizer step), not a second corruption; the update left it {after}") in text
+
+
+def test_an_output_is_a_parameter_where_it_is_that_tensor_or_one_on_all_of_its_data():
+    module = SkipBiasLinear(3, 2)
+    bias = module.bias
+    outputs = [bias, bias.detach(), bias.detach().clone(), bias[:1], module.weight.t()]
+    assert parameter_names(module, outputs) == ["bias", "bias", None, None, None]
 
 
 def test_an_update_that_leaves_a_returned_parameter_nonfinite_does_not_choose_the_call():

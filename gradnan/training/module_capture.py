@@ -79,7 +79,7 @@ class ModuleCall:
     def nonfinite(self) -> bool:
         return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
                 or any(change["nonfinite"] for change in self.changed_after_return()[0]
-                       if not self.updated_parameter(change))
+                       if not self.is_parameter_update(change))
                 or any(has_nonfinite(g) for g in self.grad_outputs.values())
                 or any(has_nonfinite(g) for g in self.param_grads.values()))
 
@@ -88,8 +88,9 @@ class ModuleCall:
         forward hook (its result replaced the output) or changed in place after the call (its version
         counter moved and its values differ; a tensor whose storage was swapped, as Megatron's pipeline
         does to free a sent output, is not compared). Each as ``{"output", "by", "nonfinite"}``, and the
-        values training used, by output number (an output changed in place is the live tensor, not a copy:
-        this is asked at each ``nonfinite``, and a bundle is written from it at once)."""
+        values training used, by output number, none for a returned parameter's update (an output changed
+        in place is the live tensor, not a copy: this is asked at each ``nonfinite``, and a bundle is
+        written from it at once)."""
         changes: List[Dict[str, Any]] = []
         used: Dict[int, torch.Tensor] = {}
         if self.hooked is not None:
@@ -103,11 +104,11 @@ class ModuleCall:
             if not same_values(self.outputs[i], tensor):
                 change = {"output": i, "by": "in_place", "nonfinite": has_nonfinite(tensor)}
                 changes.append(change)
-                if not self.updated_parameter(change):  # a parameter's later value is its update's
+                if not self.is_parameter_update(change):  # a parameter's later value is its update's
                     used[i] = tensor.detach()
         return changes, used
 
-    def updated_parameter(self, change: Dict[str, Any]) -> bool:
+    def is_parameter_update(self, change: Dict[str, Any]) -> bool:
         """Whether ``change`` is an output that is one of the module's parameters changed in place: the
         parameter's update (the optimizer step), which training did not go on with in this call."""
         output = change["output"]
