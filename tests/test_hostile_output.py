@@ -156,10 +156,12 @@ def test_a_replayed_manifest_cannot_print_a_line_of_its_own(tmp_path, crafted_bu
     def edit(manifest, tensors):
         manifest["module"] = {"path": value, "class": value}
         manifest["rank"] = {**manifest["rank"], "host": value, "device": value}
+        manifest.update(outputs_parameters=[value], outputs_changed=[{"output": 0, "by": "in_place",
+                                                                       "nonfinite": False}])
 
     path = crafted_bundle(tmp_path / f"b{HOSTILE[separator]}x", "healthy", edit=edit)
     code, out, err = cli("replay", str(path), "--device", "cpu")
-    assert code == 0 and "Verdict: " in out, err
+    assert code == 0 and "Verdict: " in out and "Output 0 is the module's parameter " in out, err
     assert_no_fake_line(code, out, err, "replay")
 
 

@@ -132,6 +132,11 @@ def check_replayable(manifest: Dict[str, Any], tensors: Mapping[str, torch.Tenso
     if not _changes_valid(manifest.get("outputs_changed", [])):
         raise InputError(f"{where}: 'outputs_changed' must be a list of {{\"output\": number, \"by\":"
                          f" {' or '.join(map(repr, CHANGED_BY))}, \"nonfinite\": boolean}}")
+    parameters = manifest.get("outputs_parameters", [None] * outputs)
+    if not (isinstance(parameters, list) and len(parameters) == outputs
+            and all(optional(name, is_text) for name in parameters)):
+        raise InputError(f"{where}: 'outputs_parameters' must be a list of {outputs} parameter names or"
+                         " nulls, one per output")
     odd = [name for name in tensors if name.startswith("grad_out.") and not _GRAD_OUT.fullmatch(name)]
     if odd:
         raise InputError(f"{where}: tensor {odd[0][:60]!r} is not named grad_out.<output number>")

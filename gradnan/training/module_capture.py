@@ -72,11 +72,14 @@ class ModuleCall:
     # change made after the call
     hooked: Optional[List[torch.Tensor]] = None
     returned: List[Tuple[torch.Tensor, int]] = field(default_factory=list)
+    # by output: the name of the module's parameter it is (``parameter_names``), else None
+    output_params: List[Optional[str]] = field(default_factory=list)
 
     @property
     def nonfinite(self) -> bool:
         return (self.outputs_nonfinite or self.trace.first_nonfinite is not None
-                or any(change["nonfinite"] for change in self.changed_after_return()[0])
+                or any(change["nonfinite"] for change in self.changed_after_return()[0]
+                       if not self.is_parameter_update(change))
                 or any(has_nonfinite(g) for g in self.grad_outputs.values())
                 or any(has_nonfinite(g) for g in self.param_grads.values()))
 
@@ -85,8 +88,9 @@ class ModuleCall:
         forward hook (its result replaced the output) or changed in place after the call (its version
         counter moved and its values differ; a tensor whose storage was swapped, as Megatron's pipeline
         does to free a sent output, is not compared). Each as ``{"output", "by", "nonfinite"}``, and the
-        values training used, by output number (an output changed in place is the live tensor, not a copy:
-        this is asked at each ``nonfinite``, and a bundle is written from it at once)."""
+        values training used, by output number, none for a returned parameter's update (an output changed
+        in place is the live tensor, not a copy: this is asked at each ``nonfinite``, and a bundle is
+        written from it at once)."""
         changes: List[Dict[str, Any]] = []
         used: Dict[int, torch.Tensor] = {}
         if self.hooked is not None:
@@ -98,9 +102,31 @@ class ModuleCall:
             if i in used or tensor._version == version or tensor.shape != self.outputs[i].shape:
                 continue
             if not same_values(self.outputs[i], tensor):
-                used[i] = tensor.detach()
-                changes.append({"output": i, "by": "in_place", "nonfinite": has_nonfinite(tensor)})
+                change = {"output": i, "by": "in_place", "nonfinite": has_nonfinite(tensor)}
+                changes.append(change)
+                if not self.is_parameter_update(change):  # a parameter's later value is its update's
+                    used[i] = tensor.detach()
         return changes, used
+
+    def is_parameter_update(self, change: Dict[str, Any]) -> bool:
+        """Whether ``change`` is an output that is one of the module's parameters changed in place: the
+        parameter's update (the optimizer step), which training did not go on with in this call."""
+        output = change["output"]
+        return change["by"] == "in_place" and output < len(self.output_params) and bool(
+            self.output_params[output])
+
+
+def parameter_names(module: torch.nn.Module, tensors: List[torch.Tensor]) -> List[Optional[str]]:
+    """For each tensor, the name of ``module``'s parameter it is (that tensor, or one on all of its data:
+    same data pointer, shape, dtype and device), else None. A linear layer built with ``skip_bias_add``
+    returns its bias this way, and the optimizer changes it in place after the call."""
+    params = list(module.named_parameters())
+
+    def name_of(tensor: torch.Tensor) -> Optional[str]:
+        return next((name for name, param in params if tensor is param or (
+            tensor.shape == param.shape and tensor.dtype == param.dtype and tensor.device == param.device
+            and tensor.numel() > 0 and tensor.data_ptr() == param.data_ptr())), None)
+    return [name_of(tensor) for tensor in tensors]
 
 
 def _rng_states() -> Dict[str, torch.Tensor]:
@@ -196,6 +222,7 @@ class ModuleCapture:
         produced = tensors_in(outputs)
         call.outputs = [t.detach().clone() for t in produced]
         call.returned = [(t, t._version) for t in produced]
+        call.output_params = parameter_names(self.module, produced)
         call.outputs_nonfinite = any(has_nonfinite(t) for t in produced)
         self._returned_by_forward = call
         # hooks on activations only: a hook on a leaf (a Parameter returned as bias, a tied weight passed
@@ -266,6 +293,7 @@ def bundle_contents(capture: ModuleCapture, call: ModuleCall, observed: Dict[str
         "trace": call.trace.to_json(),
         "outputs": len(call.outputs),
         "outputs_changed": changes,
+        "outputs_parameters": call.output_params,
         "grad_outputs": sorted(call.grad_outputs),
         "grad_inputs": sorted(call.grad_inputs),
         "params": {name: {"shape": list(param.shape), "dtype": str(param.dtype), **param_facts(param)}

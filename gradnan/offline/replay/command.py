@@ -18,7 +18,8 @@ inputs were finite and whose output was not. The verdict:
 - ``bad_operator_or_input``: reproduces in every precision at that operator;
 - ``changed_after_return``: the module's own outputs are finite (the replay agrees), but training went on
   with a non-finite output changed after the module returned: by a forward hook on it, or in place by an
-  operation outside it (the bundle's ``outputs_changed``, the values in ``used_out.N``);
+  operation outside it (the bundle's ``outputs_changed``, the values in ``used_out.N``); an output that is
+  one of the module's parameters changed in place is that parameter's update, not such a change;
 - ``not_reproduced``: from the same inputs the module computes finite values: what training saw came
   from elsewhere (a transient device fault: run ``gradnan selftest``; or a corruption after this
   computation, e.g. in the gradient buffer);
@@ -138,7 +139,7 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
         for saved, replayed in zip(saved_outputs, captured["_outputs"]))
     inputs = _largest_input(tensors, leaf_names)
     growth = _growth(manifest, runs["captured"]["first_growth"], inputs)
-    changes = manifest.get("outputs_changed", [])
+    changes = _changes(manifest, trace)
     judgement = {**_judge(seen, runs, tensors, leaf_names, grads, growth, changes), "growth": growth,
                  "fused": (captured["first_nonfinite"] or {}).get("fused")}
     if judgement["verdict"] == ReplayVerdict.NOT_REPRODUCED and seen.get("outputs_nonfinite") and not matches:
@@ -163,6 +164,21 @@ def replay_bundle(path: Path, device: Optional[str] = None, max_ops: Optional[in
                  for label, run in runs.items()},
         **judgement,
     }
+
+
+def _changes(manifest: Dict[str, Any], trace: Trace) -> List[Dict[str, Any]]:
+    """The manifest's ``outputs_changed``, each with ``updated_parameter``: where the output is one of the
+    module's parameters changed in place, that parameter's name (its update after the call, e.g. the
+    bias a linear layer built with ``skip_bias_add`` returns), else None. Which output is a parameter: the
+    manifest's ``outputs_parameters``; a bundle written before it existed, the trace's outputs that are a
+    ``param.`` leaf itself."""
+    parameters = manifest.get("outputs_parameters")
+    if parameters is None:
+        parameters = [ref[len("param."):] if ref.startswith("param.") else None
+                      for ref in refs(trace.outputs)]
+    return [{**change, "updated_parameter": parameters[change["output"]]
+             if change["by"] == "in_place" and change["output"] < len(parameters) else None}
+            for change in manifest.get("outputs_changed", [])]
 
 
 # what ``empty``-like ops return in the second forward (``garbage_dependent``): finite, unlike the NaN of
@@ -303,10 +319,11 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
         return {"verdict": ReplayVerdict.BAD_OPERATOR_OR_INPUT.value, "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
                            " or a bug in it"}
-    if any(change["nonfinite"] for change in changes):
+    corrupted = [change for change in changes if change["updated_parameter"] is None]
+    if any(change["nonfinite"] for change in corrupted):
         return {"verdict": ReplayVerdict.CHANGED_AFTER_RETURN.value, "reproduces": False,
                 "summary": "the module's own outputs are finite, and the replay agrees; training went on"
-                           f" with {changed_text(changes)}: look at what changed it"}
+                           f" with {changed_text(corrupted)}: look at what changed it"}
     if seen.get("outputs_nonfinite"):
         return {"verdict": ReplayVerdict.NOT_REPRODUCED.value, "reproduces": False,
                 "summary": "does not reproduce: the output was non-finite in training but the module computes"
@@ -339,6 +356,15 @@ def changed_text(changes: List[Dict[str, Any]]) -> str:
     return "; ".join(f"output {change['output']}"
                      f" {'NON-FINITE' if change['nonfinite'] else 'finite but different'}, changed after the"
                      f" module returned {_CHANGED_BY[change['by']]}" for change in changes)
+
+
+def updated_parameter_text(change: Dict[str, Any]) -> str:
+    """``Output 1 is the module's parameter bias, returned as itself (...): it changed after the call
+    because training updated the parameter (the optimizer step), not a second corruption; ...``."""
+    return (f"Output {change['output']} is the module's parameter {untrusted(change['updated_parameter'])},"
+            " returned as itself (as a linear layer built with skip_bias_add returns its bias): it changed"
+            " after the call because training updated the parameter (the optimizer step), not a second"
+            f" corruption; the update left it {'NON-FINITE' if change['nonfinite'] else 'finite'}")
 
 
 def operator_text(operator: Dict[str, Any]) -> str:
@@ -423,6 +449,8 @@ def format_text(result: Dict[str, Any]) -> str:
     lines.append("Replay matches the module's own outputs saved in training:"
                  f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
     changes = result["outputs_changed_after_return"]
-    if changes:
-        lines.append(f"Training went on with other values: {changed_text(changes)}")
+    corrupted = [change for change in changes if change["updated_parameter"] is None]
+    if corrupted:
+        lines.append(f"Training went on with other values: {changed_text(corrupted)}")
+    lines += [updated_parameter_text(change) for change in changes if change["updated_parameter"] is not None]
     return printable_lines(lines)
