@@ -15,9 +15,7 @@ import importlib
 import json
 import re
 import shlex
-from typing import Iterator, List, Tuple
-
-import pytest
+from typing import Callable, Iterator, List, Tuple
 
 from gradnan.cli import _parser as cli_parser
 from gradnan.commandline import ArgumentError, message_line
@@ -45,10 +43,6 @@ def _fenced() -> Iterator[Tuple[str, int, str, str, str]]:
 
 
 BLOCKS = list(_fenced())
-
-
-def _ids(kind: str) -> List:
-    return [pytest.param(body, id=f"{page}:{line}") for page, line, lang, body, _ in BLOCKS if lang == kind]
 
 
 def _subcommands() -> dict:
@@ -102,18 +96,34 @@ def _parse(kind: str, argv: List[str], checked: bool = True) -> None:
     (parser if checked else _structure_only(parser)).parse_args(argv)
 
 
-@pytest.mark.parametrize("_page, line, lang, body, before", BLOCKS, ids=[f"{b[0]}:{b[1]}" for b in BLOCKS])
-def test_every_block_is_a_sample_a_checked_kind_or_marked_for_what_it_is(_page, line, lang, body, before):
-    assert lang in ("bash", "python", "json", "toml") or NOTE.search(before), (
-        "a text block needs <!-- sample: NAME --> (generated), <!-- layout --> or "
-        "<!-- shown, not regenerated: WHY --> just before it")
+def _failures(languages: Tuple[str, ...], check: Callable[[str], None]) -> List[str]:
+    """'page:line: what failed' for each block in one of ``languages`` that ``check`` raises on: every
+    failing block of a kind in one test's message."""
+    failed = []
+    for page, line, lang, body, _ in BLOCKS:
+        if lang in languages:
+            try:
+                check(body)
+            except Exception as error:  # the parser's, ast's, json's or an assertion: each is a drift
+                failed.append(f"{page}:{line}: {type(error).__name__}: {error}")
+    return failed
 
 
-@pytest.mark.parametrize("body", _ids("bash"))
-def test_every_gradnan_command_in_a_shell_block_parses(body):
-    calls = [call for words in _shell_commands(body) for call in _gradnan_calls(words)]
-    for kind, argv in calls:
-        _parse(kind, argv, checked=False)
+def test_every_block_is_a_sample_a_checked_kind_or_marked_for_what_it_is():
+    unmarked = [f"{page}:{line}" for page, line, lang, _, before in BLOCKS
+                if lang not in ("bash", "python", "json", "toml") and not NOTE.search(before)]
+    assert not unmarked, ("a text block needs <!-- sample: NAME --> (generated), <!-- layout --> or "
+                          f"<!-- shown, not regenerated: WHY --> just before it: {unmarked}")
+
+
+def _commands_parse(body: str) -> None:
+    for words in _shell_commands(body):
+        for kind, argv in _gradnan_calls(words):
+            _parse(kind, argv, checked=False)
+
+
+def test_every_gradnan_command_in_a_shell_block_parses():
+    assert not _failures(("bash",), _commands_parse)
 
 
 def _dollar_lines(body: str) -> Iterator[Tuple[List[str], str]]:
@@ -127,18 +137,19 @@ def _dollar_lines(body: str) -> Iterator[Tuple[List[str], str]]:
                         yield call[1], lines[at + 1]
 
 
-@pytest.mark.parametrize("body", [param for kind in ("text", "json", "") for param in _ids(kind)
-                                  if "\n$ " in "\n" + param.values[0]])
-def test_each_shown_gradnan_command_parses_or_shows_the_parsers_own_error(body):
+def _shown_commands_parse(body: str) -> None:
     for argv, shown in _dollar_lines(body):
         try:
             _parse("cli", argv)
         except ArgumentError as error:
-            assert shown == message_line(str(error)), argv
+            assert shown == message_line(str(error)), f"{argv}: the parser says {error}"
 
 
-@pytest.mark.parametrize("body", _ids("python"))
-def test_every_python_block_compiles_and_its_gradnan_names_exist(body):
+def test_each_shown_gradnan_command_parses_or_shows_the_parsers_own_error():
+    assert not _failures(("text", "json", ""), _shown_commands_parse)
+
+
+def _python_checks(body: str) -> None:
     tree = ast.parse(body)  # a snippet's elisions are written `...`, which is Python
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradnan"):
@@ -153,8 +164,11 @@ def test_every_python_block_compiles_and_its_gradnan_names_exist(body):
             assert hasattr(importlib.import_module("gradnan"), node.attr), f"gradnan.{node.attr}"
 
 
-@pytest.mark.parametrize("body", _ids("json"))
-def test_every_json_block_parses(body):
+def test_every_python_block_compiles_and_its_gradnan_names_exist():
+    assert not _failures(("python",), _python_checks)
+
+
+def _json_documents(body: str) -> None:
     """One document, or several one after another (records: JSON lines, wrapped)."""
     text = "\n".join(line for line in body.splitlines() if not line.startswith("$ ")).strip()
     decoder = json.JSONDecoder()
@@ -163,9 +177,8 @@ def test_every_json_block_parses(body):
         text = text[end:].strip()
 
 
-@pytest.mark.parametrize("body", _ids("toml"))
-def test_every_toml_block_parses(body):
-    tomllib.loads(body)
+def test_every_json_and_toml_block_parses():
+    assert not _failures(("json",), _json_documents) + _failures(("toml",), tomllib.loads)
 
 
 def test_every_list_of_commands_is_the_parsers():

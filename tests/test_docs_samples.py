@@ -29,10 +29,11 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MARK = re.compile(r"^(?P<indent> *)<!-- sample: (?P<name>[a-z0-9-]+) -->\n(?P=indent)```text\n(?P<body>.*?)"
-                  r"^(?P=indent)```\n", re.DOTALL | re.MULTILINE)
+MARK = re.compile(r"^(?P<indent> *)<!-- sample: (?P<name>[a-z0-9-]+) -->\n(?P=indent)```(?P<lang>text|json)\n"
+                  r"(?P<body>.*?)^(?P=indent)```\n", re.DOTALL | re.MULTILINE)
 SAMPLES = {"cli-usage", "demo-stdout", "demo-stderr", "demo-report", "demo-replay-verdict", "dp-example",
-           "example-stdout", "example-stderr", "example-report", "example-replay", "example-maps"}
+           "example-stdout", "example-stderr", "example-report", "example-replay", "example-maps",
+           "capture-stderr", "capture-report", "capture-replay", "capture-replay-json"}
 
 
 def _dedented(body: str, indent: str) -> str:
@@ -41,12 +42,13 @@ def _dedented(body: str, indent: str) -> str:
 
 
 def _blocks():
-    """{name: (page, the block's text as the program prints it, the block's text as the page holds it)}."""
-    found = {}
+    """{name: [(page, the block's text as the program prints it, the match)]}: a sample may be shown on
+    several pages."""
+    found: dict = {}
     for page in PAGES:
         for match in MARK.finditer(page.read_text()):
-            found[match.group("name")] = (page, _dedented(match.group("body"), match.group("indent")),
-                                          match.group(0), match.group("indent"))
+            found.setdefault(match.group("name"), []).append(
+                (page, _dedented(match.group("body"), match.group("indent")), match))
     return found
 
 
@@ -57,15 +59,17 @@ def _normalized(text: str, run_dir: Path, shown: str) -> str:
 
 
 def _check(name: str, produced: str, unordered: bool = False) -> None:
-    page, documented, whole, indent = _blocks()[name]
-    same = (sorted(documented.splitlines()) == sorted(produced.splitlines()) if unordered
-            else documented == produced)
-    if os.environ.get("DOCS_WRITE") == "1" and not same:
-        indented = "".join(indent + line + "\n" if line else "\n" for line in produced.splitlines())
-        page.write_text(page.read_text().replace(
-            whole, f"{indent}<!-- sample: {name} -->\n{indent}```text\n{indented}{indent}```\n"))
-        return
-    assert same, f"{page.name}: the sample {name!r} drifted from the program's output"
+    for page, documented, match in _blocks()[name]:
+        same = (sorted(documented.splitlines()) == sorted(produced.splitlines()) if unordered
+                else documented == produced)
+        if os.environ.get("DOCS_WRITE") == "1" and not same:
+            indent = match.group("indent")
+            indented = "".join(indent + line + "\n" if line else "\n" for line in produced.splitlines())
+            fence = f"{indent}```{match.group('lang')}\n"
+            page.write_text(page.read_text().replace(
+                match.group(0), f"{indent}<!-- sample: {name} -->\n{fence}{indented}{indent}```\n"))
+        else:
+            assert same, f"{page.name}: the sample {name!r} drifted from the program's output"
 
 
 def _gradnan(*argv: str) -> str:
@@ -118,6 +122,26 @@ def example(tmp_path_factory):
         ("maps", _gradnan("maps", str(out), "--rank", "1", "--id", "4")))}
 
 
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory):
+    """capture-replay.md's fp16 example, its own Python block run as the page says, then the report and
+    the replay of its bundle: {part: text} as the page prints them."""
+    out = tmp_path_factory.mktemp("capture") / "docs_capture"
+    page = (ROOT / "docs" / "capture-replay.md").read_text()
+    [script] = [block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+                if "/tmp/docs_capture" in block]
+    run = subprocess.run([sys.executable, "-c", script.replace("/tmp/docs_capture", str(out))],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=environ_without_gradnan())
+    assert run.returncode == 0, run.stderr
+    [bundle] = (out / "bundles").glob("*/*")
+    shown = bundle.relative_to(out.parent)
+    return {name: _normalized(text, out, "/tmp/docs_capture") for name, text in (
+        ("stderr", _gradnan_lines(run.stderr)),
+        ("report", f"$ gradnan report {out}\n{format_text(analyze(read_run(out)))}\n"),
+        ("replay", f"$ gradnan replay /tmp/{shown}\n{_gradnan('replay', str(bundle))}"),
+        ("replay-json", _gradnan("replay", "--json", str(bundle))))}
+
+
 def test_every_marked_block_is_produced_here():
     assert set(_blocks()) == SAMPLES
 
@@ -152,3 +176,8 @@ def test_the_data_parallel_example_in_how_it_works_is_the_programs(tmp_path):
                       injections=(Injection(3, 2, "decoder.layers.0.mlp.linear_fc1.weight", "nan",
                                             where="backward", index=5),)))
     _check("dp-example", _normalized(format_text(analyze(read_run(out))) + "\n", out, "/tmp/docs_dp_example"))
+
+
+@pytest.mark.parametrize("part", ["stderr", "report", "replay", "replay-json"])
+def test_the_capture_example_is_the_programs(capture, part):
+    _check(f"capture-{part}", capture[part], unordered=part == "stderr")
