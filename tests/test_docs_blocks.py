@@ -2,10 +2,10 @@
 of: a sample the program printed (``<!-- sample: NAME -->``, tests/test_docs_samples.py regenerates it); a
 shell block, each ``gradnan`` call and ``-m gradnan.run`` launch in it parsed by the CLI's own parser;
 Python that compiles and whose ``gradnan`` imports exist; JSON or TOML that parses; or text marked for what
-it is (``<!-- layout -->``: a diagram, a file layout or a synopsis; ``<!-- shown, not regenerated: WHY -->``:
-output of a run this suite does not repeat, where each ``$ gradnan ...`` line still parses, and an argument
-error shown after one is the parser's own). The command lists and the synopsis in cli.md come from the
-parser."""
+it is: ``<!-- checked: TEST -->`` (another test compares it), ``<!-- layout -->`` (a diagram, a file layout
+or a synopsis), ``<!-- shown, not regenerated: WHY -->`` (output of a run this suite does not repeat, where
+each ``$ gradnan ...`` line still parses and an argument error shown after one is the parser's own). The
+command lists and the synopsis in cli.md come from the parser."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from gradnan.commandline import ArgumentError, message_line
 from gradnan.config.sources import tomllib  # tomli before Python 3.11
 from gradnan.run import _parser as launcher_parser
 
-from .test_docs_samples import PAGES, _check
+from .test_docs_samples import PAGES, ROOT, _check
 
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```$",
                    re.DOTALL | re.MULTILINE)
-NOTE = re.compile(r"<!-- (sample: [a-z0-9-]+|layout|shown, not regenerated: [^>]+) -->\n *$")
+NOTE = re.compile(r"<!-- (sample: [a-z0-9-]+|checked: (?P<test>tests/\w+\.py)|layout"
+                  r"|shown, not regenerated: [^>]+) -->\n *$")
 PLACEHOLDER = re.compile(r"<[^<>\n]*>")  # <its arguments>, <rank tag>: one word in a command
 COMMAND_LISTS = re.compile(r"`gradnan ([a-z]+(?: \| [a-z]+)+)`")
 
@@ -110,10 +111,13 @@ def _failures(languages: Tuple[str, ...], check: Callable[[str], None]) -> List[
 
 
 def test_every_block_is_a_sample_a_checked_kind_or_marked_for_what_it_is():
-    unmarked = [f"{page}:{line}" for page, line, lang, _, before in BLOCKS
-                if lang not in ("bash", "python", "json", "toml") and not NOTE.search(before)]
-    assert not unmarked, ("a text block needs <!-- sample: NAME --> (generated), <!-- layout --> or "
-                          f"<!-- shown, not regenerated: WHY --> just before it: {unmarked}")
+    notes = {(page, line): NOTE.search(before) for page, line, lang, _, before in BLOCKS
+             if lang not in ("bash", "python", "json", "toml")}
+    unmarked = [f"{page}:{line}" for (page, line), note in notes.items() if not note]
+    assert not unmarked, ("a text block needs <!-- sample: NAME -->, <!-- checked: TEST -->, <!-- layout --> "
+                          f"or <!-- shown, not regenerated: WHY --> just before it: {unmarked}")
+    checkers = {note.group("test") for note in notes.values() if note and note.group("test")}
+    assert all((ROOT / test).is_file() for test in checkers), checkers
 
 
 def _commands_parse(body: str) -> None:
