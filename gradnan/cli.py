@@ -77,14 +77,16 @@ def _parser() -> argparse.ArgumentParser:
                                description="Train a tiny Megatron-Core GPT on CPU in 2 processes (TP=2, bf16)"
                                " and, at step 2, scale one attention weight up until layer 1's attention"
                                " overflows bf16; then print gradnan's report of it.")
-    demo.add_argument("--out", default="gradnan_demo", help="run directory to create (default: %(default)s)")
+    demo.add_argument("--out", default="gradnan_demo", metavar="DIR",
+                      help="run directory to create (default: %(default)s)")
     report = commands.add_parser("report", help="one answer for the whole job from every rank's files")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--json", action="store_true", help="the gradnan.report JSON document")
     report.add_argument("--fp16-skips", type=positive, default=SERIOUS_SKIPS, metavar="N",
                         help="consecutive fp16 loss-scale skips that count as a failure"
                              " (default: %(default)s)")
-    report.add_argument("--run", help="which launch in RUN_DIR to report (default: the latest that failed)")
+    report.add_argument("--run", metavar="KEY",
+                        help="which launch in RUN_DIR to report (default: the latest that failed)")
     report.add_argument("--plot", type=picture_path, metavar="FILE",
                         help="also draw the failing step (rank x module map) into FILE"
                              " (.png/.svg/.pdf; matplotlib)")

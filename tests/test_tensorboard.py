@@ -22,6 +22,8 @@ from gradnan.testing.toy_job import Injection, TinyGPTJob
 from .helpers import read_board, records_by_rank
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("tensorboard",
+                    reason="TensorBoard is not installed: pip install -e '.[trackers]' (CI installs it)")
 
 CORE = "decoder.layers.1.self_attention.core_attention"
 # a forward overflow on tensor-parallel rank 0 that reproduces: the last rank (1), which holds the writer,
