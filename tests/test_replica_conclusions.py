@@ -72,7 +72,8 @@ def test_a_forward_glitch_is_transient_on_its_own_replica_only_and_keeps_its_mic
     assert drain.text.startswith(f"drain {origin['host']} {origin['device']} (rank 1)")
     assert selftest.command[:2] == ("torchrun", "--nproc_per_node=2")  # both ranks ran on this host
     text = format_text(analysis)
-    assert "NOT reproduced: transient (the rerun records of rank(s) 1)\n" in text, text
+    assert ("NOT reproduced: transient, on data-parallel replica(s) dp1 (each its whole model-parallel group;"
+            " recorded by rank(s) 1)") in " ".join(text.split()), text
     assert "  rank(s) 0: forward pass and local gradients clean" in text, text
     assert f"the micro-batch: {found[1]['batch']['path']}" in text, text
     assert "Verdict: device" in text and "forward_op" not in text, text  # no reading that contradicts it

@@ -258,8 +258,11 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = (),
     conclusion = rerun.conclusion.headline
     grew_in = rerun.grew_in
     if rerun.module is None:
-        lines = [f"Rerun of {when} in place: {conclusion} (the rerun records of rank(s)"
-                 f" {rank_ranges(rerun.concluded_by)})"]
+        replicas = ", ".join(f"dp{dp}" for dp in rerun.concluded_replicas)
+        where = (f", on data-parallel replica(s) {replicas} (each its whole model-parallel group; recorded by"
+                 f" rank(s) {rank_ranges(rerun.concluded_by)})" if replicas
+                 else f" (the rerun records of rank(s) {rank_ranges(rerun.concluded_by)})")
+        lines = wrap(f"Rerun of {when} in place: {conclusion}{where}", WIDTH, subsequent_indent="    ")
         if grew_in:
             lines.append(f"  {growth_path(grew_in, None, None)}, on rank {grew_in['global_rank']}")
     else:

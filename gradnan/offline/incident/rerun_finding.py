@@ -96,7 +96,9 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         receivers=tuple({**rank_view(r["rank"]), "module": r.get("module")} for r in at_step
                         if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)),
-        origins_absent=_origins_absent(at_step))
+        origins_absent=_origins_absent(at_step),
+        concluded_replicas=tuple(sorted({r["rank"]["dp"] for r in at_step if r["rank"].get("global_rank")
+                                         in strongest.ranks and isinstance(r["rank"].get("dp"), int)})))
 
 
 def _origins_absent(at_step: List[Dict[str, Any]]) -> Tuple[int, ...]:

@@ -94,6 +94,9 @@ class RerunFinding:
     samples: Tuple[Dict[str, Any], ...] = ()  # the failing micro-batch in the data, per replica
     # the global ranks the records name as the forward origin (``origin_rank``) that wrote no rerun record
     origins_absent: Tuple[int, ...] = ()
+    # the data-parallel replicas (dp) of ``concluded_by``: a rerun runs the whole model-parallel group of
+    # a replica, and one of its ranks writes the group's record
+    concluded_replicas: Tuple[int, ...] = ()
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -102,7 +105,7 @@ class RerunFinding:
     def to_json(self) -> Dict[str, Any]:
         return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger,
                 "megatron": self.megatron, "conclusion": self.conclusion.value,
-                "concluded_by": list(self.concluded_by),
+                "concluded_by": list(self.concluded_by), "concluded_replicas": list(self.concluded_replicas),
                 "own_failure": None if self.own_failure is None else self.own_failure.value,
                 "conclusions": [group.to_json() for group in self.conclusions],
                 "megatron_split": [group.to_json() for group in self.megatron_split],
