@@ -236,9 +236,8 @@ def _megatron_line(rerun: RerunFinding) -> List[str]:
 
 
 def held_weight(incident: Incident) -> Optional[str]:
-    """The origin's bad weight inside the rerun's forward origin, where the two differ: the forward origin is
-    the first module whose output went non-finite, and a weight's own module can keep its outputs finite
-    (a bias returned unadded, for the parent to add)."""
+    """The origin's bad weight inside the rerun's forward origin, where the origin line names the weight and
+    the forward origin a module above it (the first module whose output the rerun saw non-finite)."""
     rerun = incident.rerun
     if rerun is None or rerun.module is None:
         return None
@@ -271,10 +270,11 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = (),
         lines = [f"Forward origin ({when} run again in place): {origin}",
                  f"  on {_rank_label(rerun.rank)}, {micro_batch_words(rerun.micro_batch)}: {conclusion}"]
         if held is not None:
-            lines += wrap(f"the first module whose output went non-finite; it holds the origin weight"
-                          f" {untrusted(held)}, whose own module's outputs stayed finite"
-                          + (" (a bias returned unadded, for its parent to add)" if held.endswith(".bias")
-                             else ""), WIDTH, initial_indent="  ", subsequent_indent="    ")
+            lines += wrap(f"the first module whose output the rerun saw non-finite; the origin weight"
+                          f" {untrusted(held)} is inside it"
+                          + (" (a linear layer built with skip_bias_add returns its bias for the parent to"
+                             " add)" if held.endswith(".bias") else ""),
+                          WIDTH, initial_indent="  ", subsequent_indent="    ")
         if grew_in and grew_in["global_rank"] != rerun.global_rank:
             lines.append(f"  the value grew on rank {grew_in['global_rank']},"
                          f" {micro_batch_words(grew_in['micro_batch'])}")
@@ -288,7 +288,7 @@ def rerun_lines(rerun: Optional[RerunFinding], shown: Sequence[Action] = (),
                      " went non-finite there first)" if same else "  tied with: " + ", ".join(
                          f"{untrusted(o['module'])} on rank {o['global_rank']}" for o in ties[:MAX_LISTED]))
     if rerun.receivers:
-        lines.append(f"  received it from there (not origins): rank(s) "
+        lines.append(f"  received it{' from there' if rerun.module else ''} (not origins): rank(s) "
                      f"{rank_ranges([r['global_rank'] for r in rerun.receivers])}")
     if rerun.bundle and Action.REPLAY not in shown:
         lines.append(f"  replay it: gradnan replay {shell_word(rerun.bundle)}")
