@@ -10,11 +10,12 @@ import pytest
 
 from gradnan.cli import main
 from gradnan.formats import maps
-from gradnan.formats.layout import map_path, records_path
+from gradnan.formats.layout import map_path, rank_ranges, records_path
 from gradnan.offline.incident import read
 from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.module_table import focus_ranks
 from gradnan.offline.incident.read import KEPT_PARAMS, map_params, read_run
-from gradnan.offline.incident.report import build_report, focus_ranks, rank_ranges
+from gradnan.offline.incident.report import build_report
 from gradnan.testing.synthetic import TP, coords_of, write_run_dir
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them

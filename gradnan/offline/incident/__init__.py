@@ -6,6 +6,6 @@
    gradients rank by rank and their pattern, what the rerun's replicas concluded, the run-up).
 3. ``evidence``: the typed ``decision.evidence.Evidence`` from them; ``gradnan.decision`` decides.
 4. ``analysis``: ``analyze()`` assembles the typed ``verdict.Report`` from the decision.
-5. Renderers: ``report`` (text and ``--json``), ``plot`` (``plot_grid``, ``plot_evidence``,
-   ``plot_blocks``), ``frames_view`` and ``batch_view``.
+5. Renderers: ``report`` (text and ``--json``; its table of modules by rank: ``module_table``), ``plot``
+   (``plot_grid``, ``plot_evidence``, ``plot_blocks``), ``frames_view`` and ``batch_view``.
 """

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ...formats.layout import AXES, rank_label
+from ...formats.layout import AXES, rank_label, rank_ranges
+from .module_table import ROLE_TEXT, rank_role
 from .plot_blocks import (
     CHAR_WIDTH,
     DPI,
@@ -29,7 +30,6 @@ from .plot_blocks import (
     text_block,
     wrapped,
 )
-from .report import ROLE_TEXT, rank_ranges, rank_role
 from .verdict import Incident, View
 
 NO_RANK, NO_RECORD, FINITE, RECEIVED, ORIGIN = range(5)  # a cell's state; a pooled cell shows the largest
