@@ -135,7 +135,9 @@ EP_PLANTS = (Plant(Cause.FORWARD_OP, EP, EXPERT.format(0, 1), (0, 0)),
              Plant(Cause.WEIGHTS, EP, EXPERT.format(1, 3) + ".linear_fc1.weight", (0, 1)),
              Plant(Cause.BACKWARD_OP, EP, EXPERT.format(0, 0) + ".linear_fc2.weight", (0, 0)),
              Plant(Cause.FORWARD_OP, EP, "decoder.layers.1.self_attention.linear_proj", (0, 1)),
-             Plant(Cause.BACKWARD_OP, EP, "decoder.layers.0.self_attention.linear_qkv.weight", (0, 0)))
+             Plant(Cause.BACKWARD_OP, EP, "decoder.layers.0.self_attention.linear_qkv.weight", (0, 0)),
+             # the rerun's group spans both replicas: each rank's own loss (``loss_here``) names whose it was
+             Plant(Cause.LOSS, EP, "", (0, 1), 2, 0))
 PLANTS = (*PLANTS, Plant(Cause.FORWARD_OP, EP.with_(world_size=4), EXPERT.format(0, 3), (0, 3)))
 # under fp16 the step is not run again with experts (whether an overflow is an incident may differ between
 # replicas): an honest undetermined, not the receiver's gradients read as a backward operator

@@ -38,7 +38,8 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
             or not optional(record.get("grew_in"), is_growth)
             or not optional(record.get("samples"), is_samples)
             or not optional(record.get("nonfinite_at"), is_element)
-            or record.get("reduction") not in (None, *REDUCTION_FINDINGS)):
+            or record.get("reduction") not in (None, *REDUCTION_FINDINGS)
+            or not optional(record.get("loss_here"), is_loss_here)):
         raise InputError(f"{where}: a rerun record needs 'role' one of {', '.join(RERUN_ROLES)}, 'observed'"
                          " an object with boolean 'reproduced'/'norm_overflow', 'loss'/'loss_again'/"
                          f"'own_gradients' one of {', '.join(SEEN_VALUES)} and 'megatron_job' null or one"
@@ -54,7 +55,15 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
                          " 'data_parallel_rank'/'data_parallel_size' and 'indices'/'sources' null or lists"
                          f" (at most {MAX_SAMPLES}), 'nonfinite_at' absent, null or an object with integer"
                          f" 'output' and 'shape'/'index' lists of at most {MAX_DIMS} integers, and"
-                         f" 'reduction' absent, null or one of {', '.join(REDUCTION_FINDINGS)}")
+                         f" 'reduction' absent, null or one of {', '.join(REDUCTION_FINDINGS)}, and"
+                         " 'loss_here' absent, null or an object with 'loss'/'loss_again' one of"
+                         f" {', '.join(SEEN_VALUES)}")
+
+
+def is_loss_here(loss_here: Any) -> bool:
+    """A rank's own losses in the failing pass and the pass run again (``Seen`` values)."""
+    return (isinstance(loss_here, dict)
+            and all(loss_here.get(key) in SEEN_VALUES for key in ("loss", "loss_again")))
 
 
 def _concluded(record: Dict[str, Any]) -> bool:

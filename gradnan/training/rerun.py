@@ -30,7 +30,7 @@ from ..config import GradnanConfig, RerunMode
 from ..decision.replica import conclude, conclusion_of, own_failure_of
 from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, PipelineTransfer, RerunnableStep
 from ..formats.incident import Conclusion, RecordKind, RerunRole
-from ..formats.observed import ReplicaObservation
+from ..formats.observed import ReplicaObservation, Seen
 from ..formats.text import shell_word
 from ..formats.wording import growth_log, samples_wording
 from ..log import logger
@@ -51,6 +51,7 @@ from .rerun_pass import (
     observation,
     reduction_finding,
     restore_buffers,
+    seen_state,
 )
 from .writer import Writer
 
@@ -241,6 +242,7 @@ class StepRerun:
         found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
         loss_again = -1.0 if seen.loss_finite is None else (0.0 if seen.loss_finite else 1.0)
+        loss_again_here = loss_again
         reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
              float("overflow" in (at_norm, local_gradients)),
@@ -261,12 +263,15 @@ class StepRerun:
         bundle, nonfinite_at = (self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None,
                                                    failing_mb) if reproduced else (None, None))
         batch = self.keep_batch(kept, failing_mb)
-        if role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica():
+        loss_here = _loss_here(loss_state, loss_again_here)
+        if (role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica()
+                and Seen.NONFINITE.value not in (loss_here or {}).values()):
             return None
         samples = None if failing_mb is None else kept.samples(failing_mb)
         return self._report(trigger, role, module, seen, failing_mb, seen_here, megatron, bundle, batch,
                             grew_in,
                             {"samples": samples, "nonfinite_at": nonfinite_at,
+                             "loss_here": loss_here,
                              "reduction": reduction if role is not RerunRole.CLEAN else None,
                              "origin_rank": self.outcome.origin_rank})
 
@@ -361,3 +366,12 @@ class StepRerun:
                        else logging.INFO,
                        "%s, run again in place on this rank's model-parallel group (%s): %s", when(record),
                        where(record), explanation)
+
+
+def _loss_here(loss: float, loss_again: float) -> Optional[Dict[str, str]]:
+    """This rank's own losses, before the all-reduce that makes ``observed`` its group's (1 non-finite, 0
+    finite, -1 none here): where the group spans several data-parallel replicas (expert parallelism), only
+    these say whose loss it was. None on a rank that computes no loss."""
+    if loss < 0 and loss_again < 0:
+        return None
+    return {"loss": seen_state(loss).value, "loss_again": seen_state(loss_again).value}

@@ -203,8 +203,8 @@ def largest(values: Sequence[float]) -> Any:
     return json_float(math.nan if any(math.isnan(v) for v in values) else max(values))
 
 
-def _seen(state: float) -> Seen:
-    """An all-reduced (max) state, 1 non-finite, 0 finite, -1 seen nowhere."""
+def seen_state(state: float) -> Seen:
+    """A state, 1 non-finite, 0 finite, -1 seen nowhere (all-reduced with max: on no rank)."""
     return Seen.NONFINITE if state > 0 else Seen.FINITE if state == 0 else Seen.UNSEEN
 
 
@@ -212,8 +212,8 @@ def observation(reproduced: float, loss: float, own_gradients: float, overflow: 
                 loss_again: float, megatron: Optional[MegatronRerun]) -> ReplicaObservation:
     """The replica's observations from its model-parallel group's all-reduced (max) facts: each state 1
     non-finite, 0 finite, -1 seen nowhere (``own_gradients``: unchecked)."""
-    return ReplicaObservation(bool(reproduced), _seen(loss), _seen(loss_again), _seen(own_gradients),
-                              norm_overflowed(overflow, nonfinite),
+    return ReplicaObservation(bool(reproduced), seen_state(loss), seen_state(loss_again),
+                              seen_state(own_gradients), norm_overflowed(overflow, nonfinite),
                               None if megatron is None else Conclusion(megatron.job))
 
 

@@ -137,8 +137,11 @@ def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[
     replicas = {coordinate(rank, "dp") for rank in rerun.concluded_by}
     last = max((coordinate(rank, "pp") or 0 for rank in ranks if coordinate(rank, "dp") in replicas),
                default=0)
-    return tuple(sorted(rank for rank in ranks if coordinate(rank, "dp") in replicas
-                        and (coordinate(rank, "pp") or 0) == last))
+    stage = tuple(sorted(rank for rank in ranks if coordinate(rank, "dp") in replicas
+                         and (coordinate(rank, "pp") or 0) == last))
+    # a group spanning several replicas (expert parallelism) concluded together: not those whose own loss
+    # was finite in both passes, where that leaves any
+    return tuple(rank for rank in stage if rank not in rerun.losses_finite_here) or stage
 
 
 class RankLabels(Mapping):

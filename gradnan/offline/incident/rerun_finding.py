@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ...decision.origin import forward_origins
 from ...decision.replica import PRECEDENCE, conclusion_of, own_failure_of
 from ...formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
+from ...formats.observed import Seen
 from .gradients import rank_view
 from .verdict import Concluded, RerunFinding
 
@@ -61,6 +62,13 @@ def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> L
     return [chosen[dp_rank] for dp_rank in sorted(chosen)]
 
 
+def _own_loss_nonfinite(record: Dict[str, Any]) -> Optional[bool]:
+    """Whether a rerun record's rank's own loss was non-finite in either pass (``loss_here``); None where
+    the record does not say (no loss on that rank, or an older record)."""
+    here = record.get("loss_here")
+    return None if not here else Seen.NONFINITE.value in here.values()
+
+
 def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -74,7 +82,10 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     later_stages = {id(r) for r in named} - {id(r) for r in origins}
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
-    batch = next((r["batch"] for r in origins + at_step if r.get("batch")), None)
+    # else, where the loss went non-finite: the copy of a rank whose own loss did (expert parallelism
+    # reruns several replicas together, each on its own data)
+    own_loss_first = sorted(at_step, key=lambda r: _own_loss_nonfinite(r) is not True)
+    batch = next((r["batch"] for r in origins + own_loss_first if r.get("batch")), None)
     conclusions = _grouped(at_step, conclusion_of)
     megatron = _grouped(at_step, _megatron)
     strongest = conclusions[0]
@@ -97,6 +108,9 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
                         if r["role"] == RerunRole.RECEIVER or (id(r) in later_stages)),
         grew_in=_growth(at_step, first), samples=tuple(_failing_samples(at_step, strongest.ranks)),
         origins_absent=_origins_absent(at_step),
+        losses_finite_here=tuple(sorted(r["rank"]["global_rank"] for r in at_step
+                                        if isinstance(r["rank"].get("global_rank"), int)
+                                        and _own_loss_nonfinite(r) is False)),
         concluded_replicas=tuple(sorted({r["rank"]["dp"] for r in at_step if r["rank"].get("global_rank")
                                          in strongest.ranks and isinstance(r["rank"].get("dp"), int)})))
 

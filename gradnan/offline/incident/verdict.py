@@ -97,6 +97,9 @@ class RerunFinding:
     # the data-parallel replicas (dp) of ``concluded_by``: a rerun runs the whole model-parallel group of
     # a replica, and one of its ranks writes the group's record
     concluded_replicas: Tuple[int, ...] = ()
+    # the ranks whose own loss (``loss_here``) was finite in both passes: where a rerun's group spans
+    # several data-parallel replicas (expert parallelism), its ``observed`` loss is the group's, not theirs
+    losses_finite_here: Tuple[int, ...] = ()
 
     @property
     def global_rank(self) -> Optional[int]:
@@ -106,6 +109,7 @@ class RerunFinding:
         return {"step": self.step, "iteration": self.iteration, "trigger": self.trigger,
                 "megatron": self.megatron, "conclusion": self.conclusion.value,
                 "concluded_by": list(self.concluded_by), "concluded_replicas": list(self.concluded_replicas),
+                "losses_finite_here": list(self.losses_finite_here),
                 "own_failure": None if self.own_failure is None else self.own_failure.value,
                 "conclusions": [group.to_json() for group in self.conclusions],
                 "megatron_split": [group.to_json() for group in self.megatron_split],
