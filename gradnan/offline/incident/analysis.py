@@ -186,8 +186,8 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                      f" ({untrusted(e.rejected['loss'])}) on rank {e.rejected['global_rank']},"
                      f" {micro_batch_words(e.rejected['micro_batch'])}, and raised (--rerun-mode disabled)")
     if e.recurs:
-        lines.append("the next step overflowed too, with no update applied in between: the numerics, not one"
-                     " batch")
+        lines.append("the next step overflowed too, on other data, with no update applied in between: not"
+                     " one batch")
     if decision.undecided and decision.not_observed:
         lines.append(f"not observed: {missing_text(decision.not_observed)}")
     return lines
