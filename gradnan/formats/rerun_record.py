@@ -5,11 +5,11 @@ non-finite (``nonfinite_at``), and where the failing micro-batch sits in the dat
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional
 
 from ..errors import InputError
 from .incident import Conclusion, OwnFailure, RerunRole, values
-from .observed import MEGATRON_JOB_VALUES, SEEN_VALUES, is_observation
+from .observed import MEGATRON_JOB_VALUES, SEEN_VALUES, Seen, is_observation
 from .schema import is_finite, is_int, is_stat, is_text, optional
 
 RERUN_ROLES = values(RerunRole)
@@ -64,6 +64,12 @@ def is_loss_here(loss_here: Any) -> bool:
     """A rank's own losses in the failing pass and the pass run again (``Seen`` values)."""
     return (isinstance(loss_here, dict)
             and all(loss_here.get(key) in SEEN_VALUES for key in ("loss", "loss_again")))
+
+
+def loss_here_nonfinite(loss_here: Optional[Mapping[str, Any]]) -> Optional[bool]:
+    """Whether a rank's own loss (a rerun record's ``loss_here``) was non-finite in either pass; None
+    where it says nothing (no loss on that rank, or a record written before the field)."""
+    return None if not loss_here else Seen.NONFINITE.value in loss_here.values()
 
 
 def _concluded(record: Dict[str, Any]) -> bool:

@@ -30,7 +30,8 @@ from ..config import GradnanConfig, RerunMode
 from ..decision.replica import conclude, conclusion_of, own_failure_of
 from ..events import MegatronRerun, ModuleHooking, ModuleHooks, NamedModules, PipelineTransfer, RerunnableStep
 from ..formats.incident import Conclusion, RecordKind, RerunRole
-from ..formats.observed import ReplicaObservation, Seen
+from ..formats.observed import ReplicaObservation
+from ..formats.rerun_record import loss_here_nonfinite
 from ..formats.text import shell_word
 from ..formats.wording import growth_log, samples_wording
 from ..log import logger
@@ -242,7 +243,7 @@ class StepRerun:
         found_mb = seen.micro_batch() if role is not RerunRole.CLEAN else None
         gradients = {"nonfinite": 1.0, "clean": 0.0}.get(local_gradients or "", -1.0)
         loss_again = -1.0 if seen.loss_finite is None else (0.0 if seen.loss_finite else 1.0)
-        loss_again_here = loss_again
+        loss_here = _loss_here(loss_state, loss_again)  # this rank's own, before the group's all-reduce
         reproduced, original_loss, own_gradients, overflow, nonfinite, loss_again = kept.all_reduce(
             [0.0 if role is RerunRole.CLEAN else 1.0, loss_state, gradients,
              float("overflow" in (at_norm, local_gradients)),
@@ -263,9 +264,8 @@ class StepRerun:
         bundle, nonfinite_at = (self._capture_pass(kept, seen, module if role is RerunRole.ORIGIN else None,
                                                    failing_mb) if reproduced else (None, None))
         batch = self.keep_batch(kept, failing_mb)
-        loss_here = _loss_here(loss_state, loss_again_here)
         if (role is RerunRole.CLEAN and batch is None and grew_in is None and not kept.leads_replica()
-                and Seen.NONFINITE.value not in (loss_here or {}).values()):
+                and not loss_here_nonfinite(loss_here)):
             return None
         samples = None if failing_mb is None else kept.samples(failing_mb)
         return self._report(trigger, role, module, seen, failing_mb, seen_here, megatron, bundle, batch,

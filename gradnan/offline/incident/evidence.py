@@ -161,13 +161,13 @@ class RankLabels(Mapping):
         return sum(1 for _ in self)
 
 
-
 def token_of(tp: Any, param: Dict[str, Any]) -> Optional[int]:
     """The token the first bad element's row holds, for a weight whose record gives ``vocab_rows``."""
     rows, index = param.get("vocab_rows"), param.get("first_bad_index")
     if isinstance(rows, int) and rows > 0 and isinstance(index, list) and len(index) == 2:
         return vocabulary_token(tp, rows, index[0])
     return None
+
 
 def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, Any]],
                 states: Sequence[Dict[str, Any]], gradient: Tuple[OriginBasis, Sequence[View]],

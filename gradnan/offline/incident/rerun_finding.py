@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ...decision.origin import forward_origins
 from ...decision.replica import PRECEDENCE, conclusion_of, own_failure_of
 from ...formats.incident import Conclusion, OwnFailure, RecordKind, RerunRole
-from ...formats.observed import Seen
+from ...formats.rerun_record import loss_here_nonfinite
 from .gradients import rank_view
 from .verdict import Concluded, RerunFinding
 
@@ -62,13 +62,6 @@ def _failing_samples(at_step: List[Dict[str, Any]], failing: Sequence[int]) -> L
     return [chosen[dp_rank] for dp_rank in sorted(chosen)]
 
 
-def _own_loss_nonfinite(record: Dict[str, Any]) -> Optional[bool]:
-    """Whether a rerun record's rank's own loss was non-finite in either pass (``loss_here``); None where
-    the record does not say (no loss on that rank, or an older record)."""
-    here = record.get("loss_here")
-    return None if not here else Seen.NONFINITE.value in here.values()
-
-
 def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     """What the ``rerun`` records say (one step per launch); each record gives its replica's conclusion,
     and Megatron's own conclusion as that rank's state machine reached it."""
@@ -84,7 +77,7 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)
     # else, where the loss went non-finite: the copy of a rank whose own loss did (expert parallelism
     # reruns several replicas together, each on its own data)
-    own_loss_first = sorted(at_step, key=lambda r: _own_loss_nonfinite(r) is not True)
+    own_loss_first = sorted(at_step, key=lambda r: loss_here_nonfinite(r.get("loss_here")) is not True)
     batch = next((r["batch"] for r in origins + own_loss_first if r.get("batch")), None)
     conclusions = _grouped(at_step, conclusion_of)
     megatron = _grouped(at_step, _megatron)
@@ -110,7 +103,7 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
         origins_absent=_origins_absent(at_step),
         losses_finite_here=tuple(sorted(r["rank"]["global_rank"] for r in at_step
                                         if isinstance(r["rank"].get("global_rank"), int)
-                                        and _own_loss_nonfinite(r) is False)),
+                                        and loss_here_nonfinite(r.get("loss_here")) is False)),
         concluded_replicas=tuple(sorted({r["rank"]["dp"] for r in at_step if r["rank"].get("global_rank")
                                          in strongest.ranks and isinstance(r["rank"].get("dp"), int)})))
 
