@@ -235,8 +235,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 say(f"Picture: {shell_word(args.plot)}" if report.incident is not None
                     else "Nothing to plot: no failing step.")
         elif args.command == "replay":
-            from .offline.replay.command import format_text as replay_text
             from .offline.replay.isolation import replay_isolated
+            from .offline.replay.text import format_text as replay_text
 
             limits = ReplayLimits(max_memory=args.max_memory or default_max_memory(),
                                   max_cpu_seconds=args.max_cpu_seconds, max_ops=args.max_ops)

@@ -26,7 +26,8 @@ from gradnan.formats import bundle
 from gradnan.formats.trace import Trace
 from gradnan.formats.trace_ops import TraceError
 from gradnan.offline.replay import references
-from gradnan.offline.replay.command import format_text, replay_bundle
+from gradnan.offline.replay.command import replay_bundle
+from gradnan.offline.replay.text import format_text
 from gradnan.offline.replay.trace import replay
 from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.training.error_guard import ErrorGuard

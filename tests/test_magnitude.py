@@ -16,8 +16,8 @@ from gradnan.formats.magnitude import first_grown_frame
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
 from gradnan.offline.incident.report import format_text
-from gradnan.offline.replay.command import format_text as replay_text
 from gradnan.offline.replay.command import replay_bundle
+from gradnan.offline.replay.text import format_text as replay_text
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob
 

@@ -18,7 +18,8 @@ from gradnan.formats.incident import Conclusion
 from gradnan.formats.magnitude import GROWTH_FACTOR, LIMIT_MARGIN, first_grown_frame, grew, magnitude_text
 from gradnan.formats.records import DTYPE_MAX, from_json
 from gradnan.formats.wording import growth_log, growth_path
-from gradnan.offline.replay.command import _growth, _upstream, growth_text
+from gradnan.offline.replay.command import _growth, _upstream
+from gradnan.offline.replay.text import growth_text
 from gradnan.offline.replay.trace import replay
 from gradnan.training.frames import Frame, first_growth
 from gradnan.training.recorder import OpRecorder

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gradnan.formats import bundle
-from gradnan.offline.replay.command import format_text, replay_bundle
+from gradnan.offline.replay.command import replay_bundle
+from gradnan.offline.replay.text import format_text
 from gradnan.patches.module_hooks import ModuleHooks
 from gradnan.testing.toy import launch_many
 from gradnan.testing.toy_job import Injection, TinyGPTJob

@@ -39,7 +39,7 @@ SCHEMA = Schema("gradnan.bundle", 1)
 MAX_TENSORS_BYTES = 1 << 36  # a tensors.pt larger than 64 GiB is no capture gradnan wrote
 _GRAD_OUT = re.compile(r"grad_out\.(\d{1,9})")
 # what changed a module's output after it returned, in ``outputs_changed`` (the replay's wording:
-# ``gradnan.offline.replay.command.changed_text``); a module returns at most this many tensors
+# ``gradnan.offline.replay.text.changed_text``); a module returns at most this many tensors
 CHANGED_BY = ("forward_hook", "in_place")
 MAX_CHANGES = 1 << 16
 

@@ -1,8 +1,8 @@
 """``gradnan replay BUNDLE``: rerun a captured module call offline, judge whether the failure reproduces,
 and compare replays under other stacks (``--against``). The modules, in reading order:
 
-- ``command``: the replay of one bundle in three precisions, its verdict and its text (``replay_bundle``,
-  ``format_text``);
+- ``command``: the replay of one bundle in three precisions and its verdict (``replay_bundle``);
+- ``text``: that verdict as people read it (``format_text``), and the phrases the comparison shares;
 - ``trace``: the op-by-op replay of a recorded trace without the module's code (``replay``);
 - ``checks``: what the replay checks before an operator runs, so that a crafted trace cannot make a
   kernel read or write outside its tensors;

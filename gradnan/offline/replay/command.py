@@ -41,13 +41,13 @@ import torch
 
 from ...errors import InputError, UsageError
 from ...formats import bundle
-from ...formats.layout import MANIFEST, host_device
-from ...formats.magnitude import first_grown_frame, grew, magnitude_text, near_limit
+from ...formats.layout import MANIFEST
+from ...formats.magnitude import first_grown_frame, grew, near_limit
 from ...formats.replay import SCHEMA, ReplayVerdict
 from ...formats.rerun_record import is_growth
-from ...formats.text import printable_lines, shell_word, untrusted
 from ...formats.trace import REPLAY_PRECISIONS, Trace, has_nonfinite, is_fused, same_values, tensors_in
 from ...formats.trace_ops import TraceError, op_inputs, refs, returns_uninitialized
+from .text import changed_text, growth_text, not_updates, operator_text
 from .trace import output_tree, replay
 
 # The module's own inputs; other leaves are tensors made outside the traced ops (e.g. Megatron's
@@ -269,19 +269,6 @@ def _growth(manifest: Dict[str, Any], operator: Optional[Dict[str, Any]],
     return None
 
 
-def growth_text(growth: Dict[str, Any]) -> str:
-    """``grew out of line at aten.mul.Tensor (2.91 -> 3.9e28)``, or where upstream it grew."""
-    magnitudes = (f"({magnitude_text(growth['inputs_abs_max'])} ->"
-                  f" {magnitude_text(growth['output_abs_max'])})")
-    if growth["where"] == "operator":
-        return f"grew out of line at {untrusted(growth['op'])} {magnitudes}"
-    inputs = growth["inputs"]
-    text = (f"the module's inputs were already out of line ({untrusted(inputs['leaf'])} abs-max"
-            f" {magnitude_text(inputs['abs_max'])}): the value grew before this module")
-    return text + (f", in {untrusted(growth['module'])} ({untrusted(growth['class'])}) {magnitudes}"
-                   if growth["module"] else "")
-
-
 def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor],
            leaf_names: List[str], grads: Dict[int, torch.Tensor],
            growth: Optional[Dict[str, Any]], changes: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -319,7 +306,7 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
         return {"verdict": ReplayVerdict.BAD_OPERATOR_OR_INPUT.value, "reproduces": True,
                 "summary": f"reproduces in every precision{where}: a genuinely bad input for it,"
                            " or a bug in it"}
-    corrupted = [change for change in changes if change["updated_parameter"] is None]
+    corrupted = not_updates(changes)
     if any(change["nonfinite"] for change in corrupted):
         return {"verdict": ReplayVerdict.CHANGED_AFTER_RETURN.value, "reproduces": False,
                 "summary": "the module's own outputs are finite, and the replay agrees; training went on"
@@ -345,36 +332,6 @@ def _judge(seen: Dict[str, Any], runs: Dict[str, Dict[str, Any]], tensors: Dict[
                            " selftest) or a corruption after this computation"}
     return {"verdict": ReplayVerdict.HEALTHY.value, "reproduces": False,
             "summary": "nothing non-finite was captured, and the replay agrees" + _still_grew(growth)}
-
-
-_CHANGED_BY = {"forward_hook": "by a forward hook on the module",
-               "in_place": "in place, by an operation outside the module"}
-
-
-def changed_text(changes: List[Dict[str, Any]]) -> str:
-    """``output 0 NON-FINITE, changed after the module returned by a forward hook on the module``."""
-    return "; ".join(f"output {change['output']}"
-                     f" {'NON-FINITE' if change['nonfinite'] else 'finite but different'}, changed after the"
-                     f" module returned {_CHANGED_BY[change['by']]}" for change in changes)
-
-
-def updated_parameter_text(change: Dict[str, Any]) -> str:
-    """``Output 1 is the module's parameter bias, returned as itself (...): it changed after the call
-    because training updated the parameter (the optimizer step), not a second corruption; ...``."""
-    return (f"Output {change['output']} is the module's parameter {untrusted(change['updated_parameter'])},"
-            " returned as itself (as a linear layer built with skip_bias_add returns its bias): it changed"
-            " after the call because training updated the parameter (the optimizer step), not a second"
-            f" corruption; the update left it {'NON-FINITE' if change['nonfinite'] else 'finite'}")
-
-
-def operator_text(operator: Dict[str, Any]) -> str:
-    """``aten.mm.default``, or ``the fused kernel ScaledSoftmax (megatron.core.fusions.fused_softmax, in
-    decoder.layers.0.self_attention.core_attention)``."""
-    fused = operator.get("fused")
-    if not fused:
-        return untrusted(operator["op"])
-    where = f", in {untrusted(fused['module'])}" if fused.get("module") else ""
-    return f"the fused kernel {untrusted(fused['class'])} ({untrusted(fused['class_module'])}{where})"
 
 
 _FINDINGS = {
@@ -407,50 +364,3 @@ def _still_grew(growth: Optional[Dict[str, Any]]) -> str:
     if growth is None:
         return ""
     return f"; but {'a value ' if growth['where'] == 'operator' else ''}{growth_text(growth)}"
-
-
-def fused_text(fused: Dict[str, Any]) -> str:
-    """``Fused kernel ScaledSoftmax: output NON-FINITE; reference math float16 NON-FINITE, float32 finite,
-    float64 finite: numerics``."""
-    nonfinite = fused["reference_nonfinite"]
-    reference = ("no reference math (opaque)" if nonfinite is None else "reference math " + ", ".join(
-        f"{label} {'NON-FINITE' if bad else 'finite'}" for label, bad in nonfinite.items()))
-    return f"Fused kernel {untrusted(fused['class'])}: output NON-FINITE; {reference}: {fused['finding']}"
-
-
-def module_line(result: Dict[str, Any]) -> str:
-    """``Module decoder.layers.1.mlp.linear_fc1 (ColumnParallelLinear), step 4, rank 1 (tp1 pp0 dp0, vm
-    cpu)``: which call a replay (or a comparison of replays) is about."""
-    rank = result["rank"]
-    module = result["module"]
-    return (f"Module {untrusted(module['path'])} ({untrusted(module['class'])}), step {result['step']},"
-            f" rank {rank['global_rank']} (tp{rank['tp']} pp{rank['pp']} dp{rank['dp']},"
-            f" {host_device(rank)})")
-
-
-def format_text(result: Dict[str, Any]) -> str:
-    lines = [f"gradnan replay of {shell_word(result['bundle'])}",
-             module_line(result) + (", recompute pass" if result["recompute"] else ""),
-             f"Verdict: {result['verdict']}: {result['summary']}"]
-    for label, run in result["runs"].items():
-        operator = run["first_nonfinite"]
-        first = (f"first non-finite at op #{operator['index']} {operator_text(operator)}"
-                 f" ({operator.get('phase', 'forward')})"
-                 if operator else "no operator turned finite inputs non-finite")
-        if run["first_growth"]:
-            first = f"{growth_text({'where': 'operator', **run['first_growth']})}; {first}"
-        gradients = "not replayed (no incoming gradient was captured)"
-        if run.get("grads_replayed", True):
-            gradients = "NON-FINITE" if run["grads_nonfinite"] else "finite"
-        lines.append(f"  {label:>8}: outputs {'NON-FINITE' if run['outputs_nonfinite'] else 'finite'},"
-                     f" gradients {gradients}; {first}")
-    if result.get("fused"):
-        lines.append(fused_text(result["fused"]))
-    lines.append("Replay matches the module's own outputs saved in training:"
-                 f" {'yes' if result['replay_matches_saved_outputs'] else 'no'}")
-    changes = result["outputs_changed_after_return"]
-    corrupted = [change for change in changes if change["updated_parameter"] is None]
-    if corrupted:
-        lines.append(f"Training went on with other values: {changed_text(corrupted)}")
-    lines += [updated_parameter_text(change) for change in changes if change["updated_parameter"] is not None]
-    return printable_lines(lines)

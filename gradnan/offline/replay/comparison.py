@@ -34,7 +34,7 @@ from ...formats.layout import MANIFEST
 from ...formats.magnitude import magnitude_text
 from ...formats.replay import COMPARISON
 from ...formats.text import listing, printable_lines, shell_word, untrusted
-from .command import module_line, operator_text
+from .text import module_line, operator_text
 
 CAPTURE = "capture"
 _AROUND = 2  # ops shown before and after each op of interest in the table
