@@ -222,6 +222,32 @@ def test_on_nonfinite_raise_stops_at_the_first_nonfinite_forward_value_after_wri
     assert record["kind"] == "frames" and record["step"] == 2 and record["frames"][-1]["module"] == "0"
 
 
+def test_a_step_of_many_nonfinite_probes_writes_the_first_ones_and_counts_them_all(tmp_path):
+    """A probe in a loop over 2,000 tensors: the record lists the first ``MAX_PROBES`` in call order and
+    counts all 2,000, and the report says so."""
+    import gradnan
+    from gradnan.formats.records import MAX_PROBES
+
+    from .test_untrusted import cli
+
+    handle = gradnan.install(out_dir=str(tmp_path), log_level="CRITICAL")
+    try:
+        handle.start(model=torch.nn.Linear(2, 2))
+        for index in range(2000):
+            gradnan.check(torch.tensor([float("nan")]), f"tensor {index}")
+        handle.step()
+    finally:
+        gradnan.uninstall()
+    [record] = [json.loads(line) for path in (tmp_path / "records").glob("*.jsonl")
+                for line in path.read_text().splitlines()]
+    assert record["probes_total"] == 2000 and len(record["probes"]) == MAX_PROBES
+    assert record["probes"][-1]["label"] == f"tensor {MAX_PROBES - 1}"
+    code, out, _ = cli("report", str(tmp_path))
+    assert code == 0 and "and 1996 more probe finding(s)" in out, out
+    code, out, _ = cli("report", str(tmp_path), "--json")
+    assert json.loads(out)["probes_total"] == 2000 and len(json.loads(out)["probes"]) == MAX_PROBES
+
+
 @pytest.mark.slow
 def test_a_run_that_dies_before_its_optimizer_step_still_writes_its_frames(tmp_path):
     """Megatron-LM's NaN-loss check raises in the forward pass: the step's frames are written at exit."""

@@ -138,39 +138,52 @@ def real_lists(real_runs):
     return _list_fields(real_runs)
 
 
+def _unbounded_outputs(run_dir: Path) -> List[str]:
+    """What of ``gradnan report`` (text, then ``--json``) on the run is not a clean, bounded outcome."""
+    problems = []
+    for command in (["report", str(run_dir)], ["report", str(run_dir), "--json"]):
+        started = time.process_time()
+        code, out, err = cli(*command)
+        seconds = time.process_time() - started
+        lines, longest = out.count("\n"), max(map(len, out.split("\n")))
+        one_line_error = err.count("\n") == 1 and err.startswith("gradnan: error: ")
+        if not ((code == 0 and out and not err) or (code == 2 and one_line_error)):
+            problems.append(f"{command[2:]} exit {code}: {err[:200]!r}")
+        elif seconds >= 20:
+            problems.append(f"{command[2:]} took {seconds:.0f} s of CPU")
+        elif "--json" in command and (lines >= 40_000 or len(out) >= 3_000_000):
+            problems.append(f"--json: {lines} lines, {len(out)} characters")
+        elif "--json" not in command and (lines >= MAX_LINES or longest >= 3000):
+            problems.append(f"text: {lines} lines, the longest {longest} characters")
+    return problems
+
+
 @pytest.mark.slow
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_any_list_of_a_real_run_20000_long_gives_a_bounded_report(real_runs, real_lists, data):
+def test_every_list_of_a_real_run_20000_long_gives_a_bounded_report(real_runs, real_lists):
     """The text lists the first few of each list and counts the rest; ``--json`` holds at most what the
     readers keep (1,024 parameters a record) or refuses the file as a listed problem. (20,000: above every
-    bound a reader sets; 100,000 parameters above.)"""
-    run, relative, number, path = data.draw(st.sampled_from(real_lists), label="list")
-    file = real_runs / run / relative
-    saved = file.read_bytes()
-    try:
-        lines = saved.decode().splitlines()
-        document = json.loads(lines[number] if number >= 0 else saved)
-        current = document
-        for key in path:
-            current = current[key]
-        text = json.dumps(_mutated(document, path, [current[0] if current else 0] * 20_000))
-        if number >= 0:
-            lines[number] = text
-            text = "\n".join(lines) + "\n"
-        file.write_text(text)
-        for command in (["report", str(real_runs / run)], ["report", str(real_runs / run), "--json"]):
-            started = time.process_time()
-            code, out, err = cli(*command)
-            where = f"{run}/{relative}:{number + 1}{list(path)} {command[1:]}"
-            assert_clean_outcome(code, out, err, where)
-            assert time.process_time() - started < 20, where
-            if "--json" in command:
-                assert out.count("\n") < 40_000 and len(out) < 3_000_000, (where, out.count("\n"), len(out))
-            else:
-                assert out.count("\n") < MAX_LINES and max(map(len, out.split("\n"))) < 3000, where
-    finally:
-        file.write_bytes(saved)
+    bound a reader sets; 100,000 parameters above.) Every list of the real runs, one at a time: a list left
+    out by a draw was how a self-test's 20,000 failing ranks printed 4,646 lines."""
+    unbounded = []
+    for run, relative, number, path in real_lists:
+        file = real_runs / run / relative
+        saved = file.read_bytes()
+        try:
+            lines = saved.decode().splitlines()
+            document = json.loads(lines[number] if number >= 0 else saved)
+            current = document
+            for key in path:
+                current = current[key]
+            text = json.dumps(_mutated(document, path, [current[0] if current else 0] * 20_000))
+            if number >= 0:
+                lines[number] = text
+                text = "\n".join(lines) + "\n"
+            file.write_text(text)
+            unbounded += [f"{run}/{relative}:{number + 1}{list(path)}: {problem}"
+                          for problem in _unbounded_outputs(real_runs / run)]
+        finally:
+            file.write_bytes(saved)
+    assert not unbounded, "\n".join(unbounded)
 
 
 @pytest.mark.slow

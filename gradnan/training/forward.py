@@ -11,6 +11,7 @@ from ..config import GradnanConfig
 from ..config.values import FramesMode
 from ..events import ModuleHooking, NamedModules
 from ..formats.incident import RecordKind
+from ..formats.records import MAX_PROBES
 from ..log import logger
 from .clock import StepClock
 from .frames import FrameBuffer, FrameTracer, first_nonfinite
@@ -99,7 +100,8 @@ class ForwardWatch:
         return self._module_name_cache
 
     def _write_probes(self, step: int, bad: List[Dict[str, Any]]) -> None:
-        record = self._writer.record(RecordKind.PROBE, step, [], {"probes": bad, "local_nonfinite": True})
+        record = self._writer.record(RecordKind.PROBE, step, [], {
+            "probes": bad[:MAX_PROBES], "probes_total": len(bad), "local_nonfinite": True})
         first = bad[0]
         logger.error("%s: gradnan.check(%r) found %d NaN and %d Inf in %s on %s; record: %s", when(record),
                      first["label"], first["nan"], first["inf"], first["module"] or "code outside any module",

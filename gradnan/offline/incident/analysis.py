@@ -40,7 +40,7 @@ from ...formats.text import untrusted
 from ...formats.wording import micro_batch_words
 from .checkpoints import saves_of
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
-from .frames_view import frames_summary, probes_summary
+from .frames_view import frames_summary, probes_summary, probes_total
 from .gradients import backward_key, capture_settings, module_of, pattern_of, rank_entry, rank_view
 from .read import RunFiles
 from .rerun_finding import rerun_finding
@@ -112,18 +112,36 @@ def _rejected_entries(losses: List[Dict[str, Any]]) -> List[View]:
              "micro_batch": r.get("micro_batch"), "loss": r.get("loss")} for r in losses]
 
 
+MAX_SELFTEST_RANKS = 4  # failing ranks named on the origin's devices; the rest counted
+
+
+MAX_FAILING_LISTED = 1024  # a self-test's failing ranks in --json; failing_total counts them all
+
+
+def _selftest_summary(path: Path, document: Dict[str, Any]) -> Dict[str, Any]:
+    """A self-test result for ``--json``: each failing rank once, the first ``MAX_FAILING_LISTED``."""
+    failing = list({entry["rank"]: {key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
+                    for entry in reversed(document["failing_ranks"])}.values())[::-1]
+    return {"file": str(path), "time": document.get("time"), "pass": document["pass"],
+            "world_size": document.get("world_size"), "failing_ranks": failing[:MAX_FAILING_LISTED],
+            "failing_total": len(failing)}
+
+
 def _selftest_evidence(origin: Sequence[View], selftests: Sequence[Dict[str, Any]]) -> List[str]:
-    """What self-tests in the run directory say about the origin's devices."""
+    """What the self-test results in the run directory (whole, as read) say about the origin's devices."""
     devices = {(entry.get("host"), entry.get("device")) for entry in origin}
     evidence = []
     for result in selftests:
-        failed_here = [entry for entry in result["failing_ranks"]
-                       if (entry["host"], entry["device"]) in devices]
+        failed_here = list(dict.fromkeys(f"rank {entry['rank']} ({host_device(entry)})"
+                                         for entry in result["failing_ranks"]
+                                         if (entry.get("host"), entry.get("device")) in devices))
+        when = untrusted(result.get("time"))
         if failed_here:
-            named = ", ".join(f"rank {e['rank']} ({host_device(e)})" for e in failed_here)
-            evidence.append(f"self-test {result['time']} FAILED on the origin's device: {named}")
+            more = len(failed_here) - MAX_SELFTEST_RANKS
+            named = ", ".join(failed_here[:MAX_SELFTEST_RANKS]) + (f" and {more} more" if more > 0 else "")
+            evidence.append(f"self-test {when} FAILED on the origin's device: {named}")
         elif result["pass"]:
-            evidence.append(f"self-test {result['time']} passed on all {result['world_size']} ranks: no"
+            evidence.append(f"self-test {when} passed on all {untrusted(result.get('world_size'))} ranks: no"
                             " persistent device fault seen (a transient one, or the data, remain)")
     return evidence
 
@@ -353,12 +371,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                      "global_rank": doc["rank"]["global_rank"], "trigger": doc.get("trigger")}
                     for path, doc in sorted(files.bundles.items())
                     if any(doc is other for other in in_launch))
-    selftests = tuple({"file": str(path), "time": doc.get("time"), "pass": doc["pass"],
-                       "world_size": doc.get("world_size"),
-                       "failing_ranks": [{key: entry.get(key)
-                                          for key in ("rank", "host", "device", "reasons")}
-                                         for entry in doc["failing_ranks"]]}
-                      for path, doc in sorted(files.selftests.items()))
+    selftests = tuple(_selftest_summary(path, doc) for path, doc in sorted(files.selftests.items()))
     first_step = failing.get(chosen) if chosen is not None else None
     incident: Optional[Incident] = None
     later: Dict[int, set] = {}
@@ -366,7 +379,8 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
         at_step = sorted((files.full(r) for r in incidents if r["step"] == first_step),
                          key=lambda r: (r["rank"].get("global_rank", -1),
                                         r["kind"] != RecordKind.PRE_REDUCTION))
-        incident = _incident(files, first_step, at_step, launch, ranks, selftests)
+        incident = _incident(files, first_step, at_step, launch, ranks,
+                             [doc for _, doc in sorted(files.selftests.items())])
         for record in incidents:
             if record["step"] > first_step:
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
@@ -382,4 +396,4 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
         loss_scale_overflow_steps=tuple(sorted({r["step"] for r in incidents
                                                if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW})),
         selftests=selftests, bundles=bundles, frames=tuple(frames_summary(launch)),
-        probes=tuple(probes_summary(launch)))
+        probes=tuple(probes_summary(launch)), probes_total=probes_total(launch))

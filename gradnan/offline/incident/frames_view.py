@@ -34,14 +34,20 @@ def frames_summary(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def probes_summary(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Every probe that saw a non-finite value, with its rank and step."""
+    """Every probe the records list that saw a non-finite value, with its rank and step."""
     return [{"global_rank": record["rank"]["global_rank"], "step": record["step"], "label": probe["label"],
              "module": probe.get("module"), "nan": probe["nan"], "inf": probe["inf"]}
             for record in records if record.get("kind") == RecordKind.PROBE for probe in record["probes"]]
 
 
+def probes_total(records: List[Dict[str, Any]]) -> int:
+    """How many non-finite probes the records counted, listed or not."""
+    return sum(max(record.get("probes_total", 0), len(record["probes"])) for record in records
+               if record.get("kind") == RecordKind.PROBE)
+
+
 def summary_lines(run_dir: str, frames: Sequence[Dict[str, Any]], probes: Sequence[Dict[str, Any]],
-                  limit: int = 4) -> List[str]:
+                  total_probes: int, limit: int = 4) -> List[str]:
     lines, command = [], f"gradnan frames {shell_word(run_dir)}"
     detected = [entry for entry in frames if entry["mode"] == "detect"]
     for entry in detected[:limit]:
@@ -57,8 +63,8 @@ def summary_lines(run_dir: str, frames: Sequence[Dict[str, Any]], probes: Sequen
         where = untrusted(probe["module"] or "code outside any module")
         lines.append(f"gradnan.check({untrusted(repr(probe['label']))}) in {where}:"
                      f" {nonfinite_counts(probe)} at step {probe['step']} on rank {probe['global_rank']}")
-    if len(probes) > limit:
-        lines.append(f"  ... and {len(probes) - limit} more probe finding(s) (see --json)")
+    if max(total_probes, len(probes)) > limit:
+        lines.append(f"  ... and {max(total_probes, len(probes)) - limit} more probe finding(s) (see --json)")
     return lines
 
 

@@ -85,7 +85,7 @@ def _selftest_lines(result: Dict[str, Any]) -> List[str]:
     failing = result["failing_ranks"]
     state = "PASS" if result["pass"] else "FAIL: " + "; ".join(
         f"rank {e['rank']} ({host_device(e)})" for e in failing[:MAX_LISTED]) + (
-        f" ... ({len(failing)} ranks failed)" if len(failing) > MAX_LISTED else "")
+        f" ... ({result['failing_total']} ranks failed)" if result["failing_total"] > MAX_LISTED else "")
     return [f"Self-test {untrusted(result['time'])}: {state}"]
 
 
@@ -321,7 +321,7 @@ def format_text(report: Report, max_modules: int = 10) -> str:
         lines.append("No non-finite gradient was recorded.")
     else:
         lines += _incident_lines(incident, report.later_steps, max_modules)
-    lines += summary_lines(report.run_dir, report.frames, report.probes)
+    lines += summary_lines(report.run_dir, report.frames, report.probes, report.probes_total)
     shown = {step.command[-1] for step in (incident.next_steps if incident is not None else ())
              if step.action is Action.REPLAY and step.command}
     if incident is not None and incident.rerun is not None and incident.rerun.bundle:

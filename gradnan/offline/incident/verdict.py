@@ -169,6 +169,7 @@ class Report:
     bundles: Tuple[Dict[str, Any], ...]
     frames: Tuple[Dict[str, Any], ...]
     probes: Tuple[Dict[str, Any], ...]
+    probes_total: int  # every non-finite probe the records counted: ``probes`` holds those they listed
 
     @property
     def first_step(self) -> Optional[int]:
@@ -185,5 +186,6 @@ class Report:
                 "loss_scale_overflow_steps": list(self.loss_scale_overflow_steps),
                 "selftests": list(self.selftests), "bundles": list(self.bundles),
                 "rerun_capture": None if incident is None else incident.capture_settings,
-                "frames": list(self.frames), "probes": list(self.probes), "run": self.run,
+                "frames": list(self.frames), "probes": list(self.probes),
+                "probes_total": self.probes_total, "run": self.run,
                 "runs": list(self.runs)})
