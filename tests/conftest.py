@@ -13,10 +13,10 @@ from hypothesis import settings
 from .helpers import environ_without_gradnan
 
 # The property tests draw the same examples on every machine and every run (a failure is the code's, not
-# the draw's); GRADNAN_HYPOTHESIS=explore draws fresh ones on each run, to hunt for new failures.
+# the draw's); HYPOTHESIS_PROFILE=explore draws fresh ones on each run, to hunt for new failures.
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False, database=None)
-settings.load_profile(os.environ.get("GRADNAN_HYPOTHESIS", "deterministic"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture
