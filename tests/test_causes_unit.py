@@ -89,6 +89,10 @@ CASES = {
     "gradient_collective": (dict(gradient_basis=OriginBasis.AFTER_COLLECTIVE, gradient_origin=(2,),
                                  first_in_backward="decoder.layers.0.mlp.linear_fc1.weight", first_rank=2,
                                  rerun=Conclusion.AFTER_COLLECTIVE), (2,)),
+    # rank 6 wrote no record at the failing step: rank 4 may only have received its value
+    "unchecked_ranks": (dict(gradient_basis=OriginBasis.UNCHECKED, gradient_origin=(4,), unchecked=(6,),
+                             first_in_backward="decoder.layers.1.mlp.linear_fc2.weight", first_rank=4,
+                             rerun=Conclusion.BACKWARD), (6,)),
     "backward_operator": (dict(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(3,),
                                origin_replicas=(1,), first_rank=3, rerun=Conclusion.BACKWARD,
                                first_in_backward="decoder.layers.0.mlp.linear_fc1.weight"), (3,)),
@@ -154,6 +158,18 @@ def test_a_link_is_named_only_where_the_sender_sent_finite_what_the_receiver_got
     decided = decide(evidence(links=alone))
     assert decided.rule == "link_unobserved" and decided.cause is Cause.UNDETERMINED
     assert decided.origin == (1,) and "not observed" in decided.summary
+    # received non-finite both ways, the sender's records missing: the receiver is named once
+    both = link_findings([_links(1, received_forward=1, received_backward=0)])
+    assert len(both) == 2 and decide(evidence(links=both)).origin == (1,)
+
+
+def test_a_later_weight_whose_peers_did_not_read_theirs_does_not_claim_every_replica():
+    """Rank 0's records missing: rank 1's bad weight was read, its peer's copy was not."""
+    alone = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=False))
+    assert alone.rule == "later_weights" and "every replica holding" not in alone.summary
+    assert "is not known" in alone.summary
+    compared = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=True))
+    assert "on every replica holding" in compared.summary
 
 
 def test_a_gradient_corrupted_on_its_way_back_is_the_link_not_a_backward_operator_with_the_loss():

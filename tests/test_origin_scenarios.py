@@ -83,6 +83,26 @@ def test_the_dp_peer_holds_the_nan_after_the_collective_but_is_a_receiver(report
     assert norm_record["pre_reduction"] == "clean" and norm_record["params"]
 
 
+@pytest.mark.parametrize("missing, rule, origin", [(3, "unchecked_ranks", [3]),
+                                                   (2, "backward_operator", [3])])
+def test_a_rank_without_records_is_not_taken_as_checked(reports, tmp_path, missing, rule, origin):
+    """Rank 3 made the NaN. Without its records (it died first, or its files were not copied), every rank
+    left was clean before the collective and rank 1 holds the value after it: the collective is not
+    concluded, and rank 3 is named as not checked. Without another rank's records, rank 3's own non-finite
+    gradients still decide."""
+    import shutil
+
+    run_dir = shutil.copytree(reports["plain_ddp"][0], tmp_path / "run")
+    for file in (run_dir / "records").glob(f"rank{missing:05d}_*.jsonl"):
+        file.unlink()
+    incident = build_report(read_run(run_dir))["incident"]
+    assert incident["verdict"]["rule"] == rule and _origin_ranks({"incident": incident}) == origin
+    if rule == "unchecked_ranks":
+        text = format_text(analyze(read_run(run_dir)))
+        assert "Verdict: undetermined" in text and "collective: the data-parallel" not in text
+        assert "its own gradients not checked at this step" in text
+
+
 def test_forward_inf_on_every_replica_points_at_data_and_the_forward_pass(reports):
     _, report = reports["forward_inf_everywhere"]
     incident = report["incident"]

@@ -181,7 +181,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("link_unobserved", Cause.UNDETERMINED, (Fact.PIPELINE_LINKS,),
          "a stage received a non-finite activation or gradient over a pipeline link, what its sender sent"
          " there not observed",
-         lambda e: bool(e.links_unobserved), lambda e: tuple(found.receiver for found in e.links_unobserved),
+         lambda e: bool(e.links_unobserved),
+         lambda e: tuple(dict.fromkeys(found.receiver for found in e.links_unobserved)),
          say.link_unobserved,
          (act.decide_link,), basis=OriginBasis.LINK_UNOBSERVED),
     Rule("tensor_parallel_collective", Cause.COLLECTIVE, _RERUN,
@@ -222,6 +223,13 @@ RULES: Tuple[Rule, ...] = (
          " after it",
          lambda e: e.gradient_basis is OriginBasis.AFTER_COLLECTIVE, _gradient_origin, say.collective,
          _COLLECTIVE),
+    Rule("unchecked_ranks", Cause.UNDETERMINED, (Fact.GRADIENTS, Fact.OWN_GRADIENTS),
+         "every checked rank's own gradients finite before the data-parallel collective, a rank of a replica"
+         " that recorded a non-finite norm not checked (no record of it at the failing step)",
+         lambda e: e.gradient_basis is OriginBasis.UNCHECKED, lambda e: e.unchecked, say.unchecked_ranks,
+         (act.decide_by("copy those ranks' gradnan files (records/, maps/) into the run directory and report"
+                        " again; where a rank died before writing, its own log says why (a device error:"
+                        " drain its node)"),), basis=OriginBasis.UNCHECKED),
     Rule("backward_operator", Cause.BACKWARD_OP, (Fact.OWN_GRADIENTS,),
          "a rank's own gradients non-finite before the collective: only some of them (no loss non-finite),"
          " or all with the forward pass and the loss finite when run again",

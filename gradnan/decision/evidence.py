@@ -182,6 +182,7 @@ class Evidence:
     # the gradients
     gradient_basis: OriginBasis = OriginBasis.NONE
     gradient_origin: Tuple[int, ...] = ()
+    unchecked: Tuple[int, ...] = ()  # ranks of the job whose own gradients no record of the step checked
     origin_replicas: Tuple[int, ...] = ()  # the data-parallel replicas of ``gradient_origin``
     forward_pattern: bool = False  # (nearly) every gradient of the origin non-finite
     share_nonfinite: Optional[float] = None

@@ -7,13 +7,14 @@ origins among the ranks its records name (``forward_origins``). The cause table 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, List, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Sequence, Tuple
 
 from ..formats.incident import NORM_KINDS, OriginBasis, RecordKind
 from .facts import Fact, unobserved
 
 Record = Dict[str, Any]  # a record ``formats.records`` checked
 CHECKED = ("clean", "nonfinite", "overflow")  # a norm record's ``pre_reduction`` where the rank was checked
+INFINITE = ("inf", "-inf")  # a record's ``grad_norm`` that a float32 sum of squares overflowing gives
 
 
 def facts_of_step(at_step: Sequence[Record]) -> FrozenSet[Fact]:
@@ -47,7 +48,7 @@ def per_rank(records: Sequence[Record]) -> List[Record]:
     return list(merged.values())
 
 
-def _own_before(at_step: Sequence[Record]) -> List[Record]:
+def _own_before(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[Record]:
     return per_rank([r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]])
 
 
@@ -55,9 +56,34 @@ def _holders(at_step: Sequence[Record]) -> List[Record]:
     return [r for r in at_step if r["kind"] in NORM_KINDS and r["params"]]
 
 
-def _holders_after_clean_checks(at_step: Sequence[Record]) -> List[Record]:
-    checked = any(r.get("pre_reduction") in CHECKED for r in at_step if r["kind"] in NORM_KINDS)
-    return _holders(at_step) if checked else []
+def _checked(record: Record) -> bool:
+    """The record saw its rank's own gradients before the data-parallel collective."""
+    return record["kind"] == RecordKind.PRE_REDUCTION or (record["kind"] in NORM_KINDS
+                                                          and record.get("pre_reduction") in CHECKED)
+
+
+def unchecked_ranks(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]) -> Tuple[int, ...]:
+    """The ranks whose norm must have been non-finite but whose own gradients no record of the step saw
+    before the data-parallel collective: ``known`` ranks (global rank -> coordinates, of the step's job)
+    without a checked record, in a data-parallel replica where another rank recorded a non-finite norm (a
+    replica's ranks all-reduce one norm, so each of them had it). They died first, their files are not in
+    the run directory, or gradnan's ``ranks`` left them out. A rank with no record in a replica where none
+    recorded one had a finite norm: its gradients after the collective were finite."""
+    world = max((size for size in (r["rank"].get("world_size") for r in at_step) if isinstance(size, int)),
+                default=0)
+    failed = {r["rank"].get("dp") for r in at_step if r["kind"] in NORM_KINDS}
+    checked = {r["rank"].get("global_rank") for r in at_step if _checked(r)}
+    return tuple(sorted(rank for rank, coords in known.items()
+                        if isinstance(rank, int) and rank < world and rank not in checked
+                        and coords.get("dp") in failed))
+
+
+def _holders_after_clean_checks(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[Record]:
+    return _holders(at_step) if not unchecked and any(map(_checked, at_step)) else []
+
+
+def _holders_beside_unchecked(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[Record]:
+    return _holders(at_step) if unchecked and any(map(_checked, at_step)) else []
 
 
 def _magnitude(record: Record) -> float:
@@ -70,12 +96,15 @@ def norm_overflow_origin(at_step: Sequence[Record]) -> List[Record]:
     gradient, whose square overflowed the grad norm. Best evidence first: pre-reduction records of a norm
     overflow (their own gradients before the data-parallel collective, where a replica that only received
     the value through it does not appear); else the grad-norm records whose own float32 sum of squares
-    overflowed, the largest of them; else the largest. Empty when no record names a largest gradient."""
+    overflowed, the largest of them; else the largest of those whose norm is infinite (a sum of squares
+    overflows; a NaN norm does not come of one: a gradient the rank does not hold, a shard of a rank whose
+    records are missing, made it). Empty when no record names a largest gradient."""
     before = [r for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r.get("norm_overflow")]
     if before:
         return per_rank(before)
     named = [r for r in at_step if r["kind"] == RecordKind.NONFINITE_GRAD_NORM and r.get("largest_grad")]
-    candidates = [r for r in named if r["largest_grad"]["overflows"]] or named
+    candidates = [r for r in named if r["largest_grad"]["overflows"]] or [
+        r for r in named if r.get("grad_norm") in INFINITE]
     if not candidates:
         return []
     top = max(_magnitude(r) for r in candidates)
@@ -90,29 +119,35 @@ class OriginRule:
     basis: OriginBasis
     needs: Tuple[Fact, ...]
     when: str
-    select: Callable[[Sequence[Record]], List[Record]]
+    select: Callable[[Sequence[Record], Tuple[int, ...]], List[Record]]  # (records, unchecked ranks)
 
 
 ORIGIN_RULES: Tuple[OriginRule, ...] = (
     OriginRule(OriginBasis.BEFORE_COLLECTIVE, (Fact.OWN_GRADIENTS,),
                "some rank's own gradients were non-finite before the data-parallel collective", _own_before),
     OriginRule(OriginBasis.AFTER_COLLECTIVE, (Fact.GRADIENTS, Fact.OWN_GRADIENTS),
-               "no rank's were, some ranks were checked, and some hold non-finite gradients at the norm",
-               _holders_after_clean_checks),
+               "no rank's were, every rank of a replica that recorded a non-finite norm was checked, and some"
+               " hold non-finite gradients at the norm", _holders_after_clean_checks),
+    OriginRule(OriginBasis.UNCHECKED, (Fact.GRADIENTS, Fact.OWN_GRADIENTS),
+               "no checked rank's were, a rank of a replica that recorded a non-finite norm has no record at"
+               " the step, and some hold non-finite gradients at the norm", _holders_beside_unchecked),
     OriginRule(OriginBasis.UNCONFIRMED, (Fact.GRADIENTS,),
-               "no rank was checked before the collective, some hold non-finite gradients", _holders),
+               "no rank was checked before the collective, some hold non-finite gradients",
+               lambda at_step, unchecked: _holders(at_step)),
     OriginRule(OriginBasis.NORM_OVERFLOW, (Fact.GRADIENTS,),
                "no rank holds a non-finite gradient, a largest finite one overflowed the float32 norm",
-               norm_overflow_origin),
+               lambda at_step, unchecked: norm_overflow_origin(at_step)),
 )
 
 
-def decide_gradient_origin(at_step: Sequence[Record]) -> Tuple[OriginBasis, List[Record]]:
-    """The origin as the gradients' records show it, and what it rests on (``NONE``: no rule selects)."""
-    observed = facts_of_step(at_step)
+def decide_gradient_origin(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]
+                           ) -> Tuple[OriginBasis, List[Record]]:
+    """The origin as the gradients' records show it, and what it rests on (``NONE``: no rule selects);
+    ``known``: every rank the run's files name, with its coordinates."""
+    observed, unchecked = facts_of_step(at_step), unchecked_ranks(at_step, known)
     for rule in ORIGIN_RULES:
         if not unobserved(rule.needs, observed):
-            selected = rule.select(at_step)
+            selected = rule.select(at_step, unchecked)
             if selected:
                 return rule.basis, selected
     return OriginBasis.NONE, []

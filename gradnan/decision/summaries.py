@@ -60,6 +60,12 @@ def one_replica_weights(e: Evidence) -> str:
 
 def later_weights(e: Evidence) -> str:
     ranks = weight_holders(e)
+    if e.replicas_compared is False:  # no data-parallel peer of theirs read its copy
+        return (f"the weights were non-finite when step {e.step} began, and the optimizer state is finite:"
+                f" {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite when this launch began,"
+                " so written since. No data-parallel peer of theirs read its copy (no record of theirs at"
+                " this step), so whether one replica's copy went bad (a bad write, a faulty device) or the"
+                f" update of step {e.step - 1} wrote them on every replica is not known")
     return (f"the weights were non-finite when step {e.step} began, on every replica holding them, and the"
             f" optimizer state is finite: {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite"
             f" when this launch began, so written since: by the update of step {e.step - 1} (finite"
@@ -246,6 +252,14 @@ def rejected_loss(e: Evidence) -> str:
                                  rejected.get("loss"), rejected.get("batch"), rejected.get("rerun_skipped"))
 
 
+def unchecked_ranks(e: Evidence) -> str:
+    return (f"{e.labelled(e.gradient_origin)} hold non-finite gradients, every checked rank's own gradients"
+            f" were finite before the data-parallel collective, but {e.labelled(e.unchecked)} went unchecked"
+            " (no record of theirs at this step: died first, their files are not in this run directory, or"
+            " gradnan's ranks left them out): the value may have come from them, so where it was born is not"
+            " known")
+
+
 def unconfirmed(e: Evidence) -> str:
     return (f"{e.labelled(e.gradient_origin)} hold non-finite gradients, and no check saw each rank's own"
             " gradients before the data-parallel collective (pre_reduction was off, or no Megatron DDP), so"
@@ -262,8 +276,9 @@ def no_gradient(e: Evidence) -> str:
     if not e.recorded_norm:
         return ("no gradient was recorded at this step: Megatron's result validation ran it again and the job"
                 " stopped before the grad norm, and no replica's own loss or gradients were seen non-finite")
-    return ("no rank held a non-finite gradient and no largest gradient was recorded (only the norm was"
-            " non-finite): a rank without gradnan's records, or the norm's own reduction")
+    return ("no rank's records hold a non-finite gradient, and none a finite one whose square overflows"
+            " where the norm is infinite (only the norm was non-finite): a rank without gradnan's records (a"
+            " shard of the gradients it alone held), or the norm's own reduction")
 
 
 SELFTEST_OR_RERUN = ("run a self-test on the origin's node and replay the captured step on another device, or"

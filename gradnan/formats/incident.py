@@ -250,6 +250,9 @@ class OriginBasis(str, enum.Enum):
     """Their own gradients were non-finite before the data-parallel collective (pre-reduction check)."""
     AFTER_COLLECTIVE = "after_collective"
     """Every checked rank was clean before the collective; these hold the non-finite gradients after it."""
+    UNCHECKED = "unchecked"
+    """Every checked rank was clean before the collective, but these ranks of the job were not checked (no
+    record of theirs at the failing step): the value may have come from them."""
     UNCONFIRMED = "unconfirmed"
     """They hold the non-finite gradients; no pre-reduction check ran to say whether they produced them."""
     OWN_FAILURE = "own_failure"
@@ -289,6 +292,8 @@ _BASIS_TEXT = {
                                  " sent there not observed",
     OriginBasis.BEFORE_COLLECTIVE: "local gradients non-finite before the data-parallel collective",
     OriginBasis.AFTER_COLLECTIVE: "holds the non-finite gradients; clean before the collective",
+    OriginBasis.UNCHECKED: "own gradients not checked at the failing step, where every checked rank's were"
+                           " finite",
     OriginBasis.UNCONFIRMED: "holds the non-finite gradients (unconfirmed: no pre-reduction check)",
     OriginBasis.OWN_FAILURE: "the replica whose own loss or gradients were non-finite in the failing pass,"
                              " by the rerun's facts",

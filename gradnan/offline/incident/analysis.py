@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ...decision.actions import Setting, next_steps
 from ...decision.causes import Decision, decide
@@ -191,6 +191,9 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                          " so their own gradients hold it too)" if passed_on else ""))
     elif e.gradient_basis is OriginBasis.AFTER_COLLECTIVE:
         lines.append("every rank's own gradients were finite before the data-parallel collective")
+    elif e.gradient_basis is OriginBasis.UNCHECKED:
+        lines.append("own gradients finite before the data-parallel collective on every rank checked; not"
+                     f" checked on rank(s) {rank_ranges(list(e.unchecked))}")
     if e.forward_pattern and e.share_nonfinite is not None:
         lines.append(f"{e.share_nonfinite:.0%} of the origin's gradients are non-finite (what a non-finite"
                      " activation or loss does in backward)")
@@ -218,7 +221,7 @@ def _own_failure(rerun: Dict[str, Any]) -> Optional[str]:
 
 def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states: Sequence[Dict[str, Any]],
                     rejected: Sequence[View], reruns: Sequence[Dict[str, Any]],
-                    dtypes: Dict[Tuple[Any, str], str], known: Iterable[int],
+                    dtypes: Dict[Tuple[Any, str], str], known: Dict[int, Dict[str, Any]],
                     at_step: Sequence[Dict[str, Any]]) -> List[View]:
     """The decision's origin ranks, each with what it is named for: its offending gradients, its bad weights
     (a ``state`` record's params), its rejected loss, what of its replica's own failed (its ``rerun``
@@ -229,6 +232,9 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
         "own_failure": _own_failure(r), **({"diverged": r["diverged"]} if "diverged" in r else {})}
         for r in reruns}
     by_rank.update((entry["global_rank"], entry) for entry in rejected)
+    if decision.basis is OriginBasis.UNCHECKED:
+        by_rank.update((rank, {**rank_view(known[rank]), "kind": None, "params_total": 0, "params": [],
+                               "unchecked": True}) for rank in decision.origin if rank in known)
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
     else:
@@ -247,7 +253,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
     exited before any norm (only ``rerun`` records then)."""
-    gradient_basis, origin_records = decide_gradient_origin(at_step)
+    gradient_basis, origin_records = decide_gradient_origin(at_step, ranks)
     states = state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [rank_entry(r, dtypes) for r in origin_records]

@@ -181,6 +181,8 @@ def _origin_line(entry: Dict[str, Any], incident: Incident) -> str:
     rerun = incident.rerun
     if entry.get("absent"):
         return f"  rank {entry['global_rank']}: no file of it in the run directory"
+    if entry.get("unchecked"):
+        return f"  {_rank_label(entry)}: its own gradients not checked at this step (no record of it)"
     if incident.origin_basis is OriginBasis.LINK and not entry["params"] and not entry.get("largest_grad"):
         return f"  {_rank_label(entry)}: no non-finite gradient of its own"
     if incident.origin_basis is OriginBasis.RERUN and rerun is not None:
@@ -277,7 +279,8 @@ def _incident_lines(incident: Incident, later_steps: Sequence[Dict[str, Any]], m
     lines = [step_headline(incident)]
     lines += wrap(verdict_headline(incident), WIDTH, subsequent_indent="    ")
     origin = incident.origin
-    lines.append(f"Origin ({incident.origin_basis.description}):")
+    basis = incident.origin_basis.description
+    lines.append(f"Origin ({basis}):" if basis else "Origin:")
     lines += [_origin_line(entry, incident) for entry in origin[:MAX_ORIGIN_LINES]]
     if len(origin) > MAX_ORIGIN_LINES:
         lines.append(f"  ... and {len(origin) - MAX_ORIGIN_LINES} more origin entries, ranks "
