@@ -163,6 +163,14 @@ def test_a_link_is_named_only_where_the_sender_sent_finite_what_the_receiver_got
     assert len(both) == 2 and decide(evidence(links=both)).origin == (1,)
 
 
+def test_a_collective_beside_replicas_that_recorded_nothing_does_not_claim_they_were_checked():
+    facts, _ = CASES["gradient_collective"]
+    assert "(checked on each)" in decide(evidence(**facts)).summary
+    quiet = decide(evidence(**facts, silent_replicas=(0, 1)))
+    assert quiet.rule == "gradient_collective" and "(checked on each)" not in quiet.summary
+    assert "the replicas of rank(s) 0, 1 had a finite norm" in quiet.summary
+
+
 def test_a_later_weight_whose_peers_did_not_read_theirs_does_not_claim_every_replica():
     """Rank 0's records missing: rank 1's bad weight was read, its peer's copy was not."""
     alone = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=False))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gradnan.decision.facts import Fact
-from gradnan.decision.origin import ORIGIN_RULES, decide_gradient_origin, unchecked_ranks
+from gradnan.decision.origin import ORIGIN_RULES, decide_gradient_origin, silent_replicas, unchecked_ranks
 from gradnan.decision.replica import (
     PRECEDENCE,
     REPLICA_RULES,
@@ -134,6 +134,7 @@ def test_the_gradients_origin_rules_in_order():
     checked = {**unchecked, "pre_reduction": "clean"}
     assert decide_gradient_origin([holder, checked], known)[0] is OriginBasis.AFTER_COLLECTIVE
     assert unchecked_ranks([holder], {**known, 5: {"dp": 0}}) == (2,)  # rank 5: not of this 3-rank job
+    assert silent_replicas([holder], known) == (1,)  # no rank of replica dp1 recorded: a finite norm there
     big = {"name": "w", "value": 1e30, "overflows": True}
     overflow = record("nonfinite_grad_norm", 2, largest_grad=big, pre_reduction="clean")
     assert decide_gradient_origin([overflow], {}) == (OriginBasis.NORM_OVERFLOW, [overflow])

@@ -183,6 +183,7 @@ class Evidence:
     gradient_basis: OriginBasis = OriginBasis.NONE
     gradient_origin: Tuple[int, ...] = ()
     unchecked: Tuple[int, ...] = ()  # ranks of the job whose own gradients no record of the step checked
+    silent_replicas: Tuple[int, ...] = ()  # ranks of replicas none of whose ranks wrote a record of the step
     origin_replicas: Tuple[int, ...] = ()  # the data-parallel replicas of ``gradient_origin``
     forward_pattern: bool = False  # (nearly) every gradient of the origin non-finite
     share_nonfinite: Optional[float] = None

@@ -78,6 +78,16 @@ def unchecked_ranks(at_step: Sequence[Record], known: Mapping[int, Mapping[str, 
                         and coords.get("dp") in failed))
 
 
+def silent_replicas(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]) -> Tuple[int, ...]:
+    """The ``known`` ranks of the step's job in data-parallel replicas where no rank wrote a record of the
+    step: a finite norm there (or every rank of the replica died first, or their files are missing)."""
+    world = max((size for size in (r["rank"].get("world_size") for r in at_step) if isinstance(size, int)),
+                default=0)
+    recorded = {r["rank"].get("dp") for r in at_step}
+    return tuple(sorted(rank for rank, coords in known.items()
+                        if isinstance(rank, int) and rank < world and coords.get("dp") not in recorded))
+
+
 def _holders_after_clean_checks(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[Record]:
     return _holders(at_step) if not unchecked and any(map(_checked, at_step)) else []
 

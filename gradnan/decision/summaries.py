@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Iterable, Tuple
 
 from ..formats.incident import Conclusion, OriginBasis, OwnFailure
+from ..formats.layout import rank_ranges
 from ..formats.text import untrusted
 from ..formats.wording import grew_text, micro_batch_words, norm_overflow_summary, rejected_loss_summary
 from .evidence import BadWeight, Evidence, StateFault
@@ -216,8 +217,11 @@ def norm_overflow(e: Evidence) -> str:
 
 
 def collective(e: Evidence) -> str:
+    checked = (" (checked on each)" if not e.silent_replicas else
+               f" (checked on each that recorded the step; the replicas of rank(s)"
+               f" {rank_ranges(list(e.silent_replicas))} had a finite norm)")
     return (f"the data-parallel gradient collective: every rank's own gradients were finite before it"
-            f" (checked on each), and {e.labelled(e.gradient_origin)} held non-finite gradients after it"
+            f"{checked}, and {e.labelled(e.gradient_origin)} held non-finite gradients after it"
             f" ({untrusted(e.first_in_backward or 'see the table')}): a transfer or reduction fault")
 
 

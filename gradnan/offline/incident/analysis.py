@@ -191,6 +191,11 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                          " so their own gradients hold it too)" if passed_on else ""))
     elif e.gradient_basis is OriginBasis.AFTER_COLLECTIVE:
         lines.append("every rank's own gradients were finite before the data-parallel collective")
+        if e.silent_replicas:
+            lines.append(f"rank(s) {rank_ranges(list(e.silent_replicas))} wrote no record at this step, nor"
+                         " did any rank of their data-parallel replica: a finite norm there, as a corruption"
+                         " after the collective on another replica leaves (had they died first, or were their"
+                         " files missing, the value may have come from them)")
     elif e.gradient_basis is OriginBasis.UNCHECKED:
         lines.append("own gradients finite before the data-parallel collective on every rank checked; not"
                      f" checked on rank(s) {rank_ranges(list(e.unchecked))}")

@@ -23,7 +23,7 @@ from ...decision.evidence import (
 )
 from ...decision.facts import Fact
 from ...decision.links import link_findings
-from ...decision.origin import facts_of_step, unchecked_ranks
+from ...decision.origin import facts_of_step, silent_replicas, unchecked_ranks
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
 from ...formats.layout import peers_key, rank_label, vocabulary_token
@@ -223,6 +223,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         grew_in=rerun.grew_in if rerun is not None else None,
         gradient_basis=basis, gradient_origin=tuple(entry["global_rank"] for entry in origin),
         unchecked=unchecked_ranks(at_step, ranks) if basis is OriginBasis.UNCHECKED else (),
+        silent_replicas=silent_replicas(at_step, ranks) if basis is OriginBasis.AFTER_COLLECTIVE else (),
         origin_replicas=tuple(sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})),
         forward_pattern=pattern.gradient_pass is GradientPass.FORWARD,
         share_nonfinite=pattern.share_nonfinite,
