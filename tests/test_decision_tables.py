@@ -126,7 +126,7 @@ def test_the_gradients_origin_rules_in_order():
     # ranks 0 and 2 (tp0, tp1) of replica dp0 and rank 1 of dp1: rank 2 shares rank 0's non-finite norm
     known = {0: {"dp": 0}, 1: {"dp": 1}, 2: {"dp": 0}}
     holder = {**norm, "rank": {"global_rank": 0, "world_size": 3, "dp": 0}}
-    assert decide_gradient_origin([holder], known) == (OriginBasis.UNCHECKED, [holder])
+    assert decide_gradient_origin([holder], known) == (OriginBasis.UNCHECKED, [{**holder, "params_total": 1}])
     assert unchecked_ranks([holder], known) == (2,)  # rank 1's finite norm: no record, nothing missing
     unchecked = {**norm, "rank": {"global_rank": 2, "world_size": 3, "dp": 0}, "pre_reduction": "unchecked",
                  "params": []}

@@ -253,3 +253,22 @@ def test_the_collector_is_paused_while_a_run_is_read_and_back_after_even_on_an_e
     with pytest.raises(ValueError), collector_paused():
         raise ValueError("a bad file")
     assert seen == [False] and gc.isenabled()
+
+
+def test_a_rank_with_a_record_per_optimizer_is_one_receiver_and_one_column():
+    """Expert parallelism: a rank writes one record per optimizer (its experts have their own); it received
+    the value once, and the module table gives it one column."""
+    origin = _record(2, "pre_reduction", 1, ["decoder.layers.0.mlp.linear_fc1.weight"])
+    dense = _record(2, "nonfinite_grad_norm", 0, ["output_layer.weight"], pre_reduction="clean",
+                    sub_optimizer=0)
+    experts = _record(2, "nonfinite_grad_norm", 0, ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1"
+                                                    ".weight"], pre_reduction="clean", sub_optimizer=1)
+    held = _record(2, "nonfinite_grad_norm", 1, ["decoder.layers.0.mlp.linear_fc1.weight"],
+                   pre_reduction="nonfinite")
+    analysis = analyze(_files(origin, dense, experts, held, *clean_states([dense, held])))
+    receivers = analysis.to_json()["incident"]["receivers"]
+    assert [view["global_rank"] for view in receivers] == [0]
+    assert receivers[0]["modules"] == ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
+                                       "output_layer"]
+    header = next(line for line in format_text(analysis).splitlines() if line.lstrip().startswith("module "))
+    assert header.split().count("r0") == 1, header

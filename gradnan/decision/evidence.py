@@ -162,6 +162,7 @@ class Evidence:
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
     replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)
+    expert_parallel: bool = False  # ranks hold different experts: peers share every coordinate but dp
     split_replicas: Tuple[int, ...] = ()  # peers whose weights differ with no majority to side with
     # the first periodic replica check that saw data-parallel replicas differ (at this step)
     divergence: Optional[ReplicaDivergence] = None

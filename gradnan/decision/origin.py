@@ -53,7 +53,9 @@ def _own_before(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[R
 
 
 def _holders(at_step: Sequence[Record]) -> List[Record]:
-    return [r for r in at_step if r["kind"] in NORM_KINDS and r["params"]]
+    """One record per rank holding non-finite gradients at the norm (a rank writes one per optimizer: a
+    distinct one for its experts under expert parallelism)."""
+    return per_rank([r for r in at_step if r["kind"] in NORM_KINDS and r["params"]])
 
 
 def _checked(record: Record) -> bool:

@@ -64,9 +64,10 @@ def later_weights(e: Evidence) -> str:
     if e.replicas_compared is False:  # no data-parallel peer of theirs read its copy
         return (f"the weights were non-finite when step {e.step} began, and the optimizer state is finite:"
                 f" {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite when this launch began,"
-                " so written since. No data-parallel peer of theirs read its copy (no record of theirs at"
-                " this step), so whether one replica's copy went bad (a bad write, a faulty device) or the"
-                f" update of step {e.step - 1} wrote them on every replica is not known")
+                " so written since. No data-parallel peer's copy was read to compare"
+                + (" (under expert parallelism, one holding the same experts)" if e.expert_parallel else "")
+                + ", so whether one replica's copy went bad (a bad write, a faulty device) or the update of"
+                f" step {e.step - 1} wrote them on every replica is not known")
     return (f"the weights were non-finite when step {e.step} began, on every replica holding them, and the"
             f" optimizer state is finite: {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite"
             f" when this launch began, so written since: by the update of step {e.step - 1} (finite"

@@ -30,7 +30,7 @@ from ...decision.actions import Setting, next_steps
 from ...decision.causes import Decision, decide
 from ...decision.evidence import Evidence, HealthReading, View
 from ...decision.facts import missing_text
-from ...decision.origin import decide_gradient_origin
+from ...decision.origin import decide_gradient_origin, per_rank
 from ...decision.replica import own_failure_of
 from ...errors import InputError
 from ...formats.health import health_evidence
@@ -169,7 +169,9 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
         replicas = ("" if e.replicas_compared is None else
                     f"; weights unlike their peers' on rank(s) {rank_ranges(list(differ))}" if differ else
                     "; weights equal across data-parallel replicas" if e.replicas_compared else
-                    "; weights not compared across data-parallel replicas (no peer of theirs read them)")
+                    "; weights not compared across data-parallel replicas (no peer of theirs read them"
+                    + (": under expert parallelism, ranks holding the same experts" if e.expert_parallel
+                       else "") + ")")
         lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
                      f" optimizer state {state}{replicas}")
     if e.divergence is not None:
@@ -283,8 +285,9 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     # the table's counts are those of the first rank holding each parameter: the decided origin's first
     parameters = _parameters_by_module(sorted(gradient_origin,
                                               key=lambda entry: entry["global_rank"] not in named))
-    receivers = [_receiver(rank_view(r["rank"]), r["params"]) for r in at_step
-                 if r["kind"] in NORM_KINDS and r["rank"].get("global_rank") not in named]
+    receivers = [_receiver(rank_view(r["rank"]), r["params"])
+                 for r in per_rank([r for r in at_step if r["kind"] in NORM_KINDS])
+                 if r["rank"].get("global_rank") not in named]
     listed = named | {view["global_rank"] for view in receivers}
     receivers += [_receiver({key: value for key, value in entry.items()
                              if key not in ("params", "params_total", "kind", "largest_grad")},
