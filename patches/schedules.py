@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import threading
+from datetime import timedelta
 from typing import (
     Any,
     Callable,
@@ -265,12 +267,22 @@ class KeptStep:
         self.kwargs = {**self.kwargs, "num_microbatches": micro_batch + 1}
 
     def not_raised_together(self) -> Optional[str]:
-        """Why this model-parallel group's other ranks did not raise with this one at a rejected loss."""
+        """Why this model-parallel group's other ranks did not raise with this one at a rejected loss. Its
+        tensor-parallel ranks compute the same loss and raise together, each within moments; a rank whose
+        own loss went bad alone (a device fault on it) finds the others gone on to backward: they never
+        join this rank's collectives, so it waits for them at most ``RAISED_TOGETHER_SECONDS``, not for the
+        job's collective timeout."""
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             return ("pipeline parallelism: only the last stage computes the loss, the other stages wait in"
                     " their point-to-point exchange and cannot run the step again with it")
+        peers = _ranks(self._group("model"))
+        if len(peers) == 1:
+            return None
+        if not _raised_with(peers):
+            return (f"the other ranks of this model-parallel group did not raise with this one within"
+                    f" {RAISED_TOGETHER_SECONDS:.0f} s: their loss was finite, this rank's went bad alone")
         return None
 
     def micro_batches(self) -> List[Any]:
@@ -369,6 +381,26 @@ class KeptStep:
                 "model": parallel_state.get_model_parallel_group,
                 "expert_exchange": parallel_state.get_expert_tensor_and_model_parallel_group,
                 "expert_forward": parallel_state.get_expert_tensor_model_pipeline_parallel_group}[name]()
+
+
+RAISED_TOGETHER_SECONDS = 30.0  # ranks that raise together at a rejected loss do so within moments
+_ASKS = itertools.count(1)  # this process's asks, each under keys of its own in the store
+
+
+def _raised_with(peers: FrozenSet[int]) -> bool:
+    """Whether every rank of ``peers`` raised with this one: each says so in the job's rendezvous store
+    and waits for the others' word, at most ``RAISED_TOGETHER_SECONDS``. A store, not a collective: a
+    collective that a peer never joins stays pending and keeps this process from exiting."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    key = f"gradnan/raised/{next(_ASKS)}/"
+    store.set(key + str(torch.distributed.get_rank()), "1")
+    try:
+        store.wait([key + str(rank) for rank in sorted(peers)], timedelta(seconds=RAISED_TOGETHER_SECONDS))
+    except (RuntimeError, torch.distributed.DistError):
+        return False
+    return True
 
 
 def _ranks(group: Any) -> FrozenSet[int]:

@@ -195,6 +195,27 @@ def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without
     assert analysis.incident.origin_basis.value == "link_unobserved"
 
 
+@needs_loss_computation
+def test_a_loss_rejected_on_one_tensor_parallel_rank_alone_does_not_wait_for_the_others(tmp_path):
+    """TP=2: rank 1's own loss goes bad alone (a device fault in its local sum); rank 0's is finite and it
+    goes on to backward, so it never joins a rerun. Rank 1 waits for it a bounded time, then records the
+    rejected loss without a rerun and Megatron's exception goes on: the job fails as it would without the
+    kit, and does not hang until the collectives' timeout (it did)."""
+    import time
+
+    started = time.monotonic()
+    failure = _raised(BASE.with_(tp=2, dtype="bf16", rerun_mode="disabled",
+                                 injections=(Injection(1, 2, "", "nan", where="loss"),)), tmp_path)
+    assert time.monotonic() - started < 240
+    assert LOSS_MESSAGE in failure.errors["job0_rank1"], failure.errors
+    losses = _losses(tmp_path)
+    [record] = losses[1]
+    assert not losses.get(0)
+    assert "did not raise with this one" in record["rerun_skipped"]
+    assert Path(record["batch"]["path"]).is_file()
+    assert not [r for rs in records_by_rank(tmp_path).values() for r in rs if r["kind"] == "rerun"]
+
+
 def test_validate_results_mode_at_iteration_1_goes_through_the_grad_norm(runs):
     """Megatron never validates iteration 1 (no checkpoint could be taken yet): the NaN loss reaches the
     grad norm, and gradnan's own incident runs the step again."""
