@@ -120,25 +120,29 @@ def test_the_gradients_origin_rules_in_order():
     pre = record("pre_reduction", 1, ["w"])
     norm = record("nonfinite_grad_norm", 0, ["w"], pre_reduction="clean")
     merged = {**pre, "params_total": 1}
-    assert decide_gradient_origin([norm, pre], {}) == (OriginBasis.BEFORE_COLLECTIVE, [merged])
-    assert decide_gradient_origin([norm], {})[0] is OriginBasis.AFTER_COLLECTIVE
-    assert decide_gradient_origin([{**norm, "pre_reduction": "unchecked"}], {})[0] is OriginBasis.UNCONFIRMED
+    assert decide_gradient_origin([norm, pre], ()) == (OriginBasis.BEFORE_COLLECTIVE, [merged])
+    assert decide_gradient_origin([norm], ())[0] is OriginBasis.AFTER_COLLECTIVE
+    assert decide_gradient_origin([{**norm, "pre_reduction": "unchecked"}], ())[0] is OriginBasis.UNCONFIRMED
     # ranks 0 and 2 (tp0, tp1) of replica dp0 and rank 1 of dp1: rank 2 shares rank 0's non-finite norm
     known = {0: {"dp": 0}, 1: {"dp": 1}, 2: {"dp": 0}}
     holder = {**norm, "rank": {"global_rank": 0, "world_size": 3, "dp": 0}}
-    assert decide_gradient_origin([holder], known) == (OriginBasis.UNCHECKED, [{**holder, "params_total": 1}])
+
+    def decided(*records):
+        return decide_gradient_origin(list(records), unchecked_ranks(list(records), known))
+
+    assert decided(holder) == (OriginBasis.UNCHECKED, [{**holder, "params_total": 1}])
     assert unchecked_ranks([holder], known) == (2,)  # rank 1's finite norm: no record, nothing missing
     unchecked = {**norm, "rank": {"global_rank": 2, "world_size": 3, "dp": 0}, "pre_reduction": "unchecked",
                  "params": []}
-    assert decide_gradient_origin([holder, unchecked], known)[0] is OriginBasis.UNCHECKED
+    assert decided(holder, unchecked)[0] is OriginBasis.UNCHECKED
     checked = {**unchecked, "pre_reduction": "clean"}
-    assert decide_gradient_origin([holder, checked], known)[0] is OriginBasis.AFTER_COLLECTIVE
+    assert decided(holder, checked)[0] is OriginBasis.AFTER_COLLECTIVE
     assert unchecked_ranks([holder], {**known, 5: {"dp": 0}}) == (2,)  # rank 5: not of this 3-rank job
     assert silent_replicas([holder], known) == (1,)  # no rank of replica dp1 recorded: a finite norm there
     big = {"name": "w", "value": 1e30, "overflows": True}
     overflow = record("nonfinite_grad_norm", 2, largest_grad=big, pre_reduction="clean")
-    assert decide_gradient_origin([overflow], {}) == (OriginBasis.NORM_OVERFLOW, [overflow])
-    assert decide_gradient_origin([], {}) == (OriginBasis.NONE, [])
+    assert decide_gradient_origin([overflow], ()) == (OriginBasis.NORM_OVERFLOW, [overflow])
+    assert decide_gradient_origin([], ()) == (OriginBasis.NONE, [])
 
 
 # the modules allowed to name a Cause member or build a next step: the tables, the vocabulary that

@@ -647,6 +647,17 @@ def test_a_nonfinite_loss_record_is_read_and_a_malformed_one_named():
             records.from_json(a_nonfinite_loss_record(**bad), "f:1")
 
 
+def test_a_probe_record_keeps_its_first_probes_and_counts_them_all_written_before_the_count_or_after():
+    probe = {"label": "x", "module": None, "nan": 1, "inf": 0, "abs_min": 0.0, "abs_max": "nan"}
+    listed = {**a_record(2), "kind": "probe", "params": [], "probes": [probe] * 2000}
+    old = records.from_json(json.loads(json.dumps(listed)), "f:1")  # written before probes_total
+    assert (len(old["probes"]), old["probes_total"]) == (records.MAX_PROBES, 2000)
+    new = records.from_json({**listed, "probes": [probe] * 3, "probes_total": 2000}, "f:1")
+    assert (len(new["probes"]), new["probes_total"]) == (3, 2000)
+    with pytest.raises(InputError, match="probes_total"):
+        records.from_json({**listed, "probes_total": "many"}, "f:1")
+
+
 def test_an_overflow_records_loss_finite_is_a_boolean_or_null():
     overflow = {**a_record(3), "kind": "loss_scale_overflow", "consecutive_skips": 3}
     for value in (True, False, None):

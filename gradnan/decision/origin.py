@@ -7,7 +7,7 @@ origins among the ranks its records name (``forward_origins``). The cause table 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Mapping, Sequence, Tuple
 
 from ..formats.incident import NORM_KINDS, OriginBasis, RecordKind
 from .facts import Fact, unobserved
@@ -64,30 +64,34 @@ def _checked(record: Record) -> bool:
                                                           and record.get("pre_reduction") in CHECKED)
 
 
-def unchecked_ranks(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]) -> Tuple[int, ...]:
-    """The ranks whose norm must have been non-finite but whose own gradients no record of the step saw
-    before the data-parallel collective: ``known`` ranks (global rank -> coordinates, of the step's job)
-    without a checked record, in a data-parallel replica where another rank recorded a non-finite norm (a
-    replica's ranks all-reduce one norm, so each of them had it). They died first, their files are not in
-    the run directory, or gradnan's ``ranks`` left them out. A rank with no record in a replica where none
-    recorded one had a finite norm: its gradients after the collective were finite."""
+def _job_ranks(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]
+               ) -> Iterator[Tuple[int, Mapping[str, Any]]]:
+    """The ``known`` ranks (global rank -> coordinates) of the step's job: below the ``world_size`` its
+    records give."""
     world = max((size for size in (r["rank"].get("world_size") for r in at_step) if isinstance(size, int)),
                 default=0)
+    return ((rank, coords) for rank, coords in known.items() if isinstance(rank, int) and rank < world)
+
+
+def unchecked_ranks(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]) -> Tuple[int, ...]:
+    """The ranks whose norm must have been non-finite but whose own gradients no record of the step saw
+    before the data-parallel collective: ``known`` ranks of the step's job without a checked record, in a
+    data-parallel replica where another rank recorded a non-finite norm (a replica's ranks all-reduce one
+    norm, so each of them had it). They died first, their files are not in the run directory, or gradnan's
+    ``ranks`` left them out. A rank with no record in a replica where none recorded one had a finite norm:
+    its gradients after the collective were finite."""
     failed = {r["rank"].get("dp") for r in at_step if r["kind"] in NORM_KINDS}
     checked = {r["rank"].get("global_rank") for r in at_step if _checked(r)}
-    return tuple(sorted(rank for rank, coords in known.items()
-                        if isinstance(rank, int) and rank < world and rank not in checked
-                        and coords.get("dp") in failed))
+    return tuple(sorted(rank for rank, coords in _job_ranks(at_step, known)
+                        if rank not in checked and coords.get("dp") in failed))
 
 
 def silent_replicas(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]) -> Tuple[int, ...]:
     """The ``known`` ranks of the step's job in data-parallel replicas where no rank wrote a record of the
     step: a finite norm there (or every rank of the replica died first, or their files are missing)."""
-    world = max((size for size in (r["rank"].get("world_size") for r in at_step) if isinstance(size, int)),
-                default=0)
     recorded = {r["rank"].get("dp") for r in at_step}
-    return tuple(sorted(rank for rank, coords in known.items()
-                        if isinstance(rank, int) and rank < world and coords.get("dp") not in recorded))
+    return tuple(sorted(rank for rank, coords in _job_ranks(at_step, known)
+                        if coords.get("dp") not in recorded))
 
 
 def _holders_after_clean_checks(at_step: Sequence[Record], unchecked: Tuple[int, ...]) -> List[Record]:
@@ -152,11 +156,11 @@ ORIGIN_RULES: Tuple[OriginRule, ...] = (
 )
 
 
-def decide_gradient_origin(at_step: Sequence[Record], known: Mapping[int, Mapping[str, Any]]
+def decide_gradient_origin(at_step: Sequence[Record], unchecked: Tuple[int, ...]
                            ) -> Tuple[OriginBasis, List[Record]]:
     """The origin as the gradients' records show it, and what it rests on (``NONE``: no rule selects);
-    ``known``: every rank the run's files name, with its coordinates."""
-    observed, unchecked = facts_of_step(at_step), unchecked_ranks(at_step, known)
+    ``unchecked``: the step's ``unchecked_ranks``."""
+    observed = facts_of_step(at_step)
     for rule in ORIGIN_RULES:
         if not unobserved(rule.needs, observed):
             selected = rule.select(at_step, unchecked)

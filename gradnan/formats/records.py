@@ -367,10 +367,11 @@ MAX_PROBES = 1024
 
 def _check_probes(record: Dict[str, Any], where: str) -> None:
     probes = record.get("probes")
-    if isinstance(probes, list) and len(probes) > MAX_PROBES:
-        probes = record["probes"] = probes[:MAX_PROBES]
+    # absent (written before it): every probe is listed; counted before the list is cut to what is kept
     if not is_int(record.setdefault("probes_total", len(probes) if isinstance(probes, list) else 0)):
         raise InputError(f"{where}: 'probes_total' must be an integer")
+    if isinstance(probes, list) and len(probes) > MAX_PROBES:
+        probes = record["probes"] = probes[:MAX_PROBES]
     if not isinstance(probes, list) or not all(
             isinstance(probe, dict) and is_text(probe.get("label")) and optional(probe.get("module"), is_text)
             and is_int(probe.get("nan")) and is_int(probe.get("inf")) and is_stat(probe.get("abs_min"))

@@ -30,7 +30,7 @@ from ...decision.actions import Setting, next_steps
 from ...decision.causes import Decision, decide
 from ...decision.evidence import Evidence, HealthReading, View
 from ...decision.facts import missing_text
-from ...decision.origin import decide_gradient_origin, per_rank
+from ...decision.origin import decide_gradient_origin, per_rank, unchecked_ranks
 from ...decision.replica import own_failure_of
 from ...errors import InputError
 from ...formats.health import health_evidence
@@ -113,15 +113,17 @@ def _rejected_entries(losses: List[Dict[str, Any]]) -> List[View]:
 
 
 MAX_SELFTEST_RANKS = 4  # failing ranks named on the origin's devices; the rest counted
-
-
 MAX_FAILING_LISTED = 1024  # a self-test's failing ranks in --json; failing_total counts them all
 
 
 def _selftest_summary(path: Path, document: Dict[str, Any]) -> Dict[str, Any]:
-    """A self-test result for ``--json``: each failing rank once, the first ``MAX_FAILING_LISTED``."""
-    failing = list({entry["rank"]: {key: entry.get(key) for key in ("rank", "host", "device", "reasons")}
-                    for entry in reversed(document["failing_ranks"])}.values())[::-1]
+    """A self-test result for ``--json``: each failing rank once (its first entry), the first
+    ``MAX_FAILING_LISTED``."""
+    first: Dict[Any, Dict[str, Any]] = {}
+    for entry in document["failing_ranks"]:
+        first.setdefault(entry["rank"], {key: entry.get(key) for key in ("rank", "host", "device",
+                                                                           "reasons")})
+    failing = list(first.values())
     return {"file": str(path), "time": document.get("time"), "pass": document["pass"],
             "world_size": document.get("world_size"), "failing_ranks": failing[:MAX_FAILING_LISTED],
             "failing_total": len(failing)}
@@ -260,7 +262,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
               ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
     exited before any norm (only ``rerun`` records then)."""
-    gradient_basis, origin_records = decide_gradient_origin(at_step, ranks)
+    unchecked = unchecked_ranks(at_step, ranks)
+    gradient_basis, origin_records = decide_gradient_origin(at_step, unchecked)
     states = state_records(files, launch, step)
     dtypes = _param_dtypes(files, {r["rank"].get("global_rank") for r in origin_records + states})
     gradient_origin = [rank_entry(r, dtypes) for r in origin_records]
@@ -276,7 +279,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                  else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
                            rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
-                           reruns_here, divergences, saves_of(files.all_records()))
+                           reruns_here, divergences, saves_of(files.all_records()), unchecked)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes,

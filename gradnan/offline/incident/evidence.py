@@ -23,7 +23,7 @@ from ...decision.evidence import (
 )
 from ...decision.facts import Fact
 from ...decision.links import link_findings
-from ...decision.origin import facts_of_step, silent_replicas, unchecked_ranks
+from ...decision.origin import facts_of_step, silent_replicas
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
 from ...formats.layout import peers_key, rank_label, vocabulary_token
@@ -174,10 +174,11 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                 pattern: Pattern, rerun: Optional[RerunFinding], at_step: Sequence[Dict[str, Any]],
                 recurs: bool, iterations_seen: Tuple[int, ...] = (),
                 reruns: Sequence[Dict[str, Any]] = (),
-                divergences: Sequence[Dict[str, Any]] = (), saves: Sequence[Save] = ()) -> Evidence:
+                divergences: Sequence[Dict[str, Any]] = (), saves: Sequence[Save] = (),
+                unchecked: Tuple[int, ...] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
-    records; ``divergences``: its ``replica_divergence`` records) and the run directory's checkpoint
-    marks (``saves``)."""
+    records; ``divergences``: its ``replica_divergence`` records; ``unchecked``: its ``unchecked_ranks``)
+    and the run directory's checkpoint marks (``saves``)."""
     basis, origin = gradient
     conflicts = conflicts_of(at_step, states, reruns)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
@@ -223,7 +224,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         micro_batch=rerun.micro_batch if rerun is not None else None, reduction_fault=reduction_fault,
         grew_in=rerun.grew_in if rerun is not None else None,
         gradient_basis=basis, gradient_origin=tuple(entry["global_rank"] for entry in origin),
-        unchecked=unchecked_ranks(at_step, ranks) if basis is OriginBasis.UNCHECKED else (),
+        unchecked=unchecked if basis is OriginBasis.UNCHECKED else (),
         silent_replicas=silent_replicas(at_step, ranks) if basis is OriginBasis.AFTER_COLLECTIVE else (),
         origin_replicas=tuple(sorted({entry["dp"] for entry in origin if isinstance(entry.get("dp"), int)})),
         forward_pattern=pattern.gradient_pass is GradientPass.FORWARD,

@@ -63,8 +63,8 @@ def summary_lines(run_dir: str, frames: Sequence[Dict[str, Any]], probes: Sequen
         where = untrusted(probe["module"] or "code outside any module")
         lines.append(f"gradnan.check({untrusted(repr(probe['label']))}) in {where}:"
                      f" {nonfinite_counts(probe)} at step {probe['step']} on rank {probe['global_rank']}")
-    if max(total_probes, len(probes)) > limit:
-        lines.append(f"  ... and {max(total_probes, len(probes)) - limit} more probe finding(s) (see --json)")
+    if total_probes > limit:  # ``probes_total``: never fewer than the probes listed
+        lines.append(f"  ... and {total_probes - limit} more probe finding(s) (see --json)")
     return lines
 
 
