@@ -37,6 +37,10 @@ def _no_facts(param: torch.nn.Parameter) -> Dict[str, Any]:
     return {}
 
 
+def _no_loop() -> Optional[Dict[str, Any]]:
+    return None
+
+
 def _no_iteration() -> Optional[int]:
     return None
 
@@ -81,6 +85,8 @@ class ModelFacts:
     """coords: this rank's global rank, world size, parallel coordinates, host and device.
     versions: the library versions to write into maps and bundles.
     iteration: the training loop's own iteration for the step in progress (Megatron-LM's), or None.
+    loop: the training loop running the step, as records name it (``formats.loop``), or None (a loop of the
+    user's own).
     named_modules: every module of the model chunks with its global name.
     observed_grad: a parameter's gradient as the optimizer sees it (Megatron's ``main_grad``).
     param_facts: what a parameter is beyond its shape (its tensor-parallel partition).
@@ -94,6 +100,7 @@ class ModelFacts:
     coords: Callable[[], Dict[str, Any]]
     versions: Callable[[], Dict[str, Any]]
     iteration: Callable[[], Optional[int]] = _no_iteration
+    loop: Callable[[], Optional[Dict[str, Any]]] = _no_loop
     named_modules: Callable[[Sequence[torch.nn.Module]], NamedModules] = _no_modules
     observed_grad: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = _plain_grad
     param_facts: Callable[[torch.nn.Parameter], Dict[str, Any]] = _no_facts

@@ -14,7 +14,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..events import ModelFacts
-from .instrumentor import megatron_version
+from ..formats import loop
+from ..formats.loop import LoopKind
+from .instrumentor import installed_version, megatron_version
 from .names import prefix_renamer
 
 # Wrappers whose parameter names gain a ``module.`` prefix (Megatron DDP, Float16Module, FSDP flavours).
@@ -179,6 +181,26 @@ def megatron_lm_iteration() -> Optional[int]:
     return None if iteration is None else iteration + 1
 
 
+def training_loop() -> Optional[Dict[str, Any]]:
+    """The loop running this process, as records name it (``formats.loop``): Megatron-Bridge's where its
+    training module is imported (it leaves Megatron-LM's arguments unset), Megatron-LM's where its
+    arguments are parsed, with megatron-core's release (Megatron-LM's ``megatron/training`` is released
+    with it: core_v0.17.0 changed how ``--iterations-to-skip`` counts); None for a loop of the user's own.
+    Only looks at modules already imported."""
+    if "megatron.bridge.training.train" in sys.modules and megatron_lm_args() is None:
+        bridge = _bridge_release()
+        return loop.to_json(LoopKind.MEGATRON_BRIDGE, None if bridge is None else str(bridge))
+    if megatron_lm_args() is not None:
+        core = megatron_version()
+        return loop.to_json(LoopKind.MEGATRON_LM, None if core is None else str(core))
+    return None
+
+
+def _bridge_release() -> Optional[Any]:
+    version = getattr(sys.modules.get("megatron.bridge.package_info"), "__version__", None)
+    return version if isinstance(version, str) else installed_version("megatron-bridge")
+
+
 def megatron_lm_tensorboard() -> Optional[object]:
     """Megatron-LM's TensorBoard writer (``--tensorboard-dir``; it makes one on the last rank), when its
     training loop runs in this process; None otherwise."""
@@ -237,6 +259,7 @@ def data_parallel_group() -> Optional[Any]:
 
 
 MEGATRON_FACTS = ModelFacts(coords=rank_coordinates, versions=versions, iteration=megatron_lm_iteration,
+                            loop=training_loop,
                             named_modules=global_named_modules, observed_grad=model_grad,
                             param_facts=tensor_parallel_facts, tensorboard=megatron_lm_tensorboard,
                             wandb=megatron_lm_wandb, optimizer_tensors=optimizer_tensors,

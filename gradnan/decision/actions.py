@@ -15,6 +15,14 @@ from ..formats.text import untrusted
 from ..formats.wording import micro_batch_words
 from .evidence import Evidence, HealthReading, View
 from .facts import Fact
+from .loop_terms import (
+    learning_rate_options,
+    load_earlier,
+    load_option,
+    numerics_options,
+    rerun_mode,
+    skip_option,
+)
 
 
 @dataclass(frozen=True)
@@ -106,17 +114,16 @@ def selftest_after_launch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def restart_from(e: Evidence, s: Setting, older_than: str) -> NextStep:
-    """The newest checkpoint known clean before the failure (its marks), with Megatron-LM's option that
-    loads it; else one older than ``older_than``, and why none is known clean. Never Megatron's exit save:
+    """The newest checkpoint known clean before the failure (its marks), with the loop's option that loads
+    it; else one older than ``older_than``, and why none is known clean. Never Megatron's exit save:
     labelled with the iteration before the failing one, it holds what the failing step found."""
     known = e.clean_checkpoint
     if known is not None:
+        how, command = (None, None) if known.iteration is None else load_option(e.loop, known.iteration)
         return NextStep(Action.RESUME, Action.RESUME.wording(
             f"{known.text()}, the newest known clean (every rank's weights, main copies and optimizer moments"
             f" finite when it was saved), older than {older_than}; the later ones hold the bad values or were"
-            " written after the failure" + ("" if known.iteration is None else
-                                              " (Megatron-LM: keep --load and add the option below)")),
-            None if known.iteration is None else ("--ckpt-step", str(known.iteration)))
+            " written after the failure" + ("" if how is None else f" ({how})")), command)
     marks = Fact.CHECKPOINT_MARKS
     why = (e.no_clean_checkpoint if marks in e.observed
            else f"the run directory holds no checkpoint marks (to have them: {marks.how_to_observe})")
@@ -135,11 +142,10 @@ def _failing_step(e: Evidence) -> str:
 def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """Before the checkpoint the launch resumed from where the weights came with it, else before the step
     (Megatron-LM's iteration where its loop gives it). How Megatron-LM loads an earlier one is said once:
-    with a checkpoint known clean, its ``--ckpt-step``."""
+    with a checkpoint known clean, the option that loads it by its iteration."""
     if e.launch_first_step:
         resumed = "" if e.iteration is None else f" (iteration {e.iteration - e.step})"
-        how = ("" if e.clean_checkpoint is not None else " (Megatron-LM: --load a directory whose"
-               " latest_checkpointed_iteration.txt names the earlier one)")
+        how = "" if e.clean_checkpoint is not None else f" ({load_earlier(e.loop)})"
         before = f"the checkpoint this launch resumed from{resumed}, which holds them{how}"
     else:
         before = _failing_step(e)
@@ -190,9 +196,7 @@ def fix_learning_rate(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     if fault is None:
         return ()
     return (NextStep(Action.FIX_LEARNING_RATE, Action.FIX_LEARNING_RATE.wording(
-        f"the update of step {fault.step} used {fault.text()}; Megatron-LM sets it with --lr, --min-lr and"
-        " the warm-up and decay options, and a resume takes the checkpoint's scheduler state unless"
-        " --override-opt_param-scheduler")),)
+        f"the update of step {fault.step} used {fault.text()}; {learning_rate_options(e.loop)}")),)
 
 
 def check_interconnect(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -206,8 +210,7 @@ def fix_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 def tune_numerics(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.TUNE_NUMERICS, Action.TUNE_NUMERICS.wording(
-        "a lower learning rate, a tighter --clip-grad, bf16 instead of fp16, or a lower"
-        " --initial-loss-scale; skipping the iteration cannot help where every step fails")),)
+        f"{numerics_options(e.loop)}; skipping the iteration cannot help where every step fails")),)
 
 
 def tune_numerics_if_it_recurs(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -225,18 +228,19 @@ def inspect_batch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def skip_iteration(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Megatron-LM's ``--iterations-to-skip``, where the rerun tied the failure to the step's data and the
-    records name the iteration; never for an fp16 overflow that recurs (no batch is to blame). A
-    checkpoint written by Megatron's own validate_results exit runs the iteration again on restart, then
-    exits (17) rather than skipping it: that restart goes without the rerun state machine."""
+    """The loop's option that trains past the failing iteration (Megatron-LM's ``--iterations-to-skip`` by
+    its release, Megatron-Bridge's ``train.iterations_to_skip``), where the rerun tied the failure to the
+    step's data and the records name the iteration; never for an fp16 overflow that recurs (no batch is to
+    blame). A checkpoint written by Megatron's own validate_results exit runs the iteration again on
+    restart, then exits (17) rather than skipping it: that restart goes without the rerun state machine."""
     if not (e.iterations_seen and not e.recurs and s.reran):
         return ()
     refusal = _skip_refusal(e)
     if refusal or e.iteration is None:
-        return (NextStep(Action.SKIP_ITERATION, f"no --iterations-to-skip option: {refusal}"),)
-    restarted_rerun = ("--rerun-mode", "disabled") if s.megatron_reran else ()
-    return (NextStep(Action.SKIP_ITERATION, Action.SKIP_ITERATION.wording(str(e.iteration)),
-                     ("--iterations-to-skip", str(e.iteration - 1), *restarted_rerun)),)
+        return (NextStep(Action.SKIP_ITERATION, f"no option to skip the iteration: {refusal}"),)
+    text, command = skip_option(e.loop, e.iteration, s.megatron_reran)
+    wording = Action.SKIP_ITERATION.wording(f"{e.iteration}, {text}")
+    return (NextStep(Action.SKIP_ITERATION, wording, command),)
 
 
 def _skip_refusal(e: Evidence) -> Optional[str]:
@@ -287,7 +291,7 @@ def decide_by(what: str) -> ActionRule:
 def decide_rejected_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     """A loss Megatron's check rejected, the step not run again: the kept micro-batch where there is one,
     and Megatron's own rerun."""
-    rerun = "rerun with --rerun-mode validate_results, so that Megatron runs the step again"
+    rerun = f"rerun with {rerun_mode(e.loop, 'validate_results')}, so that Megatron runs the step again"
     if not (e.rejected or {}).get("batch"):
         return decide_by(rerun)(e, s, so_far)
     return (NextStep(Action.DECIDE, Action.DECIDE.wording(f"look at the kept micro-batch, or {rerun}"),

@@ -12,6 +12,7 @@ from ..formats.incident import Conclusion, OriginBasis, OwnFailure
 from ..formats.text import magnitude, untrusted
 from .facts import Fact
 from .links import LinkFinding
+from .loop_terms import OWN_LOOP, TrainingLoop
 
 View = Dict[str, Any]  # a rank's coordinates as the report shows them (``rank_view``), plus what it holds
 
@@ -202,6 +203,7 @@ class Evidence:
     losses_nonfinite: Tuple[int, ...] = ()
     recurs: bool = False  # the next step failed too, with no update applied in between (fp16 skips)
     iterations_seen: Tuple[int, ...] = ()  # every Megatron-LM iteration the step's records name (one: agreed)
+    loop: TrainingLoop = OWN_LOOP  # the training loop that ran the step: every option is named in its terms
     # the gradient origin's offending parameters, backward order, and its largest finite gradient, by rank
     origin_params: Mapping[int, Tuple[str, ...]] = field(default_factory=dict)
     largest_names: Mapping[int, str] = field(default_factory=dict)

@@ -203,8 +203,8 @@ class Action(str, enum.Enum):
     SELFTEST = "selftest"
     """Confirm or clear that device: ``gradnan selftest`` launched on its node (docs/selftest.md)."""
     SKIP_ITERATION = "skip_iteration"
-    """Train past data that reproducibly fails: Megatron-LM's ``--iterations-to-skip``, which names the
-    iterations completed before the skipped one (its loop compares the completed count)."""
+    """Train past data that reproducibly fails: the loop's option that skips an iteration (Megatron-LM's
+    ``--iterations-to-skip``, by its release; Megatron-Bridge's ``train.iterations_to_skip``)."""
     DECIDE = "decide"
     """An undetermined verdict: what would decide it."""
 
@@ -232,12 +232,7 @@ _ACTION_WORDING = {
     Action.DRAIN: "drain {subject}: take its node out of the job before restarting",
     Action.SELFTEST: "confirm or clear {subject}: gradnan selftest, launched there as training is"
                      " (docs/selftest.md)",
-    Action.SKIP_ITERATION: "to train past iteration {subject}, restart Megatron-LM from its last checkpoint"
-                           " with the option below: its loop consumes that iteration's micro-batches"
-                           " without training on them. The option counts the iterations completed before"
-                           " the one it skips, one less than the number the log prints (Megatron-LM"
-                           " core_v0.16.1). Megatron's --result-rejected-tracker-filename adds skips only"
-                           " for a loss its validate_result rejected twice on one rank",
+    Action.SKIP_ITERATION: "to train past iteration {subject}",
 }
 
 

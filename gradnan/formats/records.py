@@ -25,6 +25,7 @@ from typing import (
 )
 
 from ..errors import InputError
+from .loop import LoopKind, is_loop
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
 from .rerun_record import MAX_DIMS, check_rerun
 from .schema import (
@@ -60,13 +61,15 @@ _PARAM_INTS = ("nan", "inf", "pos_inf", "neg_inf", "numel", "order", "id", "firs
 
 def to_json(kind: str, step: int, iteration: Optional[int], coords: Mapping[str, Any],
             run: Mapping[str, Any], params: Sequence[Mapping[str, Any]], params_total: int,
-            extra: Mapping[str, Any]) -> Dict[str, Any]:
-    """One record; ``params`` are the offending parameters listed in full (the writer caps them)."""
+            extra: Mapping[str, Any], loop: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """One record; ``params`` are the offending parameters listed in full (the writer caps them);
+    ``loop``: the training loop that ran the step (``formats.loop``), None for a loop of the user's own."""
     return {
         **SCHEMA.header(),
         "kind": kind,
         "step": step,
         "iteration": iteration,
+        "loop": None if loop is None else dict(loop),
         "time": time.time(),
         "rank": dict(coords),
         "run": dict(run),
@@ -102,6 +105,9 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
                          " booleans")
     check_run(record.get("run"), where)
+    if not is_loop(record.get("loop")):
+        raise InputError(f"{where}: 'loop' needs a 'name' among {', '.join(kind.value for kind in LoopKind)}"
+                         " and a 'release' null or text")
     _check_largest(record.get("largest_grad"), where)
     if not optional(record.get("device_health"), is_device_health):
         raise InputError(f"{where}: 'device_health' needs 'source' text, a 'device' object, a 'values' object"

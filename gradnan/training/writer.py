@@ -123,7 +123,8 @@ class Writer:
         its ``path``, also when ``max_records_bytes`` kept it off the disk."""
         coords = self.coords()
         record = records.to_json(kind.value, step, self._facts.iteration(), coords, self.run,
-                                 found[:self.config.max_params_per_record], len(found), extra)
+                                 found[:self.config.max_params_per_record], len(found), extra,
+                                 self._facts.loop())
         path = records_path(self.config.out_dir, coords)
         try:
             if not append_json_line(path, record, Path(self.config.out_dir), self.config.max_records_bytes):

@@ -23,6 +23,7 @@ from ...decision.evidence import (
 )
 from ...decision.facts import Fact
 from ...decision.links import link_findings
+from ...decision.loop_terms import loop_of
 from ...decision.origin import facts_of_step, silent_replicas
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
@@ -177,8 +178,9 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                 divergences: Sequence[Dict[str, Any]] = (), saves: Sequence[Save] = (),
                 unchecked: Tuple[int, ...] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
-    records; ``divergences``: its ``replica_divergence`` records; ``unchecked``: its ``unchecked_ranks``)
-    and the run directory's checkpoint marks (``saves``)."""
+    records; ``divergences``: its ``replica_divergence`` records; ``unchecked``: its ``unchecked_ranks``;
+    the training loop they name: ``loop_terms.loop_of``) and the run directory's checkpoint marks
+    (``saves``)."""
     basis, origin = gradient
     conflicts = conflicts_of(at_step, states, reruns)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
@@ -205,6 +207,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     clean, no_clean = newest_clean(saves, failed_at, iteration)
     return Evidence(
         step=step, iteration=iteration, iterations_seen=iterations_seen,
+        loop=loop_of([*at_step, *reruns, *divergences]),
         labels=RankLabels(ranks),
         dp_size=max((entry.get("dp_size") or 1 for entry in origin), default=1),
         states_read=tuple(record["rank"].get("global_rank") for record in states),
