@@ -1,0 +1,86 @@
+"""Issue 58: Megatron-LM's own training loop of a 0.17+ release (``megatron.training.pretrain`` from
+megatron-core's wheel, which ships it from 0.17 on; CI's Python 3.12 leg installs 0.19.2), end to end on
+CPU: a tiny GPT (tests/megatron_lm_loop/train_gpt.py) launched unedited under ``-m gradnan.run``, TP=2, a
+NaN planted in one forward operator at one iteration on one rank, Megatron's default ``validate_results``.
+The report names the operator and the rank, and its ``Next:`` skip option, pasted as printed onto the
+same command with ``--load``, trains past the bad iteration with the plant still in place. On
+core_v0.16.1's loop the value was one less; from core_v0.17.0 it is the iteration the log prints (the
+option given before this issue, ``--iterations-to-skip 4``, ran the planted iteration again and failed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradnan.formats.incident import Action
+from gradnan.offline.incident.analysis import analyze
+from gradnan.offline.incident.read import read_run
+from gradnan.offline.incident.report import format_text
+from gradnan.patches.instrumentor import megatron_version
+from gradnan.testing.gloo import free_port
+
+from .helpers import environ_without_gradnan
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
+
+HERE = Path(__file__).resolve().parent / "megatron_lm_loop"
+# a tiny GPT, TP=2, bf16, 6 iterations, a save every 2; Megatron-LM's CPU-incompatible fusions off
+FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion"
+         " --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion"
+         " --no-persist-layer-norm --mock-data --no-create-attention-mask-in-dataloader"
+         " --tokenizer-type NullTokenizer --vocab-size 128 --num-layers 2 --hidden-size 64"
+         " --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2"
+         " --global-batch-size 4 --train-iters 6 --lr 1e-4 --bf16 --tensor-model-parallel-size 2"
+         " --save-interval 2 --eval-iters 0 --eval-interval 1000 --log-interval 1").split()
+PLANTED = {"PLANT_ITER": "4", "PLANT_RANK": "1"}  # args.curr_iteration 4: the iteration the log prints as 5
+
+
+def _megatron_lm_loop() -> bool:
+    try:
+        import megatron.training  # noqa: F401  (megatron-core's wheel ships it from 0.17 on)
+    except ImportError:
+        return False
+    return True
+
+
+requires_the_loop = pytest.mark.skipif(not _megatron_lm_loop(), reason="megatron-core < 0.17: its wheel has"
+                                       " no megatron.training (CI's Python 3.12 leg runs this on 0.19.2)")
+
+
+def _train(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "gradnan.run", str(HERE / "train_gpt.py"), *FLAGS, *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=400, env={
+        **environ_without_gradnan(), "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(HERE),
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
+        "GRADNAN_OUT_DIR": str(out), **(env or {})})
+
+
+@requires_the_loop
+def test_a_forward_nan_on_megatron_lms_own_loop_is_named_and_its_skip_option_trains_past_it(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    failed = _train(tmp_path / "failed", "--save", str(checkpoints), env=PLANTED)
+    # Megatron's rerun: reproducible, a checkpoint saved, its ranks exit 16 (torchrun then 1)
+    assert failed.returncode != 0 and "exitcode  : 16" in failed.stderr, failed.stderr[-3000:]
+    analysis = analyze(read_run(tmp_path / "failed"))
+    text = format_text(analysis)
+    incident = analysis.to_json()["incident"]
+    assert incident["iteration"] == 5 and incident["verdict"]["cause"] == "forward_op", text
+    assert [entry["global_rank"] for entry in incident["origin"]] == [1], text
+    assert "decoder.layers.1.mlp.linear_fc1 on rank 1" in text, text
+    release = str(megatron_version())
+    assert f"restart Megatron-LM (core_v{release}) from its last checkpoint" in text, text
+    [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
+    assert skip.command == ("--iterations-to-skip", "5", "--rerun-mode", "disabled"), text
+
+    # followed literally: the same command, --load of its checkpoints and the printed option
+    restarted = _train(tmp_path / "restarted", "--save", str(checkpoints), "--load", str(checkpoints),
+                       *skip.command, env=PLANTED)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    log = restarted.stdout + restarted.stderr
+    assert "skipped samples:" in log and "planted NaN" not in log, log[-3000:]
+    assert " iteration        6/       6 |" in log, log[-3000:]
+    assert "No non-finite gradient was recorded." in format_text(analyze(read_run(tmp_path / "restarted")))
