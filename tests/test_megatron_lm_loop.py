@@ -35,7 +35,6 @@ FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accu
          " --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2"
          " --global-batch-size 4 --train-iters 6 --lr 1e-4 --bf16 --tensor-model-parallel-size 2"
          " --save-interval 2 --eval-iters 0 --eval-interval 1000 --log-interval 1").split()
-PLANTED = {"PLANT_ITER": "4", "PLANT_RANK": "1"}  # args.curr_iteration 4: the iteration the log prints as 5
 
 
 def _megatron_lm_loop() -> bool:
@@ -60,17 +59,25 @@ def _train(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
 
 
 @requires_the_loop
-def test_a_forward_nan_on_megatron_lms_own_loop_is_named_and_its_skip_option_trains_past_it(tmp_path):
+@pytest.mark.parametrize("plant, cause, origin, names", [
+    # one element of layer 1's linear_fc1 output NaN on rank 1: a forward operator a batch drives to NaN
+    ({"PLANT_ITER": "4", "PLANT_RANK": "1"}, "forward_op", [1], "decoder.layers.1.mlp.linear_fc1 on rank 1"),
+    # every token masked and the loss divided by their count (0/0) on both tensor-parallel ranks, which
+    # compute the same loss: Megatron's loss check rejects it
+    ({"PLANT_LOSS_ITER": "4"}, "loss", [0, 1], "the loss function made it"),
+], ids=["forward_op", "loss"])
+def test_a_nan_made_by_the_batch_on_megatron_lms_own_loop_is_named_and_its_skip_option_trains_past_it(
+        tmp_path, plant, cause, origin, names):
     checkpoints = tmp_path / "checkpoints"
-    failed = _train(tmp_path / "failed", "--save", str(checkpoints), env=PLANTED)
+    failed = _train(tmp_path / "failed", "--save", str(checkpoints), env=plant)
     # Megatron's rerun: reproducible, a checkpoint saved, its ranks exit 16 (torchrun then 1)
     assert failed.returncode != 0 and "exitcode  : 16" in failed.stderr, failed.stderr[-3000:]
     analysis = analyze(read_run(tmp_path / "failed"))
     text = format_text(analysis)
     incident = analysis.to_json()["incident"]
-    assert incident["iteration"] == 5 and incident["verdict"]["cause"] == "forward_op", text
-    assert [entry["global_rank"] for entry in incident["origin"]] == [1], text
-    assert "decoder.layers.1.mlp.linear_fc1 on rank 1" in text, text
+    assert incident["iteration"] == 5 and incident["verdict"]["cause"] == cause, text
+    assert [entry["global_rank"] for entry in incident["origin"]] == origin, text
+    assert names in text, text
     release = str(megatron_version())
     assert f"restart Megatron-LM (core_v{release}) from its last checkpoint" in text, text
     [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
@@ -78,9 +85,38 @@ def test_a_forward_nan_on_megatron_lms_own_loop_is_named_and_its_skip_option_tra
 
     # followed literally: the same command, --load of its checkpoints and the printed option
     restarted = _train(tmp_path / "restarted", "--save", str(checkpoints), "--load", str(checkpoints),
-                       *skip.command, env=PLANTED)
+                       *skip.command, env=plant)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     log = restarted.stdout + restarted.stderr
     assert "skipped samples:" in log and "planted NaN" not in log, log[-3000:]
     assert " iteration        6/       6 |" in log, log[-3000:]
     assert "No non-finite gradient was recorded." in format_text(analyze(read_run(tmp_path / "restarted")))
+
+
+@requires_the_loop
+def test_a_nan_weight_saved_then_resumed_on_megatron_lms_own_loop_gets_the_clean_checkpoint_that_trains_on(
+        tmp_path):
+    """Rank 1's copy of one weight NaN as iteration 3 begins, with Megatron's checks off so that it trains
+    on and saves the NaN weights at 4 and 6; then the user's restart resumes from 6 and fails at once. The
+    report names the weights that came with the checkpoint and the newest clean save (2) with the option
+    that loads it; followed literally, the restart trains on."""
+    checkpoints, out = tmp_path / "checkpoints", tmp_path / "gradnan"
+    unchecked = ("--save", str(checkpoints), "--no-check-for-nan-in-loss-and-grad", "--rerun-mode",
+                 "disabled")
+    spoiled = _train(out, *unchecked, env={"PLANT_WEIGHT_ITER": "2", "PLANT_RANK": "1"})
+    assert spoiled.returncode == 0 and "grad norm: nan" in spoiled.stdout, spoiled.stderr[-3000:]
+    resume = ("--load", str(checkpoints), "--train-iters", "8", "--override-opt_param-scheduler")
+    resumed = _train(out, "--save", str(checkpoints), *resume)
+    assert resumed.returncode != 0, resumed.stderr[-3000:]  # Megatron's loss check: NaN at once
+    analysis = analyze(read_run(out))  # the newest launch: the resumed one
+    text = format_text(analysis)
+    incident = analysis.to_json()["incident"]
+    assert incident["verdict"]["cause"] == "weights" and incident["iteration"] == 7, text
+    assert "they came with the checkpoint this launch resumed from" in incident["verdict"]["summary"], text
+    [restart] = [step for step in analysis.incident.next_steps if step.action is Action.RESUME]
+    assert restart.command == ("--ckpt-step", "2") and "the checkpoint of iteration 2" in restart.text, text
+
+    followed = _train(tmp_path / "followed", *resume, *restart.command)
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "grad norm: nan" not in followed.stdout and " iteration        3/       8 |" in followed.stdout
+    assert " iteration        8/       8 |" in followed.stdout, followed.stdout[-3000:]

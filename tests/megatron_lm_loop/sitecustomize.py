@@ -4,7 +4,9 @@ then the project's CPU shim sends every CUDA device to the CPU. A test-only stan
 
 PLANT_ITER=N PLANT_RANK=R: on global rank R, where Megatron-LM's ``args.curr_iteration`` is N (the
 iteration its log prints as N + 1), one element of layer 1's ``mlp.linear_fc1`` output becomes NaN (a
-forward hook registered as the model is built): a forward operator that a batch drives to NaN."""
+forward hook registered as the model is built): a forward operator that a batch drives to NaN.
+PLANT_WEIGHT_ITER=N PLANT_RANK=R: on global rank R, as iteration N's forward begins, element [0, 7] of layer
+0's ``mlp.linear_fc1.weight`` becomes NaN (a weight gone bad: a flipped bit, a bad update)."""
 
 import os
 import sys
@@ -37,6 +39,31 @@ if "LOCAL_RANK" in os.environ:
 
     dataset_utils.compile_helpers = lambda: None
 
+    def _now() -> object:
+        from megatron.training import get_args
+
+        return getattr(get_args(), "curr_iteration", None)
+
+    if os.environ.get("PLANT_WEIGHT_ITER"):
+        from megatron.core.models.gpt import gpt_model
+
+        weight_iteration, weight_rank = int(os.environ["PLANT_WEIGHT_ITER"]), int(os.environ["PLANT_RANK"])
+        build_model = gpt_model.GPTModel.__init__
+
+        def poison(module, inputs):
+            weight = module.decoder.layers[0].mlp.linear_fc1.weight
+            if _now() == weight_iteration and not torch.isnan(weight[0, 7]):
+                with torch.no_grad():
+                    weight[0, 7] = float("nan")
+                print(f"planted a NaN weight at {weight_iteration}", file=sys.stderr, flush=True)
+
+        def built_to_poison(self, *args, **kwargs):
+            build_model(self, *args, **kwargs)
+            if torch.distributed.get_rank() == weight_rank:
+                self.register_forward_pre_hook(poison)
+
+        gpt_model.GPTModel.__init__ = built_to_poison
+
     if os.environ.get("PLANT_ITER"):
         from megatron.core.models.gpt import gpt_model
 
@@ -44,9 +71,7 @@ if "LOCAL_RANK" in os.environ:
         build = gpt_model.GPTModel.__init__
 
         def plant(module, inputs, output):
-            from megatron.training import get_args
-
-            if getattr(get_args(), "curr_iteration", None) != planted_iteration:
+            if _now() != planted_iteration:
                 return None
             value, bias = output
             value = value.clone()

@@ -2,6 +2,7 @@
 wheel), shaped as Megatron-LM's pretrain_gpt.py (written here, not copied): a model provider, a forward
 step and its loss, mock data. Run by tests/test_megatron_lm_loop.py under ``-m gradnan.run``."""
 
+import os
 from functools import partial
 
 import torch
@@ -11,6 +12,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -52,10 +54,23 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask, output_tensor):
+    """pretrain_gpt.py's: the masked sum and the token count (the schedule divides one by the other), and
+    Megatron's check of the loss. PLANT_LOSS_ITER=N: at ``args.curr_iteration`` N every token is masked,
+    as a batch of padding alone would be, and the loss divides by the token count itself (0/0): a loss
+    function that a batch drives to NaN from a finite model output."""
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
+    planted = str(getattr(get_args(), "curr_iteration", None)) == os.environ.get("PLANT_LOSS_ITER")
+    if planted:
+        loss_mask = torch.zeros_like(loss_mask)
     loss = torch.sum(losses * loss_mask)
+    if planted:
+        loss = loss / loss_mask.sum()
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        get_rerun_state_machine().validate_result(result=loss, rejection_func=torch.isnan,
+                                                  message="found NaN in local forward loss calculation",
+                                                  tolerance=0.0, fatal=True)
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
