@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 from ..errors import ConfigError
+from .bridge import BridgeLoopInstrumentor
 from .checkpoint import CheckpointInstrumentor
 from .grad_sync import GradSyncInstrumentor
 from .grad_zeroing import GradZeroingInstrumentor
@@ -26,7 +27,7 @@ def all_instrumentors() -> List[Instrumentor]:
     return [ParamGroupsInstrumentor(), OptimizerInstrumentor(), LossScaleInstrumentor(),
             GradSyncInstrumentor(), GradZeroingInstrumentor(), ScheduleInstrumentor(),
             ResultValidationInstrumentor(), ModuleHooksInstrumentor(), PipelineLinksInstrumentor(),
-            CheckpointInstrumentor()]
+            CheckpointInstrumentor(), BridgeLoopInstrumentor()]
 
 
 def split_disabled(instrumentors: List[Instrumentor],

@@ -1,7 +1,9 @@
 """Checkpoint saves: megatron-core's ``dist_checkpointing.save`` (every distributed checkpoint of
-Megatron-LM, ``torch_dist`` its default format, and of loops of one's own) and Megatron-LM's
+Megatron-LM, ``torch_dist`` its default format, and of loops of one's own), Megatron-LM's
 ``save_checkpoint``, in ``megatron.training.checkpointing`` and the training loop's binding of it, where
-those modules are already imported when gradnan is installed (gradnan never imports Megatron-LM).
+those modules are already imported when gradnan is installed (gradnan never imports Megatron-LM), and
+Megatron-Bridge's ``save_checkpoint`` (every format it writes: its ``fsdp_dtensor`` saves bypass
+``dist_checkpointing.save``), in its module when it is imported.
 
 Once a save has returned, the runtime marks it (``Events.checkpoint_saved``): one mark per save, by the
 outermost of the nested calls (``save_checkpoint`` calls ``dist_checkpointing.save``). Its iteration is
@@ -15,9 +17,11 @@ import importlib
 import os
 import re
 import sys
+from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..events import Events
+from .bridge import bridge_saved_iteration
 from .instrumentor import Instrumentor
 from .reentrancy_guard import Outermost
 from .result_validation import _arguments
@@ -25,6 +29,7 @@ from .undo_log import Patcher
 
 _DIST_SAVE = ("megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.serialization")
 _LM_SAVE = ("megatron.training.checkpointing", "megatron.training.training")
+_BRIDGE_SAVE = "megatron.bridge.training.checkpointing"  # DefaultCheckpointManager.save looks it up there
 _ITERATION_DIR = re.compile(r"iter_(\d+)")
 
 Labelled = Tuple[Optional[int], Optional[str]]  # (the iteration a save is labelled with, its path)
@@ -47,9 +52,18 @@ def _lm_save_label(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: 
             save_dir if isinstance(save_dir, str) else None)
 
 
+def _bridge_save_label(original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                       ) -> Labelled:
+    """Megatron-Bridge's ``save_checkpoint(state, ...)``: ``state.train_state.step``, ``checkpoint.save``."""
+    state = _arguments(original, args, kwargs).get("state")
+    save_dir = getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "save", None)
+    return bridge_saved_iteration(state), save_dir if isinstance(save_dir, str) else None
+
+
 class CheckpointInstrumentor(Instrumentor):
     name = "checkpoint"
-    description = "checkpoint saves (dist_checkpointing.save, Megatron-LM's save_checkpoint)"
+    description = ("checkpoint saves (dist_checkpointing.save, Megatron-LM's and Megatron-Bridge's"
+                   " save_checkpoint)")
     without = ("no checkpoint marks: the report's restart advice names no checkpoint known clean, and"
                " gradnan checkpoints lists none")
 
@@ -76,3 +90,8 @@ class CheckpointInstrumentor(Instrumentor):
             module = sys.modules.get(module_name)
             if module is not None and hasattr(module, "save_checkpoint"):
                 patcher.wrap(module, "save_checkpoint", marking(_lm_save_label))
+
+        def wrap_bridge_save(module: ModuleType) -> None:
+            patcher.wrap(module, "save_checkpoint", marking(_bridge_save_label))
+
+        patcher.after_import(_BRIDGE_SAVE, wrap_bridge_save)

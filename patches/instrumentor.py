@@ -4,7 +4,9 @@ patched."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from types import ModuleType
+from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -44,6 +46,14 @@ class SurfaceProbe(Patcher):
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         self._undo.append(lambda: None)
+
+    def after_import(self, module_name: str, apply: Callable[[ModuleType], None]) -> None:
+        """Looked up now where the module is imported, else counted (a finder would wait for it)."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            apply(module)
+        else:
+            self._undo.append(lambda: None)
 
 
 class Instrumentor:

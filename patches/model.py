@@ -16,6 +16,7 @@ import torch
 from ..events import ModelFacts
 from ..formats import loop
 from ..formats.loop import LoopKind
+from .bridge import BRIDGE_TRAIN, bridge_iteration
 from .instrumentor import installed_version, megatron_version
 from .names import prefix_renamer
 
@@ -176,9 +177,10 @@ def integer_or_none(value: Any) -> Optional[int]:
 def megatron_lm_iteration() -> Optional[int]:
     """The iteration Megatron-LM's training loop logs for the step in progress (``args.curr_iteration``
     counts completed iterations, the log line says one more), when that loop is running in this
-    process; None otherwise."""
+    process; else Megatron-Bridge's (``bridge.bridge_iteration``) while its ``train_step`` runs; None
+    otherwise."""
     iteration = integer_or_none(getattr(megatron_lm_args(), "curr_iteration", None))
-    return None if iteration is None else iteration + 1
+    return bridge_iteration() if iteration is None else iteration + 1
 
 
 def training_loop() -> Optional[Dict[str, Any]]:
@@ -187,7 +189,7 @@ def training_loop() -> Optional[Dict[str, Any]]:
     arguments are parsed, with megatron-core's release (Megatron-LM's ``megatron/training`` is released
     with it: core_v0.17.0 changed how ``--iterations-to-skip`` counts); None for a loop of the user's own.
     Only looks at modules already imported."""
-    if "megatron.bridge.training.train" in sys.modules and megatron_lm_args() is None:
+    if BRIDGE_TRAIN in sys.modules and megatron_lm_args() is None:
         bridge = _bridge_release()
         return loop.to_json(LoopKind.MEGATRON_BRIDGE, None if bridge is None else str(bridge))
     if megatron_lm_args() is not None:

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, List
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 _ABSENT = object()
 WRAPPED_ATTR = "__gradnan_wrapped__"
@@ -51,6 +57,18 @@ class Patcher:
         self.set(owner, name, wrapper)
         return True
 
+    def after_import(self, module_name: str, apply: Callable[[ModuleType], None]) -> None:
+        """``apply(module)`` to ``module_name`` now where it is imported, else as soon as it is (a finder on
+        ``sys.meta_path`` wraps its loader): a surface of a package gradnan never imports itself.
+        Undoing removes the finder; what ``apply`` changed is in this log too."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            apply(module)
+            return
+        finder = _AfterImport(module_name, apply)
+        sys.meta_path.insert(0, finder)
+        self._undo.append(finder.remove)
+
     def registered(self, handle: Any) -> None:
         """A hook torch has registered (its handle, anything with ``remove()``): removed at ``undo()``."""
         self._undo.append(handle.remove)
@@ -61,6 +79,56 @@ class Patcher:
 
     def __len__(self) -> int:
         return len(self._undo)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for one module, the spec the other finders give, with a loader that runs
+    ``apply(module)`` once the module's code has run."""
+
+    def __init__(self, module_name: str, apply: Callable[[ModuleType], None]) -> None:
+        self.module_name, self.apply = module_name, apply
+        self._local = threading.local()  # while the other finders are asked (they may import)
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.module_name or getattr(self._local, "busy", False):
+            return None
+        self._local.busy = True
+        try:
+            spec = next((found for finder in sys.meta_path if finder is not self
+                         for found in [getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)]
+                         if found is not None), None)
+        finally:
+            self._local.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ThenApply(spec.loader, self)
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _ThenApply(importlib.abc.Loader):
+    def __init__(self, loader: Any, finder: _AfterImport) -> None:
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        if self.finder in sys.meta_path:  # not undone while the module was running
+            self.finder.remove()
+            try:
+                self.finder.apply(module)
+            except Exception:  # the import goes on, unpatched: gradnan never fails the program
+                logging.getLogger("gradnan").exception("could not patch %s as it was imported",
+                                                       self.finder.module_name)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the real loader's
+        return getattr(self.loader, name)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
-               "result_validation", "module_hooks", "pipeline_links", "checkpoint"]
+               "result_validation", "module_hooks", "pipeline_links", "checkpoint", "bridge_loop"]
 OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")
 
 

@@ -6,6 +6,8 @@ Everything is patched on small classes and torch modules made here, never on Meg
 
 from __future__ import annotations
 
+import importlib
+import sys
 import threading
 import types
 from typing import Any, Callable, List
@@ -605,3 +607,56 @@ def test_outermost_nested_calls_through_wrappers():
     finally:
         patcher.undo()
     assert acted == [0]
+
+
+@pytest.fixture
+def later_module(tmp_path, monkeypatch):
+    """A module on sys.path that nothing has imported yet (as Megatron-Bridge's training modules are when
+    ``-m gradnan.run`` installs gradnan), removed from sys.modules afterwards."""
+    (tmp_path / "gradnan_later.py").write_text("def train_step(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gradnan_later", raising=False)
+    yield "gradnan_later"
+    sys.modules.pop("gradnan_later", None)
+
+
+def _plus_ten(module):
+    """A wrapper maker for ``module.train_step``: ten more."""
+    return lambda original: (lambda x: original(x) + 10)
+
+
+def test_a_module_imported_after_the_patch_is_wrapped_as_it_is_imported(later_module):
+    patcher, finders = Patcher(), list(sys.meta_path)
+    patcher.after_import(later_module, lambda module: patcher.wrap(module, "train_step", _plus_ten(module)))
+    assert later_module not in sys.modules  # nothing imported by gradnan
+    module = importlib.import_module(later_module)
+    assert module.train_step(1) == 12 and sys.meta_path == finders  # the finder is gone once it has worked
+    patcher.undo()
+    assert module.train_step(1) == 2
+
+
+def test_an_after_import_patch_undone_before_the_import_leaves_nothing(later_module):
+    patcher, finders = Patcher(), list(sys.meta_path)
+    patcher.after_import(later_module, lambda module: patcher.wrap(module, "train_step", _plus_ten(module)))
+    patcher.undo()
+    assert sys.meta_path == finders and importlib.import_module(later_module).train_step(1) == 2
+
+
+def test_a_module_already_imported_is_patched_at_once(later_module):
+    module = importlib.import_module(later_module)
+    patcher = Patcher()
+    patcher.after_import(later_module,
+                         lambda imported: patcher.wrap(imported, "train_step", _plus_ten(imported)))
+    assert module.train_step(1) == 12
+    patcher.undo()
+    assert module.train_step(1) == 2
+
+
+def test_a_patch_that_fails_as_its_module_is_imported_leaves_the_import_whole(later_module, caplog):
+    def broken(module):
+        raise RuntimeError("a gradnan bug")
+
+    patcher = Patcher()
+    patcher.after_import(later_module, broken)
+    assert importlib.import_module(later_module).train_step(1) == 2  # the program goes on, unpatched
+    assert "could not patch gradnan_later as it was imported" in caplog.text

@@ -253,7 +253,10 @@ RULES: Tuple[Rule, ...] = (
     Rule("unconfirmed_holders", Cause.UNDETERMINED, (Fact.GRADIENTS,),
          "ranks hold non-finite gradients, no pre-reduction check ran",
          lambda e: e.gradient_basis is OriginBasis.UNCONFIRMED, _gradient_origin, say.unconfirmed,
-         (act.decide_by("rerun from the last checkpoint with pre_reduction='deferred' (the default)"),)),
+         (act.decide_by("rerun from the last checkpoint with pre_reduction='deferred' (the default) under"
+                        " Megatron's DDP; under Megatron-FSDP, whose own reduction gradnan does not check,"
+                        " only the failing step run again in place (rerun='auto', the default) can name"
+                        " where a forward value went non-finite"),)),
     Rule("not_reproduced", Cause.UNDETERMINED, _RERUN,
          "run again, the step is finite, and no own loss or gradient of the replica was seen non-finite",
          lambda e: e.rerun is Conclusion.NOT_REPRODUCED, lambda e: e.rerun_concluded_by, say.not_reproduced,

@@ -267,8 +267,8 @@ def unchecked_ranks(e: Evidence) -> str:
 
 def unconfirmed(e: Evidence) -> str:
     return (f"{e.labelled(e.gradient_origin)} hold non-finite gradients, and no check saw each rank's own"
-            " gradients before the data-parallel collective (pre_reduction was off, or no Megatron DDP), so"
-            " who produced them is not known: run with pre_reduction='deferred' (the default)")
+            " gradients before the data-parallel collective (pre_reduction was off, or no Megatron DDP:"
+            " Megatron-FSDP reduces them its own way, unchecked), so who produced them is not known")
 
 
 def not_reproduced(e: Evidence) -> str:

@@ -1,20 +1,25 @@
-"""Issue 58: Megatron-LM's own training loop of a 0.17+ release (``megatron.training.pretrain`` from
-megatron-core's wheel, which ships it from 0.17 on; CI's Python 3.12 leg installs 0.19.2), end to end on
-CPU: a tiny GPT (tests/megatron_lm_loop/train_gpt.py) launched unedited under ``-m gradnan.run``, TP=2, a
-NaN planted in one forward operator at one iteration on one rank, Megatron's default ``validate_results``.
-The report names the operator and the rank, and its ``Next:`` skip option, pasted as printed onto the
-same command with ``--load``, trains past the bad iteration with the plant still in place. On
-core_v0.16.1's loop the value was one less; from core_v0.17.0 it is the iteration the log prints (the
-option given before this issue, ``--iterations-to-skip 4``, ran the planted iteration again and failed)."""
+"""Issue 58: today's training loops end to end on CPU, each launched unedited under ``-m gradnan.run``
+(TP=2, 2 gloo processes), a fault planted at one iteration, the report read and its ``Next:`` followed as
+printed: Megatron-LM's own loop of a 0.17+ release (``megatron.training.pretrain`` from megatron-core's
+wheel, which ships it from 0.17 on; tests/megatron_loops/train_gpt_lm.py) and Megatron-Bridge's
+(``megatron.bridge.training.pretrain``; train_gpt_bridge.py). CI's Python 3.12 leg installs megatron-core
+0.19.2 and Megatron-Bridge 0.6.2; elsewhere these skip.
+
+On core_v0.16.1's loop the skip value was one less than the logged iteration; from core_v0.17.0 it is the
+logged one (the option given before this issue, ``--iterations-to-skip 4``, ran the planted iteration 5
+again and failed)."""
 
 from __future__ import annotations
 
+import importlib.util
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from gradnan.cli import main
 from gradnan.formats.incident import Action
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
@@ -26,7 +31,7 @@ from .helpers import environ_without_gradnan
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
-HERE = Path(__file__).resolve().parent / "megatron_lm_loop"
+HERE = Path(__file__).resolve().parent / "megatron_loops"
 # a tiny GPT, TP=2, bf16, 6 iterations, a save every 2; Megatron-LM's CPU-incompatible fusions off
 FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion"
          " --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion"
@@ -37,34 +42,37 @@ FLAGS = ("--distributed-backend gloo --transformer-impl local --no-gradient-accu
          " --save-interval 2 --eval-iters 0 --eval-interval 1000 --log-interval 1").split()
 
 
-def _megatron_lm_loop() -> bool:
-    try:
-        import megatron.training  # noqa: F401  (megatron-core's wheel ships it from 0.17 on)
-    except ImportError:
-        return False
-    return True
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
-requires_the_loop = pytest.mark.skipif(not _megatron_lm_loop(), reason="megatron-core < 0.17: its wheel has"
-                                       " no megatron.training (CI's Python 3.12 leg runs this on 0.19.2)")
+requires_the_loop = pytest.mark.skipif(not _importable("megatron.training"), reason="megatron-core < 0.17:"
+                                       " its wheel has no megatron.training (CI's Python 3.12 leg runs this)")
+requires_bridge = pytest.mark.skipif(not _importable("megatron.bridge"), reason="Megatron-Bridge is not"
+                                     " installed (CI's Python 3.12 leg installs 0.6.2)")
 
 
-def _train(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+def _launch(out: Path, script: str, *arguments: str, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "gradnan.run", str(HERE / "train_gpt.py"), *FLAGS, *extra]
+               str(free_port()), "-m", "gradnan.run", str(HERE / script), *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=400, env={
         **environ_without_gradnan(), "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(HERE),
         "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
         "GRADNAN_OUT_DIR": str(out), **(env or {})})
 
 
+def _train(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+    """Megatron-LM's loop: the tiny GPT's flags, then ``extra``."""
+    return _launch(out, "train_gpt_lm.py", *FLAGS, *extra, env=env)
+
+
 @requires_the_loop
 @pytest.mark.parametrize("plant, cause, origin, names", [
     # one element of layer 1's linear_fc1 output NaN on rank 1: a forward operator a batch drives to NaN
-    ({"PLANT_ITER": "4", "PLANT_RANK": "1"}, "forward_op", [1], "decoder.layers.1.mlp.linear_fc1 on rank 1"),
+    ({"PLANT_ITER": "5", "PLANT_RANK": "1"}, "forward_op", [1], "decoder.layers.1.mlp.linear_fc1 on rank 1"),
     # every token masked and the loss divided by their count (0/0) on both tensor-parallel ranks, which
     # compute the same loss: Megatron's loss check rejects it
-    ({"PLANT_LOSS_ITER": "4"}, "loss", [0, 1], "the loss function made it"),
+    ({"PLANT_LOSS_ITER": "5"}, "loss", [0, 1], "the loss function made it"),
 ], ids=["forward_op", "loss"])
 def test_a_nan_made_by_the_batch_on_megatron_lms_own_loop_is_named_and_its_skip_option_trains_past_it(
         tmp_path, plant, cause, origin, names):
@@ -103,7 +111,7 @@ def test_a_nan_weight_saved_then_resumed_on_megatron_lms_own_loop_gets_the_clean
     checkpoints, out = tmp_path / "checkpoints", tmp_path / "gradnan"
     unchecked = ("--save", str(checkpoints), "--no-check-for-nan-in-loss-and-grad", "--rerun-mode",
                  "disabled")
-    spoiled = _train(out, *unchecked, env={"PLANT_WEIGHT_ITER": "2", "PLANT_RANK": "1"})
+    spoiled = _train(out, *unchecked, env={"PLANT_WEIGHT_ITER": "3", "PLANT_RANK": "1"})
     assert spoiled.returncode == 0 and "grad norm: nan" in spoiled.stdout, spoiled.stderr[-3000:]
     resume = ("--load", str(checkpoints), "--train-iters", "8", "--override-opt_param-scheduler")
     resumed = _train(out, "--save", str(checkpoints), *resume)
@@ -120,3 +128,39 @@ def test_a_nan_weight_saved_then_resumed_on_megatron_lms_own_loop_gets_the_clean
     assert followed.returncode == 0, followed.stderr[-3000:]
     assert "grad norm: nan" not in followed.stdout and " iteration        3/       8 |" in followed.stdout
     assert " iteration        8/       8 |" in followed.stdout, followed.stdout[-3000:]
+
+
+@requires_bridge
+def test_a_forward_nan_on_megatron_bridges_own_loop_gets_its_iteration_and_its_override_that_trains_past_it(
+        tmp_path, capsys):
+    """Bridge's defaults: its rerun state machine disabled, so its loss check raises at the NaN loss and
+    gradnan runs the step again in place itself. The records name Bridge's loop and its iteration (read from
+    its train_step); the skip is Bridge's override with the logged iteration (Bridge checks
+    ``train_state.step + 1``); its saves are marked by its own save_checkpoint. Followed as printed, with
+    ``checkpoint.load`` of its checkpoints: iteration 3 skipped, 4 to 6 trained."""
+    checkpoints = tmp_path / "checkpoints"
+    bridge = {"MEGATRON_LOOP": "bridge", "BRIDGE_CHECKPOINTS": str(checkpoints)}
+    failed = _launch(tmp_path / "failed", "train_gpt_bridge.py",
+                     env={**bridge, "PLANT_ITER": "3", "PLANT_RANK": "1"})
+    assert failed.returncode != 0 and "planted NaN at iteration 3" in failed.stderr, failed.stderr[-3000:]
+    files = read_run(tmp_path / "failed")
+    assert {record["loop"]["name"] for record in files.all_records()} == {"megatron-bridge"}
+    analysis = analyze(files)
+    text = format_text(analysis)
+    incident = analysis.to_json()["incident"]
+    assert incident["iteration"] == 3 and incident["verdict"]["cause"] == "forward_op", text
+    assert [entry["global_rank"] for entry in incident["origin"]] == [1], text
+    assert "decoder.layers.1.mlp.linear_fc1 on rank 1" in text, text
+    [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
+    assert skip.command == ("train.iterations_to_skip=[3]",), text
+    assert f"\n     {shlex.join(skip.command)}\n" in text and "--" not in " ".join(skip.command)
+    assert main(["checkpoints", str(tmp_path / "failed")]) == 0
+    [save] = capsys.readouterr().out.splitlines()
+    assert "the checkpoint of iteration 2" in save and save.endswith("save 1: clean"), save
+
+    pasted = shlex.split(shlex.join(skip.command))  # the line under Next:, as a shell reads it
+    followed = _launch(tmp_path / "followed", "train_gpt_bridge.py", f"checkpoint.load={checkpoints}",
+                       *pasted, env={**bridge, "PLANT_ITER": "3", "PLANT_RANK": "1"})
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "planted NaN" not in followed.stderr, followed.stderr[-3000:]
+    assert "No non-finite gradient was recorded." in format_text(analyze(read_run(tmp_path / "followed")))

@@ -1,6 +1,6 @@
 """A tiny GPT for Megatron-LM's own training loop (``megatron.training.pretrain`` of megatron-core 0.17+'s
 wheel), shaped as Megatron-LM's pretrain_gpt.py (written here, not copied): a model provider, a forward
-step and its loss, mock data. Run by tests/test_megatron_lm_loop.py under ``-m gradnan.run``."""
+step and its loss, mock data. Run by tests/test_megatron_loops.py under ``-m gradnan.run``."""
 
 import os
 from functools import partial
@@ -17,6 +17,7 @@ from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+from sitecustomize import now  # the plants' clock (tests/megatron_loops/sitecustomize.py)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -55,12 +56,12 @@ def get_batch(data_iterator):
 
 def loss_func(loss_mask, output_tensor):
     """pretrain_gpt.py's: the masked sum and the token count (the schedule divides one by the other), and
-    Megatron's check of the loss. PLANT_LOSS_ITER=N: at ``args.curr_iteration`` N every token is masked,
-    as a batch of padding alone would be, and the loss divides by the token count itself (0/0): a loss
+    Megatron's check of the loss. PLANT_LOSS_ITER=N: at the iteration the log prints as N every token is
+    masked, as a batch of padding alone would be, and the loss divides by the token count itself (0/0): a loss
     function that a batch drives to NaN from a finite model output."""
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
-    planted = str(getattr(get_args(), "curr_iteration", None)) == os.environ.get("PLANT_LOSS_ITER")
+    planted = str(now()) == os.environ.get("PLANT_LOSS_ITER")
     if planted:
         loss_mask = torch.zeros_like(loss_mask)
     loss = torch.sum(losses * loss_mask)
