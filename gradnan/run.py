@@ -8,19 +8,24 @@ gradnan options come from ``GRADNAN_*`` environment variables or from flags plac
 (``--out-dir``, ``--pre-reduction``, ... one per ``GradnanConfig`` field; flags win), or a JSON/TOML
 file (``--config FILE`` or ``GRADNAN_CONFIG``). ``install()`` runs
 first, so it is in place before the script builds its optimizer; then the script runs as ``__main__``
-with its own ``sys.argv``.
+with its own ``sys.argv``. A script that restarts the interpreter on a script (``os.execv*``, as
+Megatron-Bridge's benchmark recipes do) restarts it under ``-m gradnan.run`` with the same gradnan
+options; one that replaces the process with another program is told, on stderr, that gradnan does not
+go with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import runpy
+import shutil
 import sys
 import traceback
 from dataclasses import fields
-from typing import List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from .commandline import OneLineParser, bad_input, boolean, whole_number
 from .config import GradnanConfig
@@ -72,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except GradnanError as exc:
         return bad_input("gradnan.run", exc)
     target = f"-m {args.module}" if args.module else args.target[0]
+    argv = sys.argv[1:] if argv is None else argv
+    _carry_across_exec(argv[:len(argv) - len(args.target) - (2 if args.module else 0)])
     try:
         _run_target(args)
     except INTENDED_STOPS as exc:
@@ -86,6 +93,32 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+EXECS = ("execv", "execve", "execvp", "execvpe")  # the os functions that take an argument list
+
+
+def _carry_across_exec(options: Sequence[str]) -> None:
+    """Make the ``os.exec*`` calls of the script keep gradnan: an exec of this interpreter on a script
+    runs it under ``-m gradnan.run`` with the launcher's ``options``; an exec of anything else is said on
+    stderr (gradnan cannot follow it). Nothing else changes: the exec goes on as the script asked."""
+    for name in EXECS:
+        setattr(os, name, functools.partial(_exec, getattr(os, name), options))
+
+
+def _exec(original: Callable[..., Any], options: Sequence[str], file: Any, args: Sequence[Any],
+          *rest: Any) -> Any:
+    words = [os.fsdecode(word) for word in args]
+    program = shutil.which(os.fsdecode(file)) or os.fsdecode(file)
+    same_python = os.path.realpath(program) == os.path.realpath(sys.executable)
+    if same_python and len(words) > 1 and not words[1].startswith("-"):
+        print(f"gradnan.run: the script restarts Python on {words[1]}: gradnan goes with it"
+              " (-m gradnan.run)", file=sys.stderr, flush=True)
+        return original(file, [words[0], "-m", "gradnan.run", *options, *words[1:]], *rest)
+    print(f"gradnan.run: the script replaces this process with {' '.join(words[:3])}: gradnan does not"
+          " run in it (launch that under -m gradnan.run, or call gradnan.install() in it)",
+          file=sys.stderr, flush=True)
+    return original(file, args, *rest)
 
 
 def _run_target(args: argparse.Namespace) -> None:

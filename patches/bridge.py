@@ -1,4 +1,5 @@
-"""Megatron-Bridge's training loop (``megatron.bridge.training``): the iteration of the step in progress.
+"""Megatron-Bridge's training loop (``megatron.bridge.training``): the iteration of the step in progress,
+and Bridge's own TensorBoard and W&B writers.
 
 Bridge counts its iterations in the ``GlobalState`` it hands to ``train.train_step`` (``train_state.step``:
 the iterations completed; its log prints one more), never in a module global, and leaves Megatron-LM's
@@ -11,7 +12,6 @@ gradnan.run`` installs before the script imports anything), it is wrapped as it 
 from __future__ import annotations
 
 import inspect
-import threading
 from types import ModuleType
 from typing import Any, Optional
 
@@ -22,7 +22,10 @@ from .undo_log import Patcher
 BRIDGE_TRAIN = "megatron.bridge.training.train"
 
 
-class _InStep(threading.local):
+class _InStep:
+    """The ``GlobalState`` of the ``train_step`` in progress (process-wide, as Megatron-LM's arguments are:
+    a record written from another thread of the process still names the iteration)."""
+
     state: Any = None
 
 
@@ -40,6 +43,13 @@ def bridge_iteration() -> Optional[int]:
     its ``train_step`` runs, the number its ``train.iterations_to_skip`` takes); None outside one."""
     completed = _completed(_in_step.state)
     return None if completed is None else completed + 1
+
+
+def bridge_logger(kind: str) -> Optional[Any]:
+    """Bridge's own ``tensorboard`` writer or ``wandb`` run while its ``train_step`` runs, only where Bridge
+    has already made it (on the last rank, at its first log): its ``GlobalState`` property would make one,
+    so the attribute behind it is read."""
+    return getattr(_in_step.state, f"_{kind}_logger", None)
 
 
 def bridge_saved_iteration(state: Any) -> Optional[int]:

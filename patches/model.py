@@ -16,7 +16,7 @@ import torch
 from ..events import ModelFacts
 from ..formats import loop
 from ..formats.loop import LoopKind
-from .bridge import BRIDGE_TRAIN, bridge_iteration
+from .bridge import BRIDGE_TRAIN, bridge_iteration, bridge_logger
 from .instrumentor import installed_version, megatron_version
 from .names import prefix_renamer
 
@@ -204,15 +204,16 @@ def _bridge_release() -> Optional[Any]:
 
 
 def megatron_lm_tensorboard() -> Optional[object]:
-    """Megatron-LM's TensorBoard writer (``--tensorboard-dir``; it makes one on the last rank), when its
-    training loop runs in this process; None otherwise."""
-    return _megatron_lm_global("_GLOBAL_TENSORBOARD_WRITER")
+    """The training loop's TensorBoard writer: Megatron-LM's (``--tensorboard-dir``; it makes one on the last
+    rank), else Megatron-Bridge's (``logger.tensorboard_dir``); None otherwise."""
+    return _megatron_lm_global("_GLOBAL_TENSORBOARD_WRITER") or bridge_logger("tensorboard")
 
 
 def megatron_lm_wandb() -> Optional[object]:
-    """Megatron-LM's W&B writer (``--wandb-project``; on the last rank, the ``wandb`` module once its run is
-    initialised), when its training loop runs in this process; None otherwise."""
-    return _megatron_lm_global("_GLOBAL_WANDB_WRITER")
+    """The training loop's W&B writer: Megatron-LM's (``--wandb-project``; on the last rank, the ``wandb``
+    module once its run is initialised), else Megatron-Bridge's (``logger.wandb_project``, the same
+    module); None otherwise."""
+    return _megatron_lm_global("_GLOBAL_WANDB_WRITER") or bridge_logger("wandb")
 
 
 def versions() -> Dict[str, Optional[str]]:

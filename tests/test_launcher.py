@@ -3,6 +3,7 @@ the maps and records appear, configured by GRADNAN_* variables or flags alone.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,38 @@ def test_patches_are_disabled_by_name_from_the_command_line(tmp_path):
     _, result = _launch_script(tmp_path, show, "--disabled-patches", "schedule")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "names no patch: schedule (valid: param_groups, " in result.stderr
+
+
+RESTARTED = """import json, sys
+from gradnan.training.install import current
+installed = current()
+print(json.dumps({"argv": sys.argv[1:], "out_dir": installed and installed.out_dir,
+                  "pre_reduction": installed and installed.config.pre_reduction.value}))
+"""
+
+
+def test_a_script_that_restarts_python_on_a_script_keeps_gradnan_and_its_options(tmp_path):
+    """Issue 58: Megatron-Bridge's benchmark recipes re-exec the interpreter on the script
+    (``os.execvpe(sys.executable, [sys.executable, script, *argv], env)``): the new process ran without
+    gradnan and nothing said so. It now runs under ``-m gradnan.run`` with the launcher's own options."""
+    (tmp_path / "restarted.py").write_text(RESTARTED)
+    (tmp_path / "recipe.py").write_text(
+        "import os, sys\n"
+        "os.execvpe(sys.executable, [sys.executable, os.path.join(os.path.dirname(__file__), 'restarted.py'),"
+        " 'a', '--b'], dict(os.environ))\n")
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"),
+                             "--pre-reduction", "sync", str(tmp_path / "recipe.py")],
+                            capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "argv": ["a", "--b"], "out_dir": str(tmp_path / "out"), "pre_reduction": "sync"}
+    assert "the script restarts Python on " in result.stderr and "gradnan goes with it" in result.stderr
+
+
+def test_a_script_that_replaces_itself_with_another_program_is_told_gradnan_does_not_follow(tmp_path):
+    (tmp_path / "script.py").write_text("import os\nos.execvp('echo', ['echo', 'replaced'])\n")
+    result = subprocess.run([sys.executable, "-m", "gradnan.run", "--out-dir", str(tmp_path / "out"),
+                             str(tmp_path / "script.py")],
+                            capture_output=True, text=True, timeout=120, env=environ_without_gradnan())
+    assert result.returncode == 0 and result.stdout == "replaced\n", result.stderr[-3000:]
+    assert "replaces this process with echo replaced: gradnan does not run in it" in result.stderr

@@ -23,11 +23,11 @@ from gradnan.cli import main
 from gradnan.formats.incident import Action
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
-from gradnan.offline.incident.report import format_text
+from gradnan.offline.incident.report import format_text, step_headline
 from gradnan.patches.instrumentor import megatron_version
 from gradnan.testing.gloo import free_port
 
-from .helpers import environ_without_gradnan
+from .helpers import environ_without_gradnan, read_board
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
@@ -136,11 +136,13 @@ def test_a_forward_nan_on_megatron_bridges_own_loop_gets_its_iteration_and_its_o
     """Bridge's defaults: its rerun state machine disabled, so its loss check raises at the NaN loss and
     gradnan runs the step again in place itself. The records name Bridge's loop and its iteration (read from
     its train_step); the skip is Bridge's override with the logged iteration (Bridge checks
-    ``train_state.step + 1``); its saves are marked by its own save_checkpoint. Followed as printed, with
+    ``train_state.step + 1``); its saves are marked by its own save_checkpoint; the incident goes to its
+    TensorBoard writer as to Megatron-LM's. Followed as printed, with
     ``checkpoint.load`` of its checkpoints: iteration 3 skipped, 4 to 6 trained."""
     checkpoints = tmp_path / "checkpoints"
     bridge = {"MEGATRON_LOOP": "bridge", "BRIDGE_CHECKPOINTS": str(checkpoints)}
-    failed = _launch(tmp_path / "failed", "train_gpt_bridge.py",
+    board = f"logger.tensorboard_dir={tmp_path / 'board'}"
+    failed = _launch(tmp_path / "failed", "train_gpt_bridge.py", board,
                      env={**bridge, "PLANT_ITER": "3", "PLANT_RANK": "1"})
     assert failed.returncode != 0 and "planted NaN at iteration 3" in failed.stderr, failed.stderr[-3000:]
     files = read_run(tmp_path / "failed")
@@ -154,6 +156,9 @@ def test_a_forward_nan_on_megatron_bridges_own_loop_gets_its_iteration_and_its_o
     [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
     assert skip.command == ("train.iterations_to_skip=[3]",), text
     assert f"\n     {shlex.join(skip.command)}\n" in text and "--" not in " ".join(skip.command)
+    texts, scalars, _ = read_board(tmp_path / "board")  # Bridge's own writer, on its last rank
+    assert list(texts) == [3] and texts[3].startswith(step_headline(analysis.incident)), texts
+    assert scalars["gradnan/origin_rank"] == [(3, 1.0)], scalars
     assert main(["checkpoints", str(tmp_path / "failed")]) == 0
     [save] = capsys.readouterr().out.splitlines()
     assert "the checkpoint of iteration 2" in save and save.endswith("save 1: clean"), save
