@@ -1,9 +1,9 @@
 """Checkpoint saves: megatron-core's ``dist_checkpointing.save`` (every distributed checkpoint of
 Megatron-LM, ``torch_dist`` its default format, and of loops of one's own), Megatron-LM's
-``save_checkpoint``, in ``megatron.training.checkpointing`` and the training loop's binding of it, where
-those modules are already imported when gradnan is installed (gradnan never imports Megatron-LM), and
-Megatron-Bridge's ``save_checkpoint`` (every format it writes: its ``fsdp_dtensor`` saves bypass
-``dist_checkpointing.save``), in its module when it is imported.
+``save_checkpoint``, in ``megatron.training.checkpointing`` and the training loop's binding of it (every
+format: ``--ckpt-format torch`` saves bypass ``dist_checkpointing.save``), and Megatron-Bridge's
+``save_checkpoint``; each in its module, now or as it is imported (gradnan never imports Megatron-LM or
+Bridge: ``-m gradnan.run`` installs before the script imports them).
 
 Once a save has returned, the runtime marks it (``Events.checkpoint_saved``): one mark per save, by the
 outermost of the nested calls (``save_checkpoint`` calls ``dist_checkpointing.save``). Its iteration is
@@ -86,12 +86,14 @@ class CheckpointInstrumentor(Instrumentor):
 
         for module_name in _DIST_SAVE:
             patcher.wrap(importlib.import_module(module_name), "save", marking(_dist_save_label))
+
+        def saving(label: Callable[..., Labelled]) -> Callable[[ModuleType], None]:
+            def wrap_save(module: ModuleType) -> None:
+                if hasattr(module, "save_checkpoint"):
+                    patcher.wrap(module, "save_checkpoint", marking(label))
+
+            return wrap_save
+
         for module_name in _LM_SAVE:
-            module = sys.modules.get(module_name)
-            if module is not None and hasattr(module, "save_checkpoint"):
-                patcher.wrap(module, "save_checkpoint", marking(_lm_save_label))
-
-        def wrap_bridge_save(module: ModuleType) -> None:
-            patcher.wrap(module, "save_checkpoint", marking(_bridge_save_label))
-
-        patcher.after_import(_BRIDGE_SAVE, wrap_bridge_save)
+            patcher.after_import(module_name, saving(_lm_save_label))
+        patcher.after_import(_BRIDGE_SAVE, saving(_bridge_save_label))

@@ -67,17 +67,20 @@ def _train(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
 
 
 @requires_the_loop
-@pytest.mark.parametrize("plant, cause, origin, names", [
+@pytest.mark.parametrize("plant, cause, origin, names, ckpt_format", [
     # one element of layer 1's linear_fc1 output NaN on rank 1: a forward operator a batch drives to NaN
-    ({"PLANT_ITER": "5", "PLANT_RANK": "1"}, "forward_op", [1], "decoder.layers.1.mlp.linear_fc1 on rank 1"),
+    ({"PLANT_ITER": "5", "PLANT_RANK": "1"}, "forward_op", [1], "decoder.layers.1.mlp.linear_fc1 on rank 1",
+     "torch"),
     # every token masked and the loss divided by their count (0/0) on both tensor-parallel ranks, which
     # compute the same loss: Megatron's loss check rejects it
-    ({"PLANT_LOSS_ITER": "5"}, "loss", [0, 1], "the loss function made it"),
+    ({"PLANT_LOSS_ITER": "5"}, "loss", [0, 1], "the loss function made it", "torch_dist"),
 ], ids=["forward_op", "loss"])
 def test_a_nan_made_by_the_batch_on_megatron_lms_own_loop_is_named_and_its_skip_option_trains_past_it(
-        tmp_path, plant, cause, origin, names):
+        tmp_path, capsys, plant, cause, origin, names, ckpt_format):
+    """Saves in both of Megatron-LM's formats: ``torch`` bypasses ``dist_checkpointing.save`` and is marked
+    by Megatron-LM's own ``save_checkpoint``, wrapped as its module is imported."""
     checkpoints = tmp_path / "checkpoints"
-    failed = _train(tmp_path / "failed", "--save", str(checkpoints), env=plant)
+    failed = _train(tmp_path / "failed", "--save", str(checkpoints), "--ckpt-format", ckpt_format, env=plant)
     # Megatron's rerun: reproducible, a checkpoint saved, its ranks exit 16 (torchrun then 1)
     assert failed.returncode != 0 and "exitcode  : 16" in failed.stderr, failed.stderr[-3000:]
     analysis = analyze(read_run(tmp_path / "failed"))
@@ -90,10 +93,15 @@ def test_a_nan_made_by_the_batch_on_megatron_lms_own_loop_is_named_and_its_skip_
     assert f"restart Megatron-LM (core_v{release}) from its last checkpoint" in text, text
     [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
     assert skip.command == ("--iterations-to-skip", "5", "--rerun-mode", "disabled"), text
+    assert main(["checkpoints", str(tmp_path / "failed")]) == 0
+    saves = capsys.readouterr().out.splitlines()  # 2 and 4, then Megatron's exit save, labelled 4
+    labels = [save.split("  ")[1].split(" (")[0] for save in saves]
+    assert labels == [f"the checkpoint of iteration {n}" for n in (2, 4, 4)], saves
+    assert saves[0].endswith("save 1: clean") and "written after the incident of step 5" in saves[2], saves
 
     # followed literally: the same command, --load of its checkpoints and the printed option
-    restarted = _train(tmp_path / "restarted", "--save", str(checkpoints), "--load", str(checkpoints),
-                       *skip.command, env=plant)
+    restarted = _train(tmp_path / "restarted", "--save", str(checkpoints), "--ckpt-format", ckpt_format,
+                       "--load", str(checkpoints), *skip.command, env=plant)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     log = restarted.stdout + restarted.stderr
     assert "skipped samples:" in log and "planted NaN" not in log, log[-3000:]
