@@ -190,7 +190,9 @@ def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without
     assert "received a non-finite activation over the pipeline link pp0 -> pp1" in verdict.summary
     assert "rejected a non-finite loss (nan) on rank 1, micro-batch 0" in " ".join(verdict.evidence)
     [step] = analysis.incident.next_steps  # recording everywhere cannot help: Megatron's rerun, the batch
-    assert "--rerun-mode validate_results" in step.text and step.command[-1] == record["batch"]["path"]
+    # a Megatron-Core loop of one's own: megatron-core's own terms, not Megatron-LM's flag (issue 58)
+    assert "megatron-core's RerunStateMachine in mode validate_results" in step.text, step.text
+    assert step.command[-1] == record["batch"]["path"]
     assert "rank 1 (tp0 pp1 dp0)" in text and "non-finite loss (nan) at micro-batch 0" in text, text
     assert analysis.incident.origin_basis.value == "link_unobserved"
 
