@@ -128,7 +128,7 @@ def rerun_mode(loop: TrainingLoop, mode: str) -> str:
         return f"rerun_state_machine.rerun_mode={mode}"
     if loop.kind is LoopKind.MEGATRON_LM:
         return f"--rerun-mode {mode}"
-    return f"megatron-core's RerunStateMachine in mode {mode} (initialize_rerun_state_machine)"
+    return f"megatron-core's RerunStateMachine in mode {mode}"
 
 
 def learning_rate_options(loop: TrainingLoop) -> str:

@@ -30,6 +30,7 @@ from ...decision.actions import Setting, next_steps
 from ...decision.causes import Decision, decide
 from ...decision.evidence import Evidence, HealthReading, View
 from ...decision.facts import missing_text
+from ...decision.loop_terms import rerun_mode
 from ...decision.origin import decide_gradient_origin, per_rank, unchecked_ranks
 from ...decision.replica import own_failure_of
 from ...errors import InputError
@@ -214,7 +215,8 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
     if e.rejected:
         lines.append("Megatron's loss check rejected a non-finite loss"
                      f" ({untrusted(e.rejected['loss'])}) on rank {e.rejected['global_rank']},"
-                     f" {micro_batch_words(e.rejected['micro_batch'])}, and raised (--rerun-mode disabled)")
+                     f" {micro_batch_words(e.rejected['micro_batch'])}, and raised"
+                     f" ({rerun_mode(e.loop, 'disabled')})")
     if e.recurs:
         lines.append("the next step overflowed too, on other data, with no update applied in between: not"
                      " one batch")
