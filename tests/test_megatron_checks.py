@@ -25,7 +25,7 @@ from gradnan.offline.replay.command import replay_bundle
 from gradnan.testing.toy import launch, launch_many
 from gradnan.testing.toy_job import Injection, JobFailed, TinyGPTJob
 
-from .helpers import records_by_rank, rerun_block
+from .helpers import read_board, records_by_rank, rerun_block
 
 # real gloo jobs: `pytest -m "not slow"` skips them
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
@@ -118,8 +118,10 @@ def _losses(run_dir: Path):
 def test_megatrons_loss_check_in_disabled_mode_is_recorded_rerun_and_kept_before_it_raises(tmp_path):
     """PP=1, TP=2: the loss is the same on both tensor-parallel ranks, both raise at once and run the
     step's forward pass again together before Megatron's RuntimeError goes on."""
-    failure = _raised(BASE.with_(tp=2, dtype="bf16", rerun_mode="disabled", injections=NAN_ON_RANK_1),
-                      tmp_path)
+    with pytest.raises(JobFailed) as raised:
+        launch(BASE.with_(tp=2, dtype="bf16", rerun_mode="disabled", injections=NAN_ON_RANK_1,
+                          gradnan={"out_dir": str(tmp_path), "tensorboard_dir": str(tmp_path / "board")}))
+    failure = raised.value
     assert set(failure.errors) == {"job0_rank0", "job0_rank1"}
     assert all(error.startswith("RuntimeError: ") and LOSS_MESSAGE in error
                for error in failure.errors.values()), failure.errors
@@ -148,6 +150,10 @@ def test_megatrons_loss_check_in_disabled_mode_is_recorded_rerun_and_kept_before
     # the weights were read before Megatron raised (no gradient exists): the forward origin rests on them
     assert {rank for rank, records in records_by_rank(tmp_path).items()
             for r in records if r["kind"] == "state" and r["step"] == 2} == {0, 1}
+    # the incident in TensorBoard before Megatron raised, as at a non-finite norm (issue 58: it was not)
+    texts, scalars, _ = read_board(tmp_path / "board")
+    assert list(texts) == [2] and scalars["gradnan/origin_rank"] == [(2, 1.0)], (texts, scalars)
+    assert "Rank 1: Megatron's loss check rejected a non-finite loss (nan) at micro-batch 0" in texts[2]
     assert report["incident"]["verdict"]["rule"] == "forward_operator"
 
 

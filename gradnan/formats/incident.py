@@ -379,7 +379,10 @@ def board_text(headline: str, step: int, iteration: Optional[int], conclusion: O
         batch = f", micro-batch {micro_batch}" if micro_batch is not None else ""
         lines.append(f"Rerun of {step_label(step, iteration)} in place: {conclusion.headline}{origin}{batch}"
                      f" (the data-parallel replica of rank {rank})")
-    if record is not None:
+    if record is not None and record["kind"] == RecordKind.NONFINITE_LOSS:
+        lines.append(f"Rank {rank}: Megatron's loss check rejected a non-finite loss ({record['loss']}) at"
+                     f" micro-batch {record['micro_batch']}")
+    elif record is not None:
         lines.append(f"Rank {rank}: {record['params_total']} parameter(s) with non-finite gradients")
     lines.append(f"The verdict, from every rank's records: gradnan report {out_dir}")
     return "\n\n".join(lines)

@@ -201,8 +201,8 @@ class Runtime:
     def schedule_raised(self, kept: Optional[RerunnableStep]) -> None:
         """The step's schedule raised. After a rejected loss: the step's forward pass run again where every
         rank of the model-parallel group raised with this one (the micro-batches up to the rejected one), else
-        the failing micro-batch kept alone; then the ``nonfinite_loss`` record. Megatron's exception then
-        goes on unchanged."""
+        the failing micro-batch kept alone; then the ``nonfinite_loss`` record, and the incident in the
+        trackers (TensorBoard, W&B) as at a non-finite norm. Megatron's exception then goes on unchanged."""
         rejected, self._rejected_loss = self._rejected_loss, None
         if rejected is None:
             return
@@ -220,7 +220,9 @@ class Runtime:
         elif kept is not None:
             batch = self.guarded("rerun", self.rerun.keep_batch, kept, micro_batch)
         if self.window.recording():
-            self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
+            record = self.detections.nonfinite_loss(micro_batch, message, loss, batch, skipped)
+            self.guarded("trackers", self.board.incident, self.rerun.outcome, record,
+                         self.detections.last_pre_reduction)
 
     def _incident(self, trigger: str, stop: Optional[Written], megatron: Optional[MegatronRerun] = None,
                   record: Optional[Dict[str, Any]] = None, seen_by: FrozenSet[int] = frozenset()) -> None:
