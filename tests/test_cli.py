@@ -13,7 +13,11 @@ from gradnan.testing.demo import DEMO_MODULE, DEMO_PARAM, DEMO_RANK, DEMO_STEP
 from gradnan.testing.gloo import free_port
 
 from .helpers import environ_without_gradnan, printed_commands, rerun_block
-from .test_replay_against import assert_each_operator_changed_alone_is_the_first_difference, compared
+from .test_replay_against import (
+    assert_each_operator_changed_alone_is_the_first_difference,
+    compared,
+    overflowed_operators,
+)
 
 pytestmark = pytest.mark.slow  # real gloo jobs or subprocesses: `pytest -m "not slow"` skips them
 
@@ -211,6 +215,8 @@ def test_the_demos_bundle_against_each_of_its_operators_changed_alone(demo, chan
     same = compared(bundle, "--against", sys.executable)
     assert same["first_difference"] is None and not any(op["uninitialized"] for op in same["operators"])
     assert same["environments"][1]["first_nonfinite"] is not None  # the overflow, replayed
-    # its attention scores are Inf everywhere (the planted overflow): scaled, they are still Inf
-    assert_each_operator_changed_alone_is_the_first_difference(bundle, changed,
-                                                              unseen=frozenset({"aten.baddbmm.default"}))
+    # its attention scores are Inf everywhere (the planted overflow): scaled, they are still Inf; what
+    # comes after them may be NaN everywhere too, as this machine's bf16 kernels have it (issue 64)
+    overflowed = overflowed_operators(bundle)
+    assert "aten.baddbmm.default" in overflowed and len(overflowed) < len(same["operators"])
+    assert_each_operator_changed_alone_is_the_first_difference(bundle, changed, unseen=overflowed)

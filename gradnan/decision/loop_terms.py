@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple
 
-from ..formats.loop import LoopKind, release_numbers
+from ..formats.loop import LoopKind, release_numbers, release_text
 
 SKIP_COUNTS_LOGGED = (0, 17, 0)  # Megatron-LM's first release whose --iterations-to-skip takes the logged one
 
@@ -26,7 +26,7 @@ TRACKER = (" Megatron's --result-rejected-tracker-filename adds skips only for a
 class TrainingLoop:
     """``kind``: Megatron-LM's or Megatron-Bridge's loop; None for a loop of the user's own, or where the
     records do not agree on one (``disagreement`` then says how). ``release``: the loop's release as the
-    records give it (text), where known."""
+    records give it, its version alone (``formats.loop.release_text``), where known."""
 
     kind: Optional[LoopKind]
     release: Optional[str] = None
@@ -43,11 +43,6 @@ class TrainingLoop:
         if self.kind is LoopKind.MEGATRON_BRIDGE:
             return "Megatron-Bridge" + (f" {self.release}" if self.release_numbers else "")
         return "the training loop"
-
-    def to_json(self) -> Optional[Mapping[str, Any]]:
-        if self.kind is None:
-            return None
-        return {"name": self.kind.value, "release": self.release}
 
 
 OWN_LOOP = TrainingLoop(None)
@@ -70,7 +65,8 @@ def loop_of(records: Iterable[Mapping[str, Any]]) -> TrainingLoop:
 
 
 def _key(loop: Optional[Mapping[str, Any]]) -> Tuple[Optional[str], Optional[str]]:
-    return (None, None) if loop is None else (loop["name"], loop.get("release"))
+    """(name, release) as the wording may print them: a checked name, the release's version alone."""
+    return (None, None) if loop is None else (loop["name"], release_text(loop.get("release")))
 
 
 def skip_option(loop: TrainingLoop, iteration: int, rerun_disabled: bool) -> Tuple[str, Command]:

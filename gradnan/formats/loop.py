@@ -33,6 +33,13 @@ def is_loop(value: Any) -> bool:
                              and (value.get("release") is None or is_text(value.get("release"))))
 
 
+def release_text(release: Any) -> Optional[str]:
+    """The release a record names, as the report may print it: its leading ``MAJOR.MINOR[.PATCH]`` alone
+    (a file's value is untrusted: nothing else of it reaches a line), None where it starts with none."""
+    found = RELEASE.match(release) if isinstance(release, str) else None
+    return None if found is None else found.group(0)
+
+
 def release_numbers(release: Optional[str]) -> Optional[Tuple[int, int, int]]:
     """(major, minor, patch) of a release as text, None where it is not one (a file's value is untrusted)."""
     found = RELEASE.match(release or "")
