@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 from ..events import Events
+from ..formats.schema import is_int
 from .instrumentor import Instrumentor
 from .undo_log import Patcher
 
@@ -35,7 +36,7 @@ _in_step = _InStep()
 def _completed(state: Any) -> Optional[int]:
     """``state.train_state.step`` where it is an integer: the iterations Bridge completed."""
     step = getattr(getattr(state, "train_state", None), "step", None)
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    return step if is_int(step) else None
 
 
 def bridge_iteration() -> Optional[int]:
