@@ -47,6 +47,10 @@ def evidence(**facts) -> Evidence:
 CASES = {
     "records_conflict": (dict(conflicts=("rank 2's grad-norm record says ...",), conflict_ranks=(2,),
                               bad_weights=(NAN_WEIGHT,)), (2,)),
+    # issue 59 (5): every rank's fp16 scaler at +Inf; their gradients all non-finite, no parameter at fault
+    "loss_scale": (dict(loss_scale_bad=(0, 1), loss_scale="inf", gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                        gradient_origin=(0, 1), forward_pattern=True, share_nonfinite=1.0, recurs=True,
+                        first_in_backward="output_layer.weight", first_rank=0), (0, 1)),
     "weights_at_launch": (dict(step=1, launch_first_step=True, bad_weights=(NAN_WEIGHT,),
                                rerun=Conclusion.REPRODUCIBLE, rerun_module="decoder.layers.0.mlp.linear_fc2",
                                rerun_origins=(0,)), (1,)),
@@ -69,6 +73,10 @@ CASES = {
     "tensor_parallel_collective": (dict(rerun=Conclusion.REPRODUCIBLE, reduction_fault=True, micro_batch=0,
                                         rerun_module="decoder.layers.0.mlp.linear_fc2", rerun_origins=(0, 1)),
                                    (0, 1)),
+    # issue 59 (4): rank 1's loss NaN, its tensor-parallel peer's (the same loss) finite
+    "tensor_parallel_loss": (dict(rerun=Conclusion.LOSS, loss_stage=(1,), tensor_parallel_loss_split=(1,),
+                                  micro_batch=0, gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                                  gradient_origin=(0, 1), forward_pattern=True, share_nonfinite=1.0), (1,)),
     "loss_function": (dict(rerun=Conclusion.LOSS, loss_stage=(0, 1), micro_batch=1,
                            gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(0, 1),
                            forward_pattern=True, share_nonfinite=1.0), (0, 1)),
@@ -93,6 +101,10 @@ CASES = {
     "unchecked_ranks": (dict(gradient_basis=OriginBasis.UNCHECKED, gradient_origin=(4,), unchecked=(6,),
                              first_in_backward="decoder.layers.1.mlp.linear_fc2.weight", first_rank=4,
                              rerun=Conclusion.BACKWARD), (6,)),
+    "loss_scale_unread": (dict(loss_scale_unread=True, recurs=True,
+                               gradient_basis=OriginBasis.BEFORE_COLLECTIVE,
+                               gradient_origin=(0, 1), first_in_backward="output_layer.weight", first_rank=0,
+                               rerun=Conclusion.BACKWARD), (0, 1)),
     "backward_operator": (dict(gradient_basis=OriginBasis.BEFORE_COLLECTIVE, gradient_origin=(3,),
                                origin_replicas=(1,), first_rank=3, rerun=Conclusion.BACKWARD,
                                first_in_backward="decoder.layers.0.mlp.linear_fc1.weight"), (3,)),
@@ -173,7 +185,7 @@ def test_a_collective_beside_replicas_that_recorded_nothing_does_not_claim_they_
 
 def test_a_later_weight_whose_peers_did_not_read_theirs_does_not_claim_every_replica():
     """Rank 0's records missing: rank 1's bad weight was read, its peer's copy was not."""
-    alone = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=False))
+    alone = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=False, weights_unpeered=True))
     assert alone.rule == "later_weights" and "every replica holding" not in alone.summary
     assert "is not known" in alone.summary
     compared = decide(evidence(bad_weights=(NAN_WEIGHT,), replicas_compared=True))
@@ -400,3 +412,20 @@ def test_a_rows_next_steps_restore_it_and_skip_only_where_the_data_alone_reads_i
     assert [step.action for step in steps].count(Action.RESTORE_ROW) == 1
     assert (Action.SKIP_ITERATION in [step.action for step in steps]) is skipped
     assert Action.TUNE_NUMERICS not in [step.action for step in steps]
+
+
+def test_a_loss_scaler_gone_wrong_names_the_scale_and_no_parameter():
+    """Issue 59 (5): the scale itself is the cause; where no record holds it, undetermined, never a
+    parameter."""
+    decided = decide(evidence(**CASES["loss_scale"][0]))
+    assert decided.cause is Cause.LOSS_SCALE and decided.culprit is None and "inf" in decided.summary
+    unread = decide(evidence(**CASES["loss_scale_unread"][0]))
+    assert unread.cause is Cause.UNDETERMINED and unread.culprit is None
+
+
+def test_a_tensor_parallel_loss_split_is_the_collective_not_the_loss_function():
+    """Issue 59 (4): 'the loss function made it ... the device not at fault' was said of one TP rank."""
+    decided = decide(evidence(**CASES["tensor_parallel_loss"][0]))
+    assert decided.cause is Cause.COLLECTIVE and "not the loss function" in decided.summary
+    both = decide(evidence(**{**CASES["tensor_parallel_loss"][0], "tensor_parallel_loss_split": ()}))
+    assert both.rule == "loss_function"

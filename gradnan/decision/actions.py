@@ -19,6 +19,7 @@ from .loop_terms import (
     learning_rate_options,
     load_earlier,
     load_option,
+    loss_scale_options,
     numerics_options,
     rerun_mode,
     skip_option,
@@ -211,6 +212,11 @@ def fix_loss(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 def tune_numerics(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return (NextStep(Action.TUNE_NUMERICS, Action.TUNE_NUMERICS.wording(
         f"{numerics_options(e.loop)}; skipping the iteration cannot help where every step fails")),)
+
+
+def fix_loss_scale(e: Evidence, s: Setting, so_far: Steps) -> Steps:
+    return (NextStep(Action.TUNE_NUMERICS, Action.TUNE_NUMERICS.wording(
+        f"restart with a finite loss scale: {loss_scale_options(e.loop)}")),)
 
 
 def tune_numerics_if_it_recurs(e: Evidence, s: Setting, so_far: Steps) -> Steps:

@@ -66,6 +66,11 @@ def culprit_in_forward_module(e: Evidence, origin: Tuple[int, ...]) -> Optional[
     return inside[0] if inside else culprit_of_gradients(e, origin)
 
 
+def no_culprit(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
+    """No parameter: the cause is outside the model (fp16's loss scaler)."""
+    return None
+
+
 def culprit_of_rows(e: Evidence, origin: Tuple[int, ...]) -> Optional[str]:
     """The weight holding the first outlying row."""
     return e.outlying_rows[0].name if e.outlying_rows else None
@@ -133,6 +138,10 @@ RULES: Tuple[Rule, ...] = (
          (act.decide_by("read one launch of the run directory (gradnan report --run), or rerun from the last"
                         " checkpoint with gradnan's defaults into an empty run directory"),),
          basis=OriginBasis.CONFLICT),
+    Rule("loss_scale", Cause.LOSS_SCALE, (),
+         "fp16's dynamic loss scale itself non-finite at the failing step (loss_scale_overflow records)",
+         lambda e: bool(e.loss_scale_bad), lambda e: e.loss_scale_bad, say.loss_scale, (act.fix_loss_scale,),
+         no_culprit, OriginBasis.LOSS_SCALE),
     Rule("weights_at_launch", Cause.WEIGHTS, _STATES,
          "a weight is non-finite, and it was already at the launch's first step",
          lambda e: bool(e.bad_weights) and e.launch_first_step, say.weight_holders, say.checkpoint_weights,
@@ -189,6 +198,12 @@ RULES: Tuple[Rule, ...] = (
          "run again, a layer's tensor-parallel reduction of finite partial sums is non-finite",
          lambda e: e.rerun is Conclusion.REPRODUCIBLE and e.reduction_fault, _rerun_origins,
          say.tensor_parallel_collective, _COLLECTIVE, basis=OriginBasis.RERUN),
+    Rule("tensor_parallel_loss", Cause.COLLECTIVE, _RERUN,
+         "run again, a rank's own loss non-finite and a tensor-parallel peer's (the same loss) finite",
+         lambda e: e.rerun in (Conclusion.LOSS, Conclusion.REPRODUCIBLE)
+         and bool(e.tensor_parallel_loss_split),
+         lambda e: e.tensor_parallel_loss_split, say.tensor_parallel_loss, _COLLECTIVE,
+         basis=OriginBasis.RERUN),
     Rule("loss_function", Cause.LOSS, (Fact.RERUN, Fact.STATES),
          "run again, every module's output is finite and the loss computed from it is not",
          lambda e: e.rerun is Conclusion.LOSS, lambda e: e.loss_stage, say.loss,
@@ -230,6 +245,13 @@ RULES: Tuple[Rule, ...] = (
          (act.decide_by("copy those ranks' gradnan files (records/, maps/) into the run directory and report"
                         " again; where a rank died before writing, its own log says why (a device error:"
                         " drain its node)"),), basis=OriginBasis.UNCHECKED),
+    Rule("loss_scale_unread", Cause.UNDETERMINED, (),
+         "fp16 steps skipped for overflowing gradients with a finite loss, again and again, no record holding"
+         " the loss scale",
+         lambda e: e.loss_scale_unread, _gradient_origin, say.loss_scale_unread,
+         (act.decide_by("read the scale where the loop logs it (Megatron-LM's 'loss scale:' log column): +Inf"
+                        " or NaN is the scaler's fault; a finite one, rerun from the last checkpoint with"
+                        " gradnan's defaults"),), no_culprit),
     Rule("backward_operator", Cause.BACKWARD_OP, (Fact.OWN_GRADIENTS,),
          "a rank's own gradients non-finite before the collective: only some of them (no loss non-finite),"
          " or all with the forward pass and the loss finite when run again",

@@ -161,6 +161,9 @@ class Evidence:
     rate_fault: Optional[RateFault] = None  # the update of the step before used a rate that explains them
     outlying_rows: Tuple[OutlyingRow, ...] = ()  # vocabulary rows non-finite or far above the others
     lone_weights: Tuple[int, ...] = ()  # holders of a bad weight that a data-parallel peer holds finite
+    # a bad weight's holder none of whose data-parallel peers for that weight read its copy (under expert
+    # parallelism an expert's peers hold the same experts; a dense weight's are every data-parallel rank)
+    weights_unpeered: bool = False
     odd_replicas: Tuple[int, ...] = ()  # weights unlike the majority of their data-parallel peers'
     replicas_compared: Optional[bool] = None  # two or more peers' digests compared (None: no replicas)
     expert_parallel: bool = False  # ranks hold different experts: peers share every coordinate but dp
@@ -174,6 +177,8 @@ class Evidence:
     rerun_origins: Tuple[int, ...] = ()  # where a forward value first went non-finite
     rerun_origins_absent: Tuple[int, ...] = ()  # origins other ranks' rerun records name, their own absent
     loss_stage: Tuple[int, ...] = ()  # the last pipeline stage's ranks of the replicas that concluded it
+    # run again, ranks whose own loss was non-finite where a tensor-parallel peer's, the same loss, was finite
+    tensor_parallel_loss_split: Tuple[int, ...] = ()
     rerun_concluded_by: Tuple[int, ...] = ()  # the replicas that reached the strongest conclusion
     reduction_fault: bool = False  # the origin call's tensor-parallel reduction: finite partials, a bad sum
     own_failure: Optional[OwnFailure] = None
@@ -201,6 +206,11 @@ class Evidence:
     # the ranks whose own loss was non-finite in the failing pass (an fp16 skip recorded with
     # ``loss_finite: false``): the forward pass or the loss made it, whatever the gradients look like
     losses_nonfinite: Tuple[int, ...] = ()
+    # fp16's loss scaler at the failing step: the ranks that recorded a non-finite scale and its value, and
+    # whether a run of skips (loss finite) recorded no scale at all (its scaler not read)
+    loss_scale_bad: Tuple[int, ...] = ()
+    loss_scale: Any = None
+    loss_scale_unread: bool = False
     recurs: bool = False  # the next step failed too, with no update applied in between (fp16 skips)
     iterations_seen: Tuple[int, ...] = ()  # every Megatron-LM iteration the step's records name (one: agreed)
     loop: TrainingLoop = OWN_LOOP  # the training loop that ran the step: every option is named in its terms

@@ -149,3 +149,17 @@ def numerics_options(loop: TrainingLoop) -> str:
                 " --initial-loss-scale")
     return ("a lower learning rate, tighter gradient clipping (OptimizerConfig.clip_grad), bf16 instead of"
             " fp16, or a lower initial loss scale (OptimizerConfig.initial_loss_scale)")
+
+
+def loss_scale_options(loop: TrainingLoop) -> str:
+    """How to train with a finite fp16 loss scale again; the dynamic scaler's state is saved with the
+    optimizer's, so a restart that loads it brings the bad scale back."""
+    if loop.kind is LoopKind.MEGATRON_BRIDGE:
+        return ("Megatron-Bridge: a static scale (optimizer.loss_scale=65536) or bf16"
+                " (mixed_precision=bf16_mixed); the dynamic scale is saved with the optimizer state, so a"
+                " checkpoint saved since it went bad brings it back")
+    if loop.kind is LoopKind.MEGATRON_LM:
+        return ("Megatron-LM: a static scale (--loss-scale 65536) or bf16 (--bf16); the dynamic scale is"
+                " saved with the optimizer state, so a checkpoint saved since it went bad brings it back")
+    return ("a static scale (OptimizerConfig.loss_scale) or bf16; the dynamic scale is saved with the"
+            " optimizer state, so a checkpoint saved since it went bad brings it back")

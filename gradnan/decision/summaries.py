@@ -61,7 +61,7 @@ def one_replica_weights(e: Evidence) -> str:
 
 def later_weights(e: Evidence) -> str:
     ranks = weight_holders(e)
-    if e.replicas_compared is False:  # no data-parallel peer of theirs read its copy
+    if e.weights_unpeered:  # no data-parallel peer of theirs read its copy
         return (f"the weights were non-finite when step {e.step} began, and the optimizer state is finite:"
                 f" {first_weight(e, ranks)} on {e.labelled(ranks)}; they were finite when this launch began,"
                 " so written since. No data-parallel peer's copy was read to compare"
@@ -176,6 +176,30 @@ def loss(e: Evidence) -> str:
             f" of {micro_batch_words(e.micro_batch)} computed from it was not, on {e.labelled(e.loss_stage)}"
             " (a division by a zero token count, a log of zero); the model, its weights and the device are"
             " not at fault")
+
+
+def loss_scale(e: Evidence) -> str:
+    return (f"fp16's dynamic loss scale was {untrusted(e.loss_scale)} at step {e.step} on"
+            f" {e.labelled(e.loss_scale_bad)}: every loss it scales overflows, so every step is skipped"
+            " whatever the data, the weights and the device (halving +Inf leaves +Inf, a NaN stays NaN); no"
+            " parameter is at fault: the scaler's state is (a bad resume of it, a bad --initial-loss-scale,"
+            " a broken scaler)")
+
+
+def loss_scale_unread(e: Evidence) -> str:
+    return ("fp16 steps keep being skipped for overflowing gradients with a finite loss, and no record holds"
+            " the loss scale (the scaler was not read): a non-finite scale, which overflows every step,"
+            " cannot be told from gradients that overflow at any scale, so no parameter is named")
+
+
+def tensor_parallel_loss(e: Evidence) -> str:
+    return (f"the tensor-parallel ranks of one replica disagree on one loss: run again in place, the loss of"
+            f" {micro_batch_words(e.micro_batch)} was non-finite on"
+            f" {e.labelled(e.tensor_parallel_loss_split)} and finite on its tensor-parallel peer(s), which"
+            " compute the same loss from the same micro-batch (Megatron's vocab-parallel cross entropy"
+            " all-reduces over them): the tensor-parallel all-reduce"
+            " delivered a different value there, or that rank's device computed it wrong; not the loss"
+            " function nor the data, which every peer shares")
 
 
 def forward_op(e: Evidence) -> str:

@@ -171,6 +171,9 @@ class Cause(str, enum.Enum):
     finite or not: a silent corruption of that replica's memory or device, which trains on."""
     NORM_OVERFLOW = "norm_overflow"
     """Every gradient finite; the grad norm's float32 sum of squares overflowed (exploding gradients)."""
+    LOSS_SCALE = "loss_scale"
+    """fp16's dynamic loss scale itself non-finite: every scaled loss overflows and every step is skipped,
+    whatever the data, the weights and the device (halving +Inf leaves +Inf; a NaN stays NaN)."""
     UNDETERMINED = "undetermined"
     """The evidence cannot decide: the summary says what would."""
 
@@ -256,6 +259,9 @@ class OriginBasis(str, enum.Enum):
     NORM_OVERFLOW = "norm_overflow"
     """No rank held a non-finite gradient; these held the largest, finite, gradient, whose square overflowed
     the float32 grad norm (before the data-parallel collective where the pre-reduction check saw it)."""
+    LOSS_SCALE = "loss_scale"
+    """Their fp16 loss scaler held a non-finite scale at the failing step (``loss_scale_overflow``
+    records): no parameter is at fault."""
     LOSS_CHECK = "loss_check"
     """Megatron's loss check rejected their non-finite loss (``--rerun-mode disabled``), and no rerun
     named a forward origin."""
@@ -299,6 +305,7 @@ _BASIS_TEXT = {
                        " failing step began",
     OriginBasis.REPLICAS: "weights unlike their data-parallel peers' when the failing step began",
     OriginBasis.LOSS_CHECK: "where Megatron's loss check rejected a non-finite loss",
+    OriginBasis.LOSS_SCALE: "their fp16 loss scale was non-finite at the failing step",
     OriginBasis.RERUN: "named by the failing step, run again in place",
     OriginBasis.CONFLICT: "their records contradict each other",
     OriginBasis.REPLICA_CHECK: "weights unlike their data-parallel peers' at a periodic replica check",

@@ -75,9 +75,12 @@ def is_text(value: Any) -> bool:
     return isinstance(value, str) and (value.isascii() or _SURROGATE.search(value) is None)
 
 
+NONFINITE_WORDS = ("nan", "inf", "-inf")  # how JSON records write a non-finite number (``json_float``)
+
+
 def is_stat(value: Any) -> bool:
     """An abs-min/abs-max as written: a number, "nan"/"inf"/"-inf", or null (not measured)."""
-    return value is None or value in ("nan", "inf", "-inf") or is_finite(value)
+    return value is None or value in NONFINITE_WORDS or is_finite(value)
 
 
 def optional(value: Any, check: Callable[[Any], bool]) -> bool:

@@ -30,6 +30,7 @@ from .toy_data import POISON_TOKEN_FROM_END, MegatronLMData, _batches, _poison_t
 from .toy_faults import (
     _apply_bit_flip_injections,
     _apply_learning_rate_injections,
+    _apply_loss_scale_injections,
     _apply_main_grad_injections,
     _apply_memory_buffer_injections,
     _apply_optimizer_state_injections,
@@ -183,6 +184,7 @@ class TinyGPT:
         _apply_weight_injections(job, rank, step, chunks, optimizer, self.result)
         _apply_bit_flip_injections(job, rank, step, chunks, optimizer, self.result)
         _apply_memory_buffer_injections(job, rank, step, self.result)
+        _apply_loss_scale_injections(job, rank, step, optimizer, self.result)
         hooks = _arm_hook_injections(job, rank, step, chunks, optimizer, self.result)
         self.result.injected += [dataclasses.asdict(injection) for where in ("loss", "loss_after_report")
                                  for injection in _due(job, rank, step, where)]

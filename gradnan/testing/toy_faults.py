@@ -276,6 +276,16 @@ def _apply_learning_rate_injections(job, rank, step, optimizer, result) -> None:
         result.injected.append(dataclasses.asdict(injection))
 
 
+def _apply_loss_scale_injections(job, rank, step, optimizer, result) -> None:
+    """fp16's dynamic loss scale set to the injection's value before the step's forward (and left so: the
+    scaler halves it at each skip, and half of +Inf is +Inf), as a bad resume of the scaler's state or a
+    broken scaler leaves it: ``target`` is not used."""
+    for injection in _due(job, rank, step, "loss_scale"):
+        for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            leaf.grad_scaler._scale.fill_(injection.number())
+        result.injected.append(dataclasses.asdict(injection))
+
+
 def _apply_optimizer_state_injections(job, rank, step, chunks, optimizer, result) -> None:
     """A rank whose optimizer does not hold the element (another rank's distributed-optimizer shard) plants
     nothing and lists nothing in ``result.injected``: plant on every rank to corrupt the owner's."""

@@ -57,6 +57,8 @@ class Injection:
       (``target`` is not used);
     - ``"learning_rate"``: every param group's learning rate set to ``value`` right before
       ``optimizer.step()`` (and left so), as a broken schedule does (``target`` is not used);
+    - ``"loss_scale"``: fp16's dynamic loss scale set to ``value`` on every sub-optimizer before the step's
+      forward, and left so (+Inf stays +Inf at each halving): a broken scaler (``target`` is not used);
     - ``"loss"``: the loss function of micro-batch ``index`` (default 0) divides a zero sum by a zero
       count, as a micro-batch without a valid token does: NaN from a finite model output (``target``
       is not used; the rank is any of the replica's last pipeline stage);

@@ -174,7 +174,9 @@ def _evidence_lines(e: Evidence, decision: Decision) -> List[str]:
                     "; weights equal across data-parallel replicas" if e.replicas_compared else
                     "; weights not compared across data-parallel replicas (no peer of theirs read them"
                     + (": under expert parallelism, ranks holding the same experts" if e.expert_parallel
-                       else "") + ")")
+                       else "") + ")"
+                    + ("; each non-finite weight set against its data-parallel peers' copies, read too"
+                       if e.bad_weights and not e.weights_unpeered else ""))
         lines.append(f"weights when the step began (read on {len(e.states_read)} rank(s)): {weights};"
                      f" optimizer state {state}{replicas}")
     if e.divergence is not None:
@@ -248,6 +250,11 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
                                "unchecked": True}) for rank in decision.origin if rank in known)
     if decision.basis is OriginBasis.STATE:
         by_rank.update((record["rank"].get("global_rank"), rank_entry(record, dtypes)) for record in states)
+    elif decision.basis is OriginBasis.LOSS_SCALE:  # the scaler, not a parameter
+        by_rank.update((r["rank"].get("global_rank"), {
+            **rank_view(r["rank"]), "kind": r["kind"], "params_total": 0, "params": [],
+            "loss_scale": r.get("loss_scale")})
+            for r in at_step if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW)
     else:
         if decision.basis is OriginBasis.LINK:  # a link's sender may hold no non-finite gradient of its own
             by_rank.update((r["rank"].get("global_rank"), {**rank_view(r["rank"]), "kind": None,

@@ -27,7 +27,9 @@ from ...decision.loop_terms import loop_of
 from ...decision.origin import facts_of_step, silent_replicas
 from ...formats.health import health_signs
 from ...formats.incident import GradientPass, OriginBasis, RecordKind
-from ...formats.layout import peers_key, rank_label, vocabulary_token
+from ...formats.layout import AXES, peers_key, rank_label, vocabulary_token
+from ...formats.rerun_record import loss_here_nonfinite
+from ...formats.schema import NONFINITE_WORDS
 from .checkpoints import Save, newest_clean
 from .conflicts import conflicts_of
 from .gradients import rank_view
@@ -60,20 +62,54 @@ def state_records(files: RunFiles, launch: List[Dict[str, Any]], step: int) -> L
     return [files.full(chosen[rank]) for rank in sorted(chosen, key=lambda rank: (rank is None, rank or 0))]
 
 
-def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
-    """The ranks holding a non-finite weight that a data-parallel peer (equal coordinates but ``dp``) holds
-    finite (its own ``state`` record says so), or whose peer's forward pass was finite at that step (an
-    fp16 skip recorded with a finite loss: a replica that did not fail reads no state): that replica's
-    copy went bad alone."""
+def _expert_names(record: Dict[str, Any]) -> FrozenSet[str]:
+    """The expert parameters among a ``state`` record's bad weights: marked ``is_expert`` (the main copy's
+    entry carries it), else, under expert parallelism, named inside Megatron's MoE experts."""
+    experts = (record["rank"].get("ep_size") or 1) > 1
+    return frozenset(p["name"] for p in record["params"] if p.get("is_expert") is True or (
+        experts and p.get("is_expert") is None and ".mlp.experts." in p["name"]))
+
+
+def replica_key(coords: Mapping[str, Any], expert: bool) -> Tuple[Any, ...]:
+    """What the data-parallel replicas of one parameter share: every coordinate but ``dp`` (an expert's,
+    whose replicas hold the same experts), and but ``dp`` and ``ep`` for a dense parameter (every
+    data-parallel rank holds it, whichever experts it holds)."""
+    return peers_key(coords, "dp") if expert else tuple(coords.get(axis) for axis in AXES
+                                                         if axis not in ("dp", "ep"))
+
+
+def weight_peers(states: Sequence[Dict[str, Any]]) -> Dict[Tuple[int, str], List[int]]:
+    """For each (rank, bad weight) of the ``state`` records, the other ranks holding a replica of that
+    weight that read their state too."""
+    groups: Dict[Tuple[bool, Tuple[Any, ...]], List[int]] = {}
+    for record in states:
+        for expert in (False, True):
+            groups.setdefault((expert, replica_key(record["rank"], expert)), []).append(
+                record["rank"].get("global_rank"))
+    peers = {}
+    for record in states:
+        rank, experts = record["rank"].get("global_rank"), _expert_names(record)
+        for name in {p["name"] for p in record["params"]}:
+            group = groups[(name in experts, replica_key(record["rank"], name in experts))]
+            peers[(rank, name)] = [peer for peer in group if peer != rank]
+    return peers
+
+
+def _lone_weights(states: Sequence[Dict[str, Any]], at_step: Sequence[Dict[str, Any]],
+                  peers: Mapping[Tuple[int, str], List[int]]) -> Tuple[int, ...]:
+    """The ranks holding a non-finite weight that a data-parallel peer (``weight_peers``) holds finite (its
+    own ``state`` record says so), or whose peer's forward pass was finite at that step (an fp16 skip
+    recorded with a finite loss: a replica that did not fail reads no state): that replica's copy went bad
+    alone."""
     bad = {record["rank"].get("global_rank"): {p["name"] for p in record["params"]} for record in states}
-    peers = _peer_groups(states)
-    finite_forward = {peers_key(r["rank"], "dp") for r in at_step
+    finite_forward = {(expert, replica_key(r["rank"], expert)) for r in at_step for expert in (False, True)
                       if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW and r.get("loss_finite") is True}
     lone = set()
-    for key, group in peers.items():
-        for rank in group:
-            if bad[rank] and (key in finite_forward or any(
-                    name not in bad[peer] for peer in group if peer != rank for name in bad[rank])):
+    for record in states:
+        rank, experts = record["rank"].get("global_rank"), _expert_names(record)
+        for name in bad[rank]:
+            key = (name in experts, replica_key(record["rank"], name in experts))
+            if key in finite_forward or any(name not in bad[peer] for peer in peers[(rank, name)]):
                 lone.add(rank)
     return tuple(sorted(lone))
 
@@ -145,6 +181,33 @@ def _loss_ranks(rerun: RerunFinding, ranks: Dict[int, Dict[str, Any]]) -> Tuple[
     return tuple(rank for rank in stage if rank not in rerun.losses_finite_here) or stage
 
 
+def _tensor_parallel_loss_split(reruns: Sequence[Dict[str, Any]]) -> Tuple[int, ...]:
+    """The ranks whose own loss (a rerun record's ``loss_here``) was non-finite where a tensor-parallel peer's
+    (every coordinate but ``tp`` equal) was finite in both passes: Megatron's vocab-parallel cross entropy
+    all-reduces the logits' sums over the tensor-parallel group, so its ranks compute one loss from one
+    micro-batch (broadcast to them)."""
+    seen: Dict[Tuple[Any, ...], Dict[bool, List[int]]] = {}
+    for record in reruns:
+        nonfinite = loss_here_nonfinite(record.get("loss_here"))
+        if nonfinite is not None and (record["rank"].get("tp_size") or 1) > 1:
+            seen.setdefault(peers_key(record["rank"], "tp"), {}).setdefault(nonfinite, []).append(
+                record["rank"].get("global_rank"))
+    return tuple(sorted(rank for group in seen.values() if len(group) == 2 for rank in group[True]))
+
+
+def _loss_scale_facts(at_step: Sequence[Dict[str, Any]], recurs: bool) -> Dict[str, Any]:
+    """``Evidence``'s loss-scale fields from the step's fp16 skips (``loss_scale_overflow`` records): the
+    ranks whose scaler held a non-finite scale and the first such value; and whether skips that recur with
+    a finite loss recorded no scale at all."""
+    overflows = [r for r in at_step if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW]
+    bad = [r for r in overflows if r.get("loss_scale") in NONFINITE_WORDS]
+    unread = (recurs and bool(overflows) and all(r.get("loss_scale") is None for r in overflows)
+              and not any(r.get("loss_finite") is False for r in overflows)
+              and not any(r["kind"] == RecordKind.NONFINITE_GRAD_NORM for r in at_step))
+    return {"loss_scale_bad": tuple(sorted({r["rank"].get("global_rank") for r in bad})),
+            "loss_scale": bad[0]["loss_scale"] if bad else None, "loss_scale_unread": unread}
+
+
 class RankLabels(Mapping):
     """Each known rank's label ("rank 3 (tp1 pp0 dp1, host cuda:1)"), made when a wording asks for it: a
     summary names a few ranks of a job that may have 131,072."""
@@ -186,6 +249,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
                 if any((record["rank"].get("dp_size") or 1) > 1 for record in states) else None)
     odd, split = replica_digests(states)
+    peers = weight_peers(states)
     weights = tuple(BadWeight(record["rank"].get("global_rank"), p["name"], p.get("copy", "model"),
                               tuple(p.get("first_bad_index") or ()), p["nan"], p["inf"],
                               p["order"] if isinstance(p.get("order"), int) else -1,
@@ -213,7 +277,8 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         states_read=tuple(record["rank"].get("global_rank") for record in states),
         launch_first_step=step == 1 or any(record.get("launch_weights_finite") is False for record in states),
         bad_weights=weights, state_faults=faults, rate_fault=rate_fault(states, step), outlying_rows=rows,
-        lone_weights=_lone_weights(states, at_step),
+        lone_weights=_lone_weights(states, at_step, peers),
+        weights_unpeered=compared is not None and any(not group for group in peers.values()),
         odd_replicas=odd,
         replicas_compared=compared,
         expert_parallel=any((record["rank"].get("ep_size") or 1) > 1 for record in states),
@@ -222,6 +287,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         rerun_class=rerun.module_class if rerun is not None else None, rerun_origins=rerun_origins,
         rerun_origins_absent=rerun.origins_absent if rerun is not None else (),
         loss_stage=_loss_ranks(rerun, ranks) if rerun is not None else (),
+        tensor_parallel_loss_split=_tensor_parallel_loss_split(reruns),
         rerun_concluded_by=rerun.concluded_by if rerun is not None else (),
         own_failure=rerun.own_failure if rerun is not None else None,
         micro_batch=rerun.micro_batch if rerun is not None else None, reduction_fault=reduction_fault,
@@ -247,6 +313,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                    "batch": next((r["batch"]["path"] for r in losses if r.get("batch")),
                                  rerun.batch if rerun is not None else None)} if losses else None),
         recurs=recurs,
+        **_loss_scale_facts(at_step, recurs),
         origin_params={entry["global_rank"]: tuple(p["name"] for p in entry["params"]) for entry in origin},
         largest_names={entry["global_rank"]: entry["largest_grad"]["name"] for entry in origin
                        if entry.get("largest_grad")},

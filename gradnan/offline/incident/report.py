@@ -217,6 +217,8 @@ def _origin_holds(entry: Dict[str, Any]) -> str:
         named = "" if first is None else f": {untrusted(first['name'])}" + (
             "" if first.get("index") is None else f"[{', '.join(map(str, first['index']))}]")
         return f"its weights differ from its data-parallel peers'{named}"
+    if entry.get("kind") == RecordKind.LOSS_SCALE_OVERFLOW and not entry["params"]:
+        return f"its fp16 loss scale {untrusted(entry.get('loss_scale'))}, every step skipped"
     if entry.get("own_failure"):
         return f"its own {untrusted(entry['own_failure'])} non-finite in the failing pass"
     if entry.get("kind") == RecordKind.NONFINITE_LOSS:

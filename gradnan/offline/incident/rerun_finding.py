@@ -71,7 +71,10 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
     step = min(r["step"] for r in reruns)
     at_step = sorted((r for r in reruns if r["step"] == step), key=lambda r: r["rank"].get("global_rank", -1))
     named = [r for r in at_step if r["role"] == RerunRole.ORIGIN]
-    origins = forward_origins(named)
+    # among origins that tie (each went non-finite first on its rank), the one where a value grew out of
+    # line first: under expert parallelism the expert that grew it lives on one rank, its output reaches
+    # every rank through the token exchange
+    origins = sorted(forward_origins(named), key=lambda r: not r.get("grew_in"))
     later_stages = {id(r) for r in named} - {id(r) for r in origins}
     first = origins[0] if origins else None
     # the origin's copy of the micro-batch: it marks where its output went non-finite (``nonfinite_at``)

@@ -10,6 +10,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ...formats.incident import RecordKind
+from ...formats.schema import NONFINITE_WORDS
 
 SERIOUS_SKIPS = 3  # consecutive fp16 loss-scale skips that are a failure (``gradnan report --fp16-skips``)
 RUN_GAP_SECONDS = 300.0
@@ -64,7 +65,7 @@ def failing_step(incidents: List[Dict[str, Any]], serious_skips: int) -> Optiona
     for step in sorted(by_step):
         records = by_step[step]
         overflows = [r for r in records if r["kind"] == RecordKind.LOSS_SCALE_OVERFLOW]
-        serious = [r for r in overflows if r.get("scale_collapsed")
+        serious = [r for r in overflows if r.get("scale_collapsed") or r.get("loss_scale") in NONFINITE_WORDS
                    or (not r.get("warmup") and (r.get("consecutive_skips") or 1) >= serious_skips)]
         if (any(r["kind"] == RecordKind.NONFINITE_GRAD_NORM for r in records) or (not overflows and records)
                 or any(r.get("loss_finite") is False for r in overflows)):
