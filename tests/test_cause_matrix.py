@@ -49,9 +49,10 @@ GRADIENT_CAUSES = (Cause.BACKWARD_OP, Cause.COLLECTIVE, Cause.NORM_OVERFLOW)
 TP_DUPLICATES = ("layernorm", "position_embeddings")  # the same copy on every tensor-parallel rank
 # fp16's loss scaler skips a step whose gradients alone overflow, by design: only what breaks the forward
 # pass or the weights is an incident there
-FP16_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
 # what a loss check sees: a non-finite loss, from a weight, a forward operator or the loss function
-LOSS_CHECK_CAUSES = FP16_CAUSES
+LOSS_CHECK_CAUSES = (Cause.WEIGHTS, Cause.FORWARD_OP, Cause.LOSS)
+# and fp16's own: its loss scale stuck at +Inf, every step skipped (issue 59)
+FP16_CAUSES = (*LOSS_CHECK_CAUSES, Cause.LOSS_SCALE)
 # the loss backward runs from is read where megatron-core returns it (forward_step_calc_loss, 0.13 on);
 # before, only the reported loss is (docs/megatron-versions.md): a loss that differs from it is not judged
 LOSS_USED_SEEN = (megatron_version() or Version("0")) >= Version("0.13")
@@ -66,12 +67,14 @@ def _all_plants():
         wheres = [(tp, dp) for tp in range(job.tp) for dp in range(dp_size)]
         for cause in Cause:
             if cause is Cause.UNDETERMINED or (job.dtype == "fp16" and cause not in FP16_CAUSES) or (
-                    job.rerun_mode and cause not in LOSS_CHECK_CAUSES):
+                    job.rerun_mode and cause not in LOSS_CHECK_CAUSES) or (
+                    cause is Cause.LOSS_SCALE and job.dtype != "fp16"):
                 continue
             targets = (PARAMETERS if cause in ON_PARAMETERS else MODULES if cause in ON_MODULES else ("",))
             if cause is Cause.COLLECTIVE and job.tp > 1:  # and the tensor-parallel reduction of a layer
                 targets += ROW_PARALLEL
-            for target, where in itertools.product(targets, wheres):
+            places = wheres[:1] if cause is Cause.LOSS_SCALE else wheres  # one scale for every rank
+            for target, where in itertools.product(targets, places):
                 if cause in GRADIENT_CAUSES and any(part in target for part in TP_DUPLICATES) and where[0]:
                     continue  # Megatron's norm counts a tensor-parallel duplicate on tensor rank 0 only
                 for step in ((1, 2) if cause is Cause.WEIGHTS else (2,)):
@@ -173,6 +176,8 @@ def _named(plant, incident) -> bool:
         return incident.rerun is not None and incident.rerun.module == plant.target
     if plant.cause in (Cause.BACKWARD_OP, Cause.COLLECTIVE):
         return incident.pattern.first_in_backward == plant.target or plant.target in origin_params
+    if plant.cause is Cause.LOSS_SCALE:  # the scaler, no parameter
+        return not any(entry["params"] for entry in incident.origin)
     return plant.cause is not Cause.LOSS or incident.rerun.micro_batch == plant.micro_batch
 
 

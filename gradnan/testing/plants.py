@@ -99,6 +99,7 @@ class Plant:
       ``target``'s tensor-parallel reduction made to deliver an Inf from finite partial sums;
     - DEVICE: ``target`` (a module)'s output made Inf in the step's first pass only (a glitch);
     - NORM_OVERFLOW: ``target``'s gradient made 1e30 (finite; its square overflows float32) in backward;
+    - LOSS_SCALE: fp16's dynamic loss scale set to +Inf on every rank before ``step`` (``where`` unused);
     - REPLICA_DIVERGENCE: one exponent bit of ``target``'s element 3 flipped on the rank ``where`` names,
       finite, with the replica check at every step: found at ``step`` or the next (an fp32 main copy's flip
       reaches the model parameter with the update); with two replicas both are named (no majority).
@@ -136,6 +137,9 @@ class Plant:
     def injections(self) -> Tuple[Injection, ...]:
         tp, pp, dp = self.coordinate
         cause, target, step = self.cause, self.target, self.step
+        if cause is Cause.LOSS_SCALE:  # the scaler's scale is one value on every rank
+            return tuple(Injection(global_rank(self.job, *c), step, "", "inf", where="loss_scale")
+                         for c in coordinates(self.job))
         if cause is Cause.WEIGHTS:
             holders = [c for c in coordinates(self.job) if c[:2] == (tp, pp) and (step == 1 or c[2] == dp)
                        and holds(self.job, c, target)]
@@ -187,6 +191,9 @@ class Plant:
         if self.target in LINKS:
             ends = frozenset({self.sender, self.coordinate})
             return Expected(self.cause, ends, ends, None)
+        if self.cause is Cause.LOSS_SCALE:
+            every = frozenset(coordinates(self.job))
+            return Expected(self.cause, every, every, None)
         if self.cause is Cause.LOSS:
             last = frozenset(self._replica(dp, self.job.pp - 1))
             return Expected(self.cause, last, last, None)
