@@ -120,7 +120,7 @@ def rejected_loss_summary(rank: Any, micro_batch: Any, loss: Any, batch: Optiona
     again = (f"it could not run the step again ({untrusted(rerun_skipped)}): {look}run with --rerun-mode"
              " validate_results, to tell the data from the device" if rerun_skipped
              else "the step's forward pass was run again in place (see the rerun)")
-    return (f"Megatron's loss check rejected a non-finite loss ({untrusted(loss)}) on rank {rank},"
-            f" {micro_batch_words(micro_batch)},"
-            f" and raised (--rerun-mode disabled): the forward pass went non-finite on that micro-batch;"
-            f" before that gradnan recorded it and {kept}; {again}")
+    return (f"Megatron's loss check rejected a non-finite loss ({untrusted(loss)}) on rank {rank}"
+            f" ({micro_batch_words(micro_batch)}) and raised (--rerun-mode disabled): the forward pass or the"
+            f" loss function went non-finite on that micro-batch. gradnan recorded the loss before Megatron"
+            f" raised and {kept}; {again}")
