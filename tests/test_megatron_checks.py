@@ -145,7 +145,7 @@ def test_megatrons_loss_check_in_disabled_mode_is_recorded_rerun_and_kept_before
     report = build_report(read_run(tmp_path))
     assert report["incident"]["rerun"]["module"] == CORE and report["incident"]["origin_basis"] == "rerun"
     assert [entry["global_rank"] for entry in report["incident"]["origin"]] == [1]
-    assert any("Megatron's loss check rejected a non-finite loss (nan) on rank 0 (micro-batch 0)" in line
+    assert any("Megatron's loss check rejected a non-finite loss (nan) on rank 0, micro-batch 0" in line
                for line in report["incident"]["verdict"]["evidence"])
     # the weights were read before Megatron raised (no gradient exists): the forward origin rests on them
     assert {rank for rank, records in records_by_rank(tmp_path).items()
@@ -194,7 +194,7 @@ def test_megatrons_loss_check_under_pipeline_parallelism_keeps_the_batch_without
     verdict = analysis.incident.verdict
     assert (verdict.cause.value, verdict.rule) == ("undetermined", "link_unobserved"), verdict
     assert "received a non-finite activation over the pipeline link pp0 -> pp1" in verdict.summary
-    assert "rejected a non-finite loss (nan) on rank 1 (micro-batch 0)" in " ".join(verdict.evidence)
+    assert "rejected a non-finite loss (nan) on rank 1, micro-batch 0" in " ".join(verdict.evidence)
     [step] = analysis.incident.next_steps  # recording everywhere cannot help: Megatron's rerun, the batch
     # a Megatron-Core loop of one's own: megatron-core's own terms, not Megatron-LM's flag (issue 58)
     assert "megatron-core's RerunStateMachine in mode validate_results" in step.text, step.text
