@@ -197,3 +197,56 @@ def test_two_launches_read_as_one_keep_their_saves_apart():
     again = [mark_record(1, 1, rank, 70.0 + rank) for rank in (0, 1)]  # the same save, again
     assert [(save.iteration, save.ranks) for save in saves_of(REGULAR + again)] == [
         (1, (0, 1)), (2, (0, 1)), (1, (0, 1))]
+
+
+def test_a_second_moment_below_zero_makes_a_mark_not_clean():
+    """Finite, so the finiteness scan passes it; the next update's square root of it is NaN."""
+    state = held()
+    state.stepped[0].state["exp_avg_sq"][0, 1] = -1.0
+    mark = checkpoint_mark(state)
+    assert mark["negative_moments"] == [{"name": WEIGHT, "tensor": "exp_avg_sq"}]
+    assert mark["negative_total"] == 1
+    record = {**mark_record(1, 1, 0, 10.0), **mark}
+    assert records.from_json(json.loads(json.dumps(record)), "r:1")["negative_total"] == 1
+    [save] = saves_of([record])
+    assert not save.clean
+    assert save.condition() == f"not clean: a second moment (exp_avg_sq) below zero: {WEIGHT} on rank 0"
+
+
+def resumed_run(marks):
+    """A launch resumed from the checkpoint of iteration 20 whose optimizer state held a negative second
+    moment: its first update (step 1, iteration 21) wrote a NaN weight, found at step 2 (iteration 22)."""
+    run = {"id": "job", "attempt": "1", "started": 50.0, "rendezvous": None}
+    incident = []
+    for rank in (0, 1):
+        coords = {"global_rank": rank, "tp": 0, "pp": 0, "dp": rank, "dp_size": 2, "world_size": 2,
+                  "host": "h", "device": "cpu"}
+        base = {"schema": "gradnan.record", "version": 2, "step": 2, "iteration": 22, "time": 60.0,
+                "rank": coords, "run": run}
+        incident.append({**base, "kind": "pre_reduction", "params": [{"id": 0, "name": WEIGHT, "nan": 6,
+                                                                       "inf": 0, "order": 0}],
+                         "params_total": 1, "pre_reduction": "nonfinite"})
+        bad = [{"id": 0, "name": WEIGHT, "copy": "model", "nan": 1, "inf": 0, "first_bad_index": [0, 0]}]
+        incident.append({**base, "kind": "state", "params": bad, "params_total": 1, "weights_digest": "d",
+                         "params_checked": 2, "optimizer_state_total": 1, "optimizer_state_checked": 2, "launch_weights_finite": True,
+                         "optimizer_state": [{"name": WEIGHT, "state": "exp_avg_sq", "nan": 0, "inf": 0,
+                                              "negative": 1}]})
+    return RunFiles(Path("/run"), records={Path("/run/records/r.jsonl"): incident + list(marks)})
+
+
+@pytest.mark.parametrize("marked_negative", [True, False], ids=["marked", "marked_before_negative_moments"])
+def test_a_bad_moment_that_came_with_the_resumed_checkpoint_restarts_from_the_one_before(marked_negative):
+    """Issue 59 (6): "older than the update of step 1" admitted the resumed checkpoint itself. A mark that
+    read its negative moment says so; one written before marks read them is left out by its iteration."""
+    earlier = [mark_record(1, 10, rank, 10.0 + rank) for rank in (0, 1)]
+    resumed = [mark_record(2, 20, rank, 20.0 + rank) for rank in (0, 1)]
+    for mark in resumed:
+        mark.update({"negative_moments": [{"name": WEIGHT, "tensor": "exp_avg_sq"}], "negative_total": 1}
+                    if marked_negative else {})
+    report = analyze(resumed_run(earlier + resumed))
+    text = format_text(report)
+    assert report.incident.verdict.rule == "optimizer_state", text
+    assert "came with the checkpoint it resumed from" in report.incident.verdict.summary, text
+    [step] = [step for step in report.incident.next_steps if step.action.value == "resume"]
+    assert step.text.startswith("restart from the checkpoint of iteration 10 ("), step.text
+    assert "older than the checkpoint this launch resumed from (iteration 20)" in step.text, step.text

@@ -110,6 +110,23 @@ def test_a_nan_made_by_the_batch_on_megatron_lms_own_loop_is_named_and_its_skip_
 
 
 @requires_the_loop
+def test_a_nan_loss_under_rerun_mode_disabled_on_megatron_lms_own_loop_is_the_loss_function(tmp_path):
+    """Issue 59 (1): with Megatron's rerun off its loss check raises at the NaN loss; gradnan runs the step
+    again in place itself and names the loss function, with the samples and the skip option (it said "on
+    rank 1, an unnamed ..." and sent the user back to validate_results)."""
+    failed = _train(tmp_path, "--rerun-mode", "disabled", env={"PLANT_LOSS_ITER": "5"})
+    assert failed.returncode != 0, failed.stderr[-3000:]
+    analysis = analyze(read_run(tmp_path))
+    text = format_text(analysis)
+    incident = analysis.to_json()["incident"]
+    assert (incident["iteration"], incident["verdict"]["rule"]) == (5, "loss_function"), text
+    assert [entry["global_rank"] for entry in incident["origin"]] == [0, 1], text
+    assert "an unnamed" not in text and "global samples" in text, text
+    [skip] = [step for step in analysis.incident.next_steps if step.action is Action.SKIP_ITERATION]
+    assert skip.command == ("--iterations-to-skip", "5"), text
+
+
+@requires_the_loop
 def test_a_nan_weight_saved_then_resumed_on_megatron_lms_own_loop_gets_the_clean_checkpoint_that_trains_on(
         tmp_path):
     """Rank 1's copy of one weight NaN as iteration 3 begins, with Megatron's checks off so that it trains

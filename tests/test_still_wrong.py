@@ -6,8 +6,11 @@ NaN."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from gradnan.cli import main
 from gradnan.formats.incident import Action, Cause
 from gradnan.offline.incident.analysis import analyze
 from gradnan.offline.incident.read import read_run
@@ -113,3 +116,58 @@ def test_a_loss_scale_stuck_non_finite_is_the_scale_on_every_rank_never_a_parame
     assert incident.capture_settings is None or "output_layer" not in str(incident.capture_settings), text
     [step] = incident.next_steps
     assert step.action is Action.TUNE_NUMERICS and "static scale" in step.text, text
+
+
+SAVED = TinyGPTJob(world_size=2, dtype="fp32", quiet=True, steps=5)
+CHECKPOINT_JOBS = {
+    # one exponent bit of rank 1's copy flipped before step 3; replicas compared every 2 steps: equal at 2,
+    # unequal at 4. A save every step.
+    "diverged": SAVED.with_(gradnan={"replica_check_every": 2}, injections=(Injection(
+        1, 3, "decoder.layers.0.mlp.linear_fc1.weight", "exponent", where="bit_flip", index=3),)),
+    # token 9's row of the output layer at 1e30 (finite) on both replicas before step 3
+    "row": SAVED.with_(injections=tuple(
+        Injection(rank, 3, "output_layer.weight", "1e30", where="row", index=9) for rank in (0, 1))),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    jobs = [job.with_(gradnan={**(job.gradnan or {}), "out_dir": str(root / name)},
+                      checkpoint_dir=str(root / name / "saved")) for name, job in CHECKPOINT_JOBS.items()]
+    launch_many(jobs)
+    return {name: root / name for name in CHECKPOINT_JOBS}
+
+
+def _listed(run_dir, capsys):
+    assert main(["checkpoints", str(run_dir), "--json"]) == 0
+    return {save["iteration"]: save for save in json.loads(capsys.readouterr().out)}
+
+
+def test_saves_since_the_last_equal_replica_check_are_not_clean_and_the_advice_names_the_one_before(
+        checkpoint_runs, capsys):
+    """With two replicas nobody can tell which copy a save holds: every save written after the check that
+    last saw them equal (step 2) is not known clean, and the restart names the one saved before it (it
+    named "older than step 4", which admitted the saves of iterations 2 and 3, the bad copy among them)."""
+    listed = _listed(checkpoint_runs["diverged"], capsys)
+    assert listed[1]["clean"] and not any(listed[n]["clean"] for n in (2, 3, 4, 5)), listed
+    assert "the last replica check that saw the data-parallel replicas equal (step 2)" in \
+        listed[3]["condition"], listed[3]
+    report = analyze(read_run(checkpoint_runs["diverged"]))
+    assert report.incident.verdict.cause is Cause.REPLICA_DIVERGENCE, format_text(report)
+    [restart] = [step for step in report.incident.next_steps if step.action is Action.RESUME]
+    assert restart.text.startswith("restart from the checkpoint of iteration 1 ("), restart.text
+
+
+def test_a_save_holding_a_row_far_out_of_range_is_not_clean_and_the_row_advice_names_the_clean_one(
+        checkpoint_runs, capsys):
+    """A row at 1e30 is finite: the save that held it was "clean", and the advice for the row named no
+    clean checkpoint although one was marked."""
+    listed = _listed(checkpoint_runs["row"], capsys)
+    assert listed[2]["clean"] and not listed[3]["clean"], listed
+    assert "row 9 of output_layer.weight (token 9)" in listed[3]["condition"], listed[3]
+    report = analyze(read_run(checkpoint_runs["row"]))
+    text = format_text(report)
+    assert report.incident.verdict.rule == "embedding_row", text
+    [restore, *_] = [step for step in report.incident.next_steps if step.action is Action.RESTORE_ROW]
+    assert "the newest save known clean is the checkpoint of iteration 2 (" in restore.text, text

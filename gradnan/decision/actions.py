@@ -114,19 +114,24 @@ def selftest_after_launch(e: Evidence, s: Setting, so_far: Steps) -> Steps:
     return () if e.launch_first_step else selftest(e, s, so_far)
 
 
-def restart_from(e: Evidence, s: Setting, older_than: str) -> NextStep:
-    """The newest checkpoint known clean before the failure (its marks), with the loop's option that loads
-    it; else one older than ``older_than``, and why none is known clean. Never Megatron's exit save:
-    labelled with the iteration before the failing one, it holds what the failing step found."""
-    known = e.clean_checkpoint
+CLEAN_MARKS = "every rank's weights, main copies and optimizer moments finite when it was saved"
+
+
+def restart_from(e: Evidence, s: Setting, older_than: str, clean: str = CLEAN_MARKS,
+                 before_resume: bool = False) -> NextStep:
+    """The newest checkpoint known clean before the failure (its marks; ``before_resume``: older than the one
+    the launch resumed from), with the loop's option that loads it; else one older than ``older_than``, and
+    why none is known clean. Never Megatron's exit save: labelled with the iteration before the failing
+    one, it holds what the failing step found."""
+    known = e.clean_before_resume if before_resume else e.clean_checkpoint
     if known is not None:
         how, command = (None, None) if known.iteration is None else load_option(e.loop, known.iteration)
         return NextStep(Action.RESUME, Action.RESUME.wording(
-            f"{known.text()}, the newest known clean (every rank's weights, main copies and optimizer moments"
-            f" finite when it was saved), older than {older_than}; the later ones hold the bad values or were"
-            " written after the failure" + ("" if how is None else f" ({how})")), command)
+            f"{known.text()}, the newest known clean ({clean}), older than {older_than}; the later ones hold"
+            " the bad values or were written after the failure" + ("" if how is None else f" ({how})")),
+            command)
     marks = Fact.CHECKPOINT_MARKS
-    why = (e.no_clean_checkpoint if marks in e.observed
+    why = ((e.no_clean_before_resume if before_resume else e.no_clean_checkpoint) if marks in e.observed
            else f"the run directory holds no checkpoint marks (to have them: {marks.how_to_observe})")
     exit_save = ("; not Megatron's exit save, labelled with the iteration before the failing one but written"
                  " after the failure" if s.megatron_reran else "")
@@ -154,11 +159,12 @@ def resume_before_weights(e: Evidence, s: Setting, so_far: Steps) -> Steps:
 
 
 def resume_before_divergence(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Before the replica check that saw the replicas differ (the corruption came after the check before).
-    Not the newest checkpoint its marks call clean: a mark reads finiteness, and a flipped bit is finite."""
+    """The newest save its marks call clean and written before the last replica check that saw the replicas
+    equal (the marks of a launch whose check saw them differ are not clean since then: a flipped bit is
+    finite, and with two replicas which copy a save holds is not known)."""
     before = f"{_failing_step(e)}, the replica check that saw the replicas differ"
-    return (NextStep(Action.RESUME, Action.RESUME.wording(
-        f"a checkpoint older than {before}; later ones may hold the differing copy")),)
+    return (restart_from(e, s, before, CLEAN_MARKS + ", and written before the last replica check that saw"
+                         " the replicas equal"),)
 
 
 def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -171,9 +177,14 @@ def restore_rows(e: Evidence, s: Setting, so_far: Steps) -> Steps:
                        "; not from the checkpoint Megatron's validate_results wrote at its exit"
                        + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
                        + ", which holds the weights as the failing step found them")
+    known = e.clean_checkpoint
+    how, command = ((None, None) if known is None or known.iteration is None
+                    else load_option(e.loop, known.iteration))
+    clean = ("" if known is None else f"; the newest save known clean is {known.text()} (its marks: every"
+             " weight finite and no vocabulary row out of range)" + ("" if how is None else f" ({how})"))
     return tuple(NextStep(Action.RESTORE_ROW, Action.RESTORE_ROW.wording(
-        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}") + exit_checkpoint)
-        for (name, row, token), ranks in list(held.items())[:MAX_DRAINED])
+        f"row {row} of {untrusted(name)} (token {token}) on {e.labelled(ranks)}") + exit_checkpoint + clean,
+        command) for (name, row, token), ranks in list(held.items())[:MAX_DRAINED])
 
 
 def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Steps:
@@ -186,7 +197,13 @@ def skip_where_the_data_reads_it(e: Evidence, s: Setting, so_far: Steps) -> Step
 
 
 def resume_before_update(e: Evidence, s: Setting, so_far: Steps) -> Steps:
-    """Before the update that wrote the bad weights."""
+    """Before the update that wrote the bad weights; where that was the launch's first, the state it used
+    came with the checkpoint the launch resumed from: before that one."""
+    if e.step == 2:
+        resumed = "" if e.iteration is None else f" (iteration {e.iteration - e.step})"
+        return (restart_from(e, s, f"the checkpoint this launch resumed from{resumed}: the update of step 1,"
+                             " the launch's first, used the optimizer state that came with it",
+                             before_resume=True),)
     when = f"step {e.step - 1}" + ("" if e.iteration is None else f" (iteration {e.iteration - 1})")
     return (restart_from(e, s, f"the update of {when}, which wrote them"),)
 

@@ -224,6 +224,9 @@ class Evidence:
     # the checkpoint marks: the newest checkpoint known clean before the failure, else why none is
     clean_checkpoint: Optional[KnownCheckpoint] = None
     no_clean_checkpoint: str = ""
+    # the same, older than the checkpoint this launch resumed from (where what is bad came with it)
+    clean_before_resume: Optional[KnownCheckpoint] = None
+    no_clean_before_resume: str = ""
 
     @property
     def link_faults(self) -> Tuple[LinkFinding, ...]:

@@ -49,7 +49,9 @@ def bad_state(e: Evidence) -> str:
         if e.bad_weights else ""
     return (f"the optimizer update of step {e.step - 1} wrote a non-finite weight from finite gradients: the"
             f" optimizer state is bad on {e.labelled(ranks)}: {fault.text()}{weights}. A moment gone bad is"
-            " a corrupted optimizer state (a bad write, a faulty device, a bad resume of optimizer state)")
+            " a corrupted optimizer state (a bad write, a faulty device, a bad resume of optimizer state)"
+            + ("; that update was the launch's first, so the state most likely came with the checkpoint it"
+               " resumed from" if e.step == 2 else ""))
 
 
 def one_replica_weights(e: Evidence) -> str:

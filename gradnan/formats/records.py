@@ -221,7 +221,10 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
                                                            "optimizer_state_checked"))
             or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))
             or not optional(record.get("learning_rates"), _is_learning_rates)
-            or not optional(record.get("outlying_rows"), _is_rows)):
+            or not optional(record.get("outlying_rows"), _is_rows)
+            or not optional(record.get("negative_total"), is_int)
+            or not optional(record.get("negative_moments"), lambda found: isinstance(found, list) and all(
+                map(_is_mark_entry, found)) and len(found) <= (record.get("negative_total") or 0))):
         raise InputError(f"{where}: a state record needs each param's 'copy' one of"
                          f" {', '.join(WEIGHT_COPIES)}, a text 'weights_digest', 'launch_weights_finite'"
                          " null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
@@ -249,12 +252,13 @@ def _check_divergence(record: Dict[str, Any], where: str) -> None:
     ranks, diverged = record.get("differing_ranks"), record.get("diverged")
     if (not all(is_int(record.get(key)) for key in ("read_at_step", "replicas", "differing_total",
                                                      "diverged_total"))
-            or not optional(record.get("agreeing"), is_int)
+            or not all(optional(record.get(key), is_int) for key in ("agreeing", "last_equal_step"))
             or not (isinstance(ranks, list) and len(ranks) <= MAX_DIFFERING_RANKS and all(map(is_int, ranks)))
             or not (isinstance(diverged, list) and len(diverged) <= MAX_DIVERGED_PARAMS
                     and all(map(_is_diverged, diverged)))):
         raise InputError(f"{where}: a replica_divergence record needs integers 'read_at_step', 'replicas',"
-                         " 'differing_total' and 'diverged_total', 'agreeing' null or an integer, a"
+                         " 'differing_total' and 'diverged_total', 'agreeing' and 'last_equal_step' null or"
+                         " integers, a"
                          f" 'differing_ranks' list of at most {MAX_DIFFERING_RANKS} integers and a 'diverged'"
                          f" list of at most {MAX_DIVERGED_PARAMS} objects with a text 'name', 'numel'/'flat'"
                          " null or integers, 'index' null or a list of integers and 'value'/'majority_value'"
@@ -290,13 +294,16 @@ def _check_checkpoint(record: Dict[str, Any], where: str) -> None:
             or not optional(record.get("checkpoint"), is_text)
             or not (isinstance(checked, dict) and all(is_int(checked.get(key)) for key in MARKED_TENSORS))
             or not (isinstance(bad, list) and all(map(_is_mark_entry, bad)))
+            or not optional(record.get("outlying_rows"), _is_rows)
             or record["clean"] != (record["nonfinite_total"] == 0) or len(bad) > record["nonfinite_total"]):
         raise InputError(f"{where}: a checkpoint record needs a boolean 'clean' (true exactly where"
                          " 'nonfinite_total' is 0), a text 'weights_digest', integer"
                          " 'save'/'nonfinite_total',"
                          " 'saved_iteration'/'after_incident' null or integers, 'checkpoint' null or text, a"
-                         f" 'checked' object of integer {'/'.join(MARKED_TENSORS)} and a 'nonfinite' list of"
-                         " at most 'nonfinite_total' objects with text 'name'/'tensor'")
+                         f" 'checked' object of integer {'/'.join(MARKED_TENSORS)}, a 'nonfinite' list of"
+                         " at most 'nonfinite_total' objects with text 'name'/'tensor', 'outlying_rows'"
+                         f" absent, null or a list of at most {MAX_ROWS} rows, and 'negative_moments' absent,"
+                         " null or a list of at most 'negative_total' such objects")
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -80,9 +80,11 @@ class Divergence:
     ranks: Tuple[int, ...]
     params: Tuple[Dict[str, Any], ...]
     params_total: int
+    last_equal_step: Optional[int] = None  # the last check before it that saw the replicas equal
 
     def record_fields(self, read_at: int) -> Dict[str, Any]:
-        return {"iteration": self.iteration, "read_at_step": read_at, "replicas": self.replicas,
+        return {"iteration": self.iteration, "read_at_step": read_at, "last_equal_step": self.last_equal_step,
+                "replicas": self.replicas,
                 "agreeing": self.agreeing, "differing_ranks": list(self.ranks[:MAX_NAMED_RANKS]),
                 "differing_total": len(self.ranks), "diverged": list(self.params),
                 "diverged_total": self.params_total}
@@ -140,6 +142,7 @@ class ReplicaCheck:
     def __init__(self, every: int, group: Callable[[], Any]) -> None:
         self._every, self._group = every, group
         self._pending: Optional[Check] = None
+        self._last_equal: Optional[int] = None  # the step of the last check read that saw them equal
 
     def due(self, step: int) -> bool:
         """A check is due, or the last one's result is to be read."""
@@ -171,10 +174,13 @@ class ReplicaCheck:
 
     def _read(self, now: Dict[str, torch.Tensor], group: Any, size: int) -> Optional[Divergence]:
         pending, self._pending = self._pending, None
-        if pending is None or not pending.differed():
+        if pending is None:
+            return None
+        if not pending.differed():
+            self._last_equal = pending.step
             return None
         self._every = 0  # the first divergence is the one to record: the replicas stay apart from now on
-        return self._locate(pending, now, group, size)
+        return replace(self._locate(pending, now, group, size), last_equal_step=self._last_equal)
 
     @staticmethod
     def start(step: int, iteration: Optional[int], named: Weights, group: Any) -> Check:

@@ -201,7 +201,10 @@ def _saved_tensors(state: StepState) -> List[Tuple[str, str, torch.Tensor]]:
 @torch.no_grad()
 def checkpoint_mark(state: StepState) -> Dict[str, Any]:
     """A ``checkpoint`` record's fields for a save of this rank's ``state``: ``clean`` where every weight,
-    main copy and optimizer moment is finite, the non-finite ones listed, and ``weights_digest``. The
+    main copy and optimizer moment is finite, the non-finite ones listed, the vocabulary's rows far out of
+    range (``outlying_rows``: a token's row at 1e30 is finite, and fails wherever it is read), the second
+    moments below zero (``negative_moments``: finite, and the next update's square root of one is NaN), and
+    ``weights_digest``. The
     scan's first level (``nonfinite_indices``: fused largest magnitudes, NaN and Inf carried through, one
     host read) and the digest's one read per dtype: at a save, which copies every tensor anyway, never on
     a training step."""
@@ -210,5 +213,10 @@ def checkpoint_mark(state: StepState) -> Dict[str, Any]:
            for index in nonfinite_indices([tensor for _, _, tensor in saved])]
     kinds = [what if what in ("weight", "main") else "moment" for what, _, _ in saved]
     checked = {key: kinds.count(key) for key in ("weight", "main", "moment")}
-    return {"clean": not bad, "nonfinite": bad[:MAX_MARK_ENTRIES], "nonfinite_total": len(bad),
-            "checked": checked, "weights_digest": weights_digest(state.weights)}
+    second = [(name, tensor) for what, name, tensor in saved if what == "exp_avg_sq"]
+    lowest = torch.stack([tensor.detach().min().float() for _, tensor in second]).tolist() if second else []
+    negative = [{"name": name, "tensor": "exp_avg_sq"} for (name, _), low in zip(second, lowest) if low < 0]
+    return {"negative_moments": negative[:MAX_MARK_ENTRIES], "negative_total": len(negative),
+            "clean": not bad, "nonfinite": bad[:MAX_MARK_ENTRIES], "nonfinite_total": len(bad),
+            "checked": checked, "weights_digest": weights_digest(state.weights),
+            "outlying_rows": outlying_rows(state.weights)}

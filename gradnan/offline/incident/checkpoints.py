@@ -6,7 +6,10 @@ A save is clean when every rank of the job marked it and every mark found its we
 main copies and moments finite. Before a failure, only a save made before it counts: none made after the
 launch's first incident (Megatron's exit save under ``validate_results`` among them, labelled with the
 iteration before the failing one), and none that a later save of the same iteration to the same place
-wrote over (that exit save writes over the regular save of that iteration).
+wrote over (that exit save writes over the regular save of that iteration). Where a periodic replica check
+of a launch saw its data-parallel replicas differ, no save of that launch written since the last check that
+saw them equal is known clean: which replica's copy it holds is not known (with two replicas, no majority
+tells the good one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...decision.evidence import KnownCheckpoint
 from ...formats.incident import RecordKind
-from ...formats.text import untrusted
+from ...formats.layout import vocabulary_token
+from ...formats.schema import NONFINITE_WORDS, is_int
+from ...formats.text import magnitude, untrusted
 from .runs import split_runs
 
 MAX_NAMED = 4  # non-finite tensors (and ranks) a save's description names
@@ -40,6 +45,11 @@ class Save:
     world_size: Optional[int]
     nonfinite: Tuple[Tuple[int, str, str], ...]
     unclean_ranks: Tuple[int, ...]
+    step: Optional[int] = None  # the launch's step when it was saved (its marks' ``step``)
+    # the vocabulary's rows far out of range, finite (``outlying_rows``): each described with its rank
+    outlying: Tuple[str, ...] = ()
+    negative: Tuple[Tuple[int, str], ...] = ()  # (rank, parameter) of second moments below zero
+    replicas_unequal: str = ""  # why the replicas' copies it holds are not known equal, where they are not
 
     @property
     def all_marked(self) -> bool:
@@ -47,7 +57,8 @@ class Save:
 
     @property
     def clean(self) -> bool:
-        return self.all_marked and not self.unclean_ranks
+        return (self.all_marked and not self.unclean_ranks and not self.outlying and not self.negative
+                and not self.replicas_unequal)
 
     def place(self) -> Tuple[Optional[str], Optional[int]]:
         """What a later save of the same place writes over (None: a save that names neither)."""
@@ -65,6 +76,17 @@ class Save:
             more = len(self.nonfinite) - MAX_NAMED
             return (f"not clean: non-finite on rank(s) {', '.join(map(str, self.unclean_ranks))}: {shown}"
                     + (f" and {more} more listed" if more > 0 else ""))
+        if self.outlying:
+            more = len(self.outlying) - MAX_NAMED
+            return ("not clean: a vocabulary row far out of range (finite): "
+                    + "; ".join(self.outlying[:MAX_NAMED]) + (f" and {more} more" if more > 0 else ""))
+        if self.negative:
+            shown = ", ".join(f"{untrusted(name)} on rank {rank}" for rank, name in self.negative[:MAX_NAMED])
+            more = len(self.negative) - MAX_NAMED
+            return (f"not clean: a second moment (exp_avg_sq) below zero: {shown}"
+                    + (f" and {more} more" if more > 0 else ""))
+        if self.replicas_unequal:
+            return f"not known clean: {self.replicas_unequal}"
         if not self.all_marked:
             return (f"not known clean: marked by {len(self.ranks)} of"
                     f" {self.world_size if self.world_size is not None else 'an unknown number of'} ranks")
@@ -78,15 +100,46 @@ class Save:
                               for rank, name, tensor in self.nonfinite]}
 
 
+def _row_text(mark: Dict[str, Any], row: Dict[str, Any]) -> str:
+    token = vocabulary_token(mark["rank"].get("tp"), row["rows"], row["row"])
+    return (f"row {row['row']} of {untrusted(row['name'])} (token {token}) on rank"
+            f" {mark['rank'].get('global_rank')}: largest magnitude {magnitude(row['largest'])},"
+            f" the rows' median {magnitude(row['median'])}")
+
+
+def _replicas_unequal(divergences: Sequence[Dict[str, Any]]) -> Tuple[Optional[int], str]:
+    """From a launch's ``replica_divergence`` records, the step of the last check that saw its replicas
+    equal (a save marked at a later step is not known to hold equal copies; None: no save of the launch
+    is), and why; ("", no divergence) where none was seen."""
+    steps = [record for record in divergences if is_int(record.get("step"))]
+    if not steps:
+        return None, ""
+    first = min(steps, key=lambda record: record["step"])
+    equal = first.get("last_equal_step")
+    equal = equal if is_int(equal) and equal < first["step"] else None
+    since = (f"written since the last replica check that saw the data-parallel replicas equal (step {equal})"
+             if equal is not None else "written before any replica check of its launch saw the data-parallel"
+             " replicas equal")
+    return equal, (f"{since}; the check of step {first['step']} saw them differ, and which replica's copy it"
+                   " holds is not known")
+
+
 def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
     """Every save the run directory's checkpoint marks name, oldest first."""
-    marks = [record for record in records if record.get("kind") == RecordKind.CHECKPOINT]
+    kept = [record for record in records
+            if record.get("kind") in (RecordKind.CHECKPOINT, RecordKind.REPLICA_DIVERGENCE)]
     saves = []
-    for launch, in_launch in split_runs(marks).items():
-        for (number, *_), group in sorted(_by_save(in_launch).items(), key=lambda item: item[0][0]):
+    for launch, in_launch in split_runs(kept).items():
+        equal_until, unequal = _replicas_unequal([record for record in in_launch
+                                                  if record["kind"] == RecordKind.REPLICA_DIVERGENCE])
+        marks = [record for record in in_launch if record["kind"] == RecordKind.CHECKPOINT]
+        for (number, *_), group in sorted(_by_save(marks).items(), key=lambda item: item[0][0]):
             group.sort(key=lambda record: record["rank"].get("global_rank", -1))
             first = group[0]
             sizes = [record["rank"].get("world_size") for record in group]
+            step = min((record["step"] for record in group if is_int(record.get("step"))), default=None)
+            # a mark's step is the step about to run: that save holds the weights a check of its step reads
+            suspect = bool(unequal) and (equal_until is None or step is None or step > equal_until)
             saves.append(Save(
                 launch=launch, number=number, iteration=first.get("saved_iteration"),
                 path=first.get("checkpoint"),
@@ -98,7 +151,13 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
                 nonfinite=tuple((record["rank"].get("global_rank"), entry["name"], entry["tensor"])
                                 for record in group for entry in record["nonfinite"]),
                 unclean_ranks=tuple(record["rank"].get("global_rank") for record in group
-                                    if not record["clean"])))
+                                    if not record["clean"]),
+                step=step, replicas_unequal=unequal if suspect else "",
+                outlying=tuple(_row_text(record, row) for record in group
+                               for row in record.get("outlying_rows") or ()
+                               if row["largest"] not in NONFINITE_WORDS),
+                negative=tuple((record["rank"].get("global_rank"), entry["name"]) for record in group
+                               for entry in record.get("negative_moments") or ())))
     return sorted(saves, key=lambda save: save.time)
 
 
@@ -125,14 +184,14 @@ def _overwritten(save: Save, saves: Sequence[Save]) -> Optional[Save]:
 
 
 def why_not(save: Save, saves: Sequence[Save], failure_time: float,
-            iteration: Optional[int]) -> Optional[str]:
+            iteration: Optional[int], limit: str = "the failing iteration") -> Optional[str]:
     """Why ``save`` is not a checkpoint to restart from after a failure at ``failure_time`` (of Megatron-LM's
-    ``iteration``, where known); None: it is one."""
+    ``iteration``, where known: ``limit`` says what it is); None: it is one."""
     if save.after_incident is not None or save.time >= failure_time:
         incident = "" if save.after_incident is None else f" (the incident of step {save.after_incident})"
         return f"{save.name()} was written after the failure{incident}"
     if iteration is not None and save.iteration is not None and save.iteration >= iteration:
-        return f"{save.name()} is not older than the failing iteration {iteration}"
+        return f"{save.name()} is not older than {limit} {iteration}"
     over = _overwritten(save, saves)
     if over is not None:
         after = " after the failure" if over.after_incident is not None or over.time >= failure_time else ""
@@ -142,13 +201,13 @@ def why_not(save: Save, saves: Sequence[Save], failure_time: float,
     return None
 
 
-def newest_clean(saves: Sequence[Save], failure_time: float,
-                 iteration: Optional[int]) -> Tuple[Optional[KnownCheckpoint], str]:
-    """The newest checkpoint saved before the failure and known clean, else None and why none is (the
-    newest saves' reasons)."""
+def newest_clean(saves: Sequence[Save], failure_time: float, iteration: Optional[int],
+                 limit: str = "the failing iteration") -> Tuple[Optional[KnownCheckpoint], str]:
+    """The newest checkpoint saved before the failure, older than ``iteration`` (``limit`` says what it
+    is) and known clean, else None and why none is (the newest saves' reasons)."""
     reasons = []
     for save in reversed(saves):
-        reason = why_not(save, saves, failure_time, iteration)
+        reason = why_not(save, saves, failure_time, iteration, limit)
         if reason is None:
             return KnownCheckpoint(save.iteration, save.path), ""
         reasons.append(reason)

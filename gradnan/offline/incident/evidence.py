@@ -269,6 +269,11 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     largest = next((entry["largest_grad"] for entry in origin if entry.get("largest_grad")), None)
     failed_at = min((r.get("time") or math.inf for r in list(at_step) + list(reruns)), default=math.inf)
     clean, no_clean = newest_clean(saves, failed_at, iteration)
+    # where the state came with the launch: older than the checkpoint it resumed from (iteration - step)
+    resumed_from = "the checkpoint this launch resumed from, iteration"
+    before_resume = (newest_clean(saves, failed_at, iteration - step, resumed_from)
+                     if isinstance(iteration, int) and counted(iteration)
+                     else (None, "the iteration this launch resumed from is not recorded"))
     return Evidence(
         step=step, iteration=iteration, iterations_seen=iterations_seen,
         loop=loop_of([*at_step, *reruns, *divergences]),
@@ -321,6 +326,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
         observed=_observed(at_step, states, rerun, pattern, origin, compared) | (
             {Fact.CHECKPOINT_MARKS} if saves else set()),
         clean_checkpoint=clean, no_clean_checkpoint=no_clean,
+        clean_before_resume=before_resume[0], no_clean_before_resume=before_resume[1],
         conflicts=tuple(said for said, _ in conflicts),
         conflict_ranks=tuple(sorted({rank for _, ranks in conflicts for rank in ranks})))
 
