@@ -228,7 +228,8 @@ def resumed_run(marks):
                          "params_total": 1, "pre_reduction": "nonfinite"})
         bad = [{"id": 0, "name": WEIGHT, "copy": "model", "nan": 1, "inf": 0, "first_bad_index": [0, 0]}]
         incident.append({**base, "kind": "state", "params": bad, "params_total": 1, "weights_digest": "d",
-                         "params_checked": 2, "optimizer_state_total": 1, "optimizer_state_checked": 2, "launch_weights_finite": True,
+                         "params_checked": 2, "optimizer_state_total": 1, "optimizer_state_checked": 2,
+                         "launch_weights_finite": True,
                          "optimizer_state": [{"name": WEIGHT, "state": "exp_avg_sq", "nan": 0, "inf": 0,
                                               "negative": 1}]})
     return RunFiles(Path("/run"), records={Path("/run/records/r.jsonl"): incident + list(marks)})
