@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                                       " clean or not, and why")
     checkpoints.add_argument("run_dir", type=Path)
     checkpoints.add_argument("--json", action="store_true", help="the saves as a JSON list")
+    checkpoints.add_argument("--last", type=positive, metavar="N", default=SAVES_SHOWN,
+                             help=f"only the newest N saves (default {SAVES_SHOWN}); how many older ones"
+                                  " there are is said")
     maps = commands.add_parser("maps", help="which parameter is id N on a rank")
     maps.add_argument("run_dir", type=Path)
     maps.add_argument("--rank", help="global rank (3) or coordinates (tp1,pp0,dp1)")
@@ -179,12 +182,24 @@ def _frames_command(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return sorted(chosen, key=lambda r: (r["step"], r["rank"]["global_rank"]))
 
 
+SAVES_SHOWN = 100  # saves ``gradnan checkpoints`` lists by default (a run directory may hold 50,000)
+
+
 def _checkpoints_command(args: argparse.Namespace) -> List[Save]:
+    """The newest ``--last`` saves; how many older ones were left out is said on stderr (with --json) or
+    on the listing's first line."""
     saves = saves_of(read_run(args.run_dir).all_records())
     if not saves:
         raise InputError(f"{args.run_dir}: no checkpoint marks (a checkpoint is marked when it is saved with"
                          " gradnan installed, its patch 'checkpoint' on)")
-    return saves
+    older = len(saves) - args.last
+    if older > 0:
+        note = f"{older} older save(s) not shown: --last {len(saves)} lists them all"
+        if args.json:
+            print(note, file=sys.stderr)
+        else:
+            say(f"({note})")
+    return saves[-args.last:]
 
 
 def _compare_command(args: argparse.Namespace, limits: ReplayLimits) -> str:

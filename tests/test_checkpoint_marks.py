@@ -251,3 +251,18 @@ def test_a_bad_moment_that_came_with_the_resumed_checkpoint_restarts_from_the_on
     [step] = [step for step in report.incident.next_steps if step.action.value == "resume"]
     assert step.text.startswith("restart from the checkpoint of iteration 10 ("), step.text
     assert "older than the checkpoint this launch resumed from (iteration 20)" in step.text, step.text
+
+
+def test_gradnan_checkpoints_lists_the_newest_saves_and_counts_the_older(tmp_path, capsys):
+    """Issue 60: over 50,000 saves it printed 50,000 lines (and --json 800,002)."""
+    marks = [mark_record(save, save, 0, float(save), world_size=1) for save in range(1, 131)]
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "rank00000.jsonl").write_text("".join(json.dumps(mark) + "\n" for mark in marks))
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "(30 older save(s) not shown: --last 130 lists them all)" and len(lines) == 101
+    assert "iteration 31 " in lines[1] and "iteration 130 " in lines[-1]
+    assert main(["checkpoints", str(tmp_path), "--json", "--last", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert [save["iteration"] for save in json.loads(out)] == [126, 127, 128, 129, 130]
+    assert err.strip() == "125 older save(s) not shown: --last 130 lists them all"
