@@ -266,3 +266,23 @@ def test_gradnan_checkpoints_lists_the_newest_saves_and_counts_the_older(tmp_pat
     out, err = capsys.readouterr()
     assert [save["iteration"] for save in json.loads(out)] == [126, 127, 128, 129, 130]
     assert err.strip() == "125 older save(s) not shown: --last 130 lists them all"
+
+
+def _mark_as(rank, world_size, save=1, iteration=1):
+    mark = mark_record(save, iteration, rank, 10.0 + rank, world_size=world_size)
+    mark["rank"] = {**mark["rank"], "global_rank": rank, "dp": rank}
+    return mark
+
+
+@pytest.mark.parametrize("marks, why", [
+    # ranks 0-2 and a rank 7 of a 4-rank job: rank 3 never marked it
+    ([_mark_as(rank, 4) for rank in (0, 1, 2, 7)],
+     "marked by 3 of 4 ranks, and 1 mark(s) from outside the job"),
+    # one rank's mark claims a world of one, where the job's other records say four
+    ([_mark_as(0, 1)], "marked by 0 of 4 ranks, and 1 mark(s) from outside the job"),
+])
+def test_marks_that_do_not_cover_the_jobs_ranks_cannot_make_a_save_clean(marks, why):
+    """Issue 60: marks counted without checking the job."""
+    job = [{**_mark_as(rank, 4, save=2, iteration=2), "kind": "pre_reduction"} for rank in range(4)]
+    [save] = [save for save in saves_of(marks + job) if save.iteration == 1]
+    assert not save.clean and save.condition() == f"not known clean: {why}"

@@ -49,11 +49,15 @@ class Save:
     # the vocabulary's rows far out of range, finite (``outlying_rows``): each described with its rank
     outlying: Tuple[str, ...] = ()
     negative: Tuple[Tuple[int, str], ...] = ()  # (rank, parameter) of second moments below zero
+    foreign: int = 0  # marks from outside the job: another world size, or a rank outside it
     replicas_unequal: str = ""  # why the replicas' copies it holds are not known equal, where they are not
 
     @property
     def all_marked(self) -> bool:
-        return self.world_size is not None and len(self.ranks) >= self.world_size
+        """Every rank of the job marked it: its ranks are exactly 0 .. world_size - 1 (a mark from a rank
+        outside the job, or claiming another world size, counts for nothing)."""
+        return (self.world_size is not None and not self.foreign
+                and set(self.ranks) == set(range(self.world_size)))
 
     @property
     def clean(self) -> bool:
@@ -89,7 +93,8 @@ class Save:
             return f"not known clean: {self.replicas_unequal}"
         if not self.all_marked:
             return (f"not known clean: marked by {len(self.ranks)} of"
-                    f" {self.world_size if self.world_size is not None else 'an unknown number of'} ranks")
+                    f" {self.world_size if self.world_size is not None else 'an unknown number of'} ranks"
+                    + (f", and {self.foreign} mark(s) from outside the job" if self.foreign else ""))
         return "clean"
 
     def to_json(self) -> Dict[str, Any]:
@@ -124,19 +129,34 @@ def _replicas_unequal(divergences: Sequence[Dict[str, Any]]) -> Tuple[Optional[i
                    " holds is not known")
 
 
+def job_world_size(records: Sequence[Dict[str, Any]]) -> Optional[int]:
+    """The job's world size: the one most of its records name (the larger where two tie); a record claiming
+    another cannot make a save clean."""
+    counts: Dict[int, int] = {}
+    for record in records:
+        size = record["rank"].get("world_size")
+        if is_int(size) and size > 0:
+            counts[size] = counts.get(size, 0) + 1
+    return max(counts, key=lambda size: (counts[size], size)) if counts else None
+
+
 def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
-    """Every save the run directory's checkpoint marks name, oldest first."""
-    kept = [record for record in records
-            if record.get("kind") in (RecordKind.CHECKPOINT, RecordKind.REPLICA_DIVERGENCE)]
+    """Every save the run directory's checkpoint marks name, oldest first; a save counts the marks of the
+    job's ranks (``job_world_size``), each once."""
     saves = []
-    for launch, in_launch in split_runs(kept).items():
+    for launch, in_launch in split_runs([record for record in records if record.get("kind")]).items():
+        if not any(record["kind"] == RecordKind.CHECKPOINT for record in in_launch):
+            continue
         equal_until, unequal = _replicas_unequal([record for record in in_launch
                                                   if record["kind"] == RecordKind.REPLICA_DIVERGENCE])
         marks = [record for record in in_launch if record["kind"] == RecordKind.CHECKPOINT]
+        world = job_world_size(in_launch)
         for (number, *_), group in sorted(_by_save(marks).items(), key=lambda item: item[0][0]):
             group.sort(key=lambda record: record["rank"].get("global_rank", -1))
             first = group[0]
-            sizes = [record["rank"].get("world_size") for record in group]
+            inside = [rank for rank, size in ((r["rank"].get("global_rank"), r["rank"].get("world_size"))
+                                              for r in group)
+                      if size == world and is_int(rank) and 0 <= rank < world]
             step = min((record["step"] for record in group if is_int(record.get("step"))), default=None)
             # a mark's step is the step about to run: that save holds the weights a check of its step reads
             suspect = bool(unequal) and (equal_until is None or step is None or step > equal_until)
@@ -146,8 +166,7 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
                 time=min(record.get("time") or 0.0 for record in group),
                 after_incident=min((record["after_incident"] for record in group
                                     if record.get("after_incident") is not None), default=None),
-                ranks=tuple(record["rank"].get("global_rank") for record in group),
-                world_size=max((size for size in sizes if isinstance(size, int)), default=None),
+                ranks=tuple(dict.fromkeys(inside)), world_size=world, foreign=len(group) - len(inside),
                 nonfinite=tuple((record["rank"].get("global_rank"), entry["name"], entry["tensor"])
                                 for record in group for entry in record["nonfinite"]),
                 unclean_ranks=tuple(record["rank"].get("global_rank") for record in group
