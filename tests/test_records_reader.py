@@ -688,11 +688,16 @@ ROW = {"name": "embedding.word_embeddings.weight", "rows": 64, "row": 7, "larges
 
 
 @pytest.mark.parametrize("rows", [[{**ROW, "row": 64}], [{**ROW, "row": -1}], [{**ROW, "largest": [1]}],
-                                  [{**ROW, "every_step": "yes"}], [{**ROW, "name": 3}], [ROW] * 65, ROW])
+                                  [{**ROW, "every_step": "yes"}], [{**ROW, "name": 3}], [ROW] * 65, ROW,
+                                  # issue 60: a row no writer lists
+                                  [{**ROW, "largest": 1e-9, "median": 1.0}], [{**ROW, "median": 0.0}],
+                                  [{**ROW, "name": "decoder.layers.0.mlp.linear_fc1.weight"}],
+                                  [{**ROW, "rows": 2**62 + 1, "row": 2**62}]])
 def test_a_state_records_outlying_rows_are_checked_at_the_boundary(rows):
     """Issue 48, case 6: a row outside its shard, a largest magnitude that is no number, a list too long:
     one named problem, never a traceback in the evidence code; a well-formed list (every_step absent too)
-    is read."""
+    is read. Issue 60: a row not out of line (1e-09 under a median of 1), of a weight that holds no
+    vocabulary, or of a shard of 2^62 rows is none the writer lists."""
     state = {**a_record(2), "kind": "state", "weights_digest": "d", "params_checked": 1, "params": [],
              "optimizer_state_total": 0, "optimizer_state_checked": 0, "optimizer_state": []}
     assert records.from_json({**state, "outlying_rows": [ROW, {**ROW, "every_step": None}]}, "f:1")

@@ -166,6 +166,11 @@ def rank_ranges(ranks: Sequence[int], max_chars: int = 72) -> str:
     return text
 
 
+VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # a row per token
+ROW_OUTLIER = 1e4  # a row whose largest magnitude is this many times the rows' median: no trained row is
+MAX_VOCABULARY = 2**31  # rows of a vocabulary shard: far above any tokenizer's
+
+
 def vocabulary_token(tp: Any, rows: int, row: int) -> int:
     """The token a row of a vocabulary weight holds: ``row`` of tensor-parallel rank ``tp``'s shard of
     ``rows`` rows (Megatron splits the padded vocabulary evenly over the tensor-parallel ranks)."""

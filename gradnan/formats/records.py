@@ -25,6 +25,8 @@ from typing import (
 )
 
 from ..errors import InputError
+from .divergence_record import check_divergence
+from .layout import MAX_VOCABULARY, ROW_OUTLIER, VOCABULARY_ROWS
 from .loop import LoopKind, is_loop
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
 from .rerun_record import MAX_DIMS, check_rerun
@@ -131,7 +133,7 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "state":
         _check_state(record, where)
     elif record.get("kind") == "replica_divergence":
-        _check_divergence(record, where)
+        check_divergence(record, where)
     elif record.get("kind") == "checkpoint":
         _check_checkpoint(record, where)
     return record
@@ -200,10 +202,19 @@ MAX_ROWS = 64  # far above what gradnan writes (8)
 def _is_row(entry: Any) -> bool:
     """An outlying vocabulary row: its weight's name, the shard's row count, the row, its largest magnitude,
     the rows' median and whether every step reads it."""
-    return (isinstance(entry, dict) and is_text(entry.get("name")) and is_int(entry.get("rows"))
-            and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"]
+    return (isinstance(entry, dict) and entry.get("name") in VOCABULARY_ROWS and is_int(entry.get("rows"))
+            and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"] <= MAX_VOCABULARY
             and is_stat(entry.get("largest")) and is_stat(entry.get("median"))
-            and optional(entry.get("every_step"), _is_bool))
+            and optional(entry.get("every_step"), _is_bool)
+            and _out_of_line(entry["largest"], entry["median"]))
+
+
+def _out_of_line(largest: Any, median: Any) -> bool:
+    """What makes the writer list a row (``training.weights.outlying_rows``): non-finite, or ``ROW_OUTLIER``
+    times a positive median."""
+    if not is_finite(largest):
+        return True
+    return is_finite(median) and median > 0 and largest > ROW_OUTLIER * median
 
 
 def _is_rows(value: Any) -> bool:
@@ -232,37 +243,10 @@ def _check_state(record: Dict[str, Any], where: str) -> None:
                          " 'name'/'state' and counts 'nan'/'inf'/'negative', and 'learning_rates' absent,"
                          f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
                          f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls, and 'outlying_rows'"
-                         f" absent, null or a list of at most {MAX_ROWS} objects with a text 'name', integer"
-                         " 'rows' and 'row' (0 <= row < rows), numeric 'largest' and 'median' and"
-                         " 'every_step' absent, null or a boolean")
-
-
-MAX_DIVERGED_PARAMS, MAX_DIFFERING_RANKS = 64, 1024  # far above what gradnan writes: 4 and 64
-
-
-def _is_diverged(entry: Any) -> bool:
-    """One parameter of a ``replica_divergence`` record: its first differing element where located."""
-    return (isinstance(entry, dict) and is_text(entry.get("name"))
-            and all(optional(entry.get(key), is_int) for key in ("numel", "flat"))
-            and optional(entry.get("index"), _is_index)
-            and all(optional(entry.get(key), is_stat) for key in ("value", "majority_value")))
-
-
-def _check_divergence(record: Dict[str, Any], where: str) -> None:
-    ranks, diverged = record.get("differing_ranks"), record.get("diverged")
-    if (not all(is_int(record.get(key)) for key in ("read_at_step", "replicas", "differing_total",
-                                                     "diverged_total"))
-            or not all(optional(record.get(key), is_int) for key in ("agreeing", "last_equal_step"))
-            or not (isinstance(ranks, list) and len(ranks) <= MAX_DIFFERING_RANKS and all(map(is_int, ranks)))
-            or not (isinstance(diverged, list) and len(diverged) <= MAX_DIVERGED_PARAMS
-                    and all(map(_is_diverged, diverged)))):
-        raise InputError(f"{where}: a replica_divergence record needs integers 'read_at_step', 'replicas',"
-                         " 'differing_total' and 'diverged_total', 'agreeing' and 'last_equal_step' null or"
-                         " integers, a"
-                         f" 'differing_ranks' list of at most {MAX_DIFFERING_RANKS} integers and a 'diverged'"
-                         f" list of at most {MAX_DIVERGED_PARAMS} objects with a text 'name', 'numel'/'flat'"
-                         " null or integers, 'index' null or a list of integers and 'value'/'majority_value'"
-                         " null or numbers")
+                         f" absent, null or a list of at most {MAX_ROWS} objects with a 'name' among"
+                         f" {', '.join(VOCABULARY_ROWS)}, integer 'rows' and 'row' (0 <= row < rows <="
+                         f" {MAX_VOCABULARY}), numeric 'largest' (non-finite, or over {ROW_OUTLIER:g} times a"
+                         " positive 'median') and 'every_step' absent, null or a boolean")
 
 
 def _is_links(links: Any) -> bool:
@@ -374,23 +358,31 @@ def _check_frames(record: Dict[str, Any], where: str) -> None:
 
 
 # a probe record's non-finite probes kept by the writer and by a reader, in call order; ``probes_total``
-# counts them all
+# counts them all: at most one per call of gradnan.check in one step on one rank, far below MAX_COUNTED
 MAX_PROBES = 1024
+MAX_COUNTED = 10**9
+
+
+def _is_count(value: Any) -> bool:
+    return is_int(value) and value >= 0
 
 
 def _check_probes(record: Dict[str, Any], where: str) -> None:
     probes = record.get("probes")
     # absent (written before it): every probe is listed; counted before the list is cut to what is kept
-    if not is_int(record.setdefault("probes_total", len(probes) if isinstance(probes, list) else 0)):
-        raise InputError(f"{where}: 'probes_total' must be an integer")
+    listed = len(probes) if isinstance(probes, list) else 0
+    total = record.setdefault("probes_total", listed)
+    if not (is_int(total) and listed <= total <= MAX_COUNTED):
+        raise InputError(f"{where}: 'probes_total' must be an integer from the probes listed ({listed}) to"
+                         f" {MAX_COUNTED}")
     if isinstance(probes, list) and len(probes) > MAX_PROBES:
         probes = record["probes"] = probes[:MAX_PROBES]
     if not isinstance(probes, list) or not all(
             isinstance(probe, dict) and is_text(probe.get("label")) and optional(probe.get("module"), is_text)
-            and is_int(probe.get("nan")) and is_int(probe.get("inf")) and is_stat(probe.get("abs_min"))
+            and _is_count(probe.get("nan")) and _is_count(probe.get("inf")) and is_stat(probe.get("abs_min"))
             and is_stat(probe.get("abs_max")) for probe in probes):
-        raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', integer"
-                         " 'nan'/'inf'")
+        raise InputError(f"{where}: a probe record needs a 'probes' list of text 'label', counts"
+                         " 'nan'/'inf' (integers from 0)")
 
 
 class Line(NamedTuple):

@@ -58,6 +58,10 @@ def check_rerun(record: Dict[str, Any], where: str) -> None:
                          f" 'reduction' absent, null or one of {', '.join(REDUCTION_FINDINGS)}, and"
                          " 'loss_here' absent, null or an object with 'loss'/'loss_again' one of"
                          f" {', '.join(SEEN_VALUES)}")
+    origin, world = record.get("origin_rank"), record["rank"].get("world_size")
+    if origin is not None and not 0 <= origin < (world if is_int(world) else origin + 1):
+        raise InputError(f"{where}: a rerun record's 'origin_rank' {origin} is no rank of its world of"
+                         f" {world} ranks")
 
 
 def is_loss_here(loss_here: Any) -> bool:

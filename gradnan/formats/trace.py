@@ -204,8 +204,10 @@ class Trace:
         decode(document["outputs"], _defined_in(defined, "the outputs"))
         first = document["first_nonfinite"]
         if first is not None and not (isinstance(first, dict) and set(first) == {"index", "op"}
-                                      and isinstance(first["index"], int) and isinstance(first["op"], str)):
-            raise TraceError("'first_nonfinite' must be null or {\"index\": int, \"op\": str}")
+                                      and type(first["index"]) is int and 0 <= first["index"] < len(ops)
+                                      and isinstance(first["op"], str)):
+            raise TraceError("'first_nonfinite' must be null or {\"index\": int, \"op\": str}, its index"
+                             " that of one of the trace's ops")
         digests = document.get("digests")
         if digests is not None:
             _checked_digests(digests, ops, version)

@@ -7,12 +7,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..formats.layout import VOCABULARY_ROWS
 from ..formats.maps import ParamSlot
 from ..formats.records import DTYPE_MAX
 from ..formats.schema import json_float
 from .scan import find_nonfinite, unravel
-
-VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")  # a row per token
 
 
 def vocabulary_rows(name: str, shape: Sequence[int]) -> Dict[str, int]:

@@ -14,9 +14,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from ..events import ParamTensors, StepState
+from ..formats.layout import ROW_OUTLIER, VOCABULARY_ROWS
 from ..formats.maps import ParamSlot
 from ..formats.schema import json_float
-from .offenders import VOCABULARY_ROWS, offending_params, vocabulary_rows
+from .offenders import offending_params, vocabulary_rows
 from .scan import SCANNED_DTYPES, find_nonfinite, integer_view, nonfinite_indices, unravel
 
 MAX_STATE_ENTRIES = 32  # optimizer-state findings a record lists (all are counted)
@@ -138,7 +139,6 @@ def finite_flag(weights: Sequence[Tuple[str, torch.Tensor]]) -> Optional[torch.T
     return torch.isfinite(torch.stack([norm.float() for norm in largest])).all()
 
 
-ROW_OUTLIER = 1e4  # a row whose largest magnitude is this many times the rows' median: no trained row is
 MAX_ROWS = 8  # rows a record lists (all are counted)
 
 

@@ -49,6 +49,7 @@ from .runs import SERIOUS_SKIPS, failing_step, split_runs
 from .runup import RankRunUp, RunUp, culprit_bucket, rank_runup
 from .runup import decide_ranks as runup_finding
 from .verdict import Incident, Report, Verdict
+from .world import inside_job, job_records
 
 
 def _known_ranks(files: RunFiles) -> Dict[int, Dict[str, Any]]:
@@ -380,14 +381,16 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
     """The report of one launch: ``run`` (a key of ``runs.split_runs``), else the latest launch with a
     failure, else the latest launch."""
     ranks = _known_ranks(files)
-    runs = split_runs(files.all_records())
+    jobs = {key: job_records(records) for key, records in split_runs(files.all_records()).items()}
+    runs = {key: kept for key, (_, kept, _) in jobs.items()}
     if run is not None and run not in runs:
         raise InputError(f"{files.run_dir}: no run {run!r} (runs: {', '.join(runs) or 'none'})")
     failing = {key: failing_step([r for r in records if _marks_failure(r)], serious_skips)
                for key, records in runs.items()}
     chosen = run or next((key for key in reversed(list(runs)) if failing[key] is not None),
                          next(reversed(list(runs)), None))
-    launch = runs.get(chosen, []) if chosen is not None else []
+    world, launch, outside = jobs[chosen] if chosen is not None else (None, [], ())
+    ranks = {rank: coords for rank, coords in ranks.items() if inside_job(coords, world)}
     incidents = [r for r in launch if r.get("kind") in INCIDENT_KINDS]
     by_launch = split_runs(list(files.bundles.values()) + launch) if files.bundles else {}
     if chosen is None and by_launch:  # no records (a healthy run): the latest launch its bundles tell
@@ -411,8 +414,8 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
             if record["step"] > first_step:
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))
     return Report(
-        run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems),
-        problems_total=max(getattr(files.problems, "total", 0), len(files.problems)),
+        run_dir=str(files.run_dir), ranks_seen=tuple(sorted(ranks)), problems=tuple(files.problems) + outside,
+        problems_total=max(getattr(files.problems, "total", 0), len(files.problems)) + len(outside),
         run=chosen,
         runs=tuple({"run": key, "first_step": failing[key],
                     "ranks": sorted({r["rank"].get("global_rank") for r in records})}

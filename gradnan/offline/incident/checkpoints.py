@@ -24,6 +24,7 @@ from ...formats.layout import vocabulary_token
 from ...formats.schema import NONFINITE_WORDS, is_int
 from ...formats.text import magnitude, untrusted
 from .runs import split_runs
+from .world import inside_job, job_world_size
 
 MAX_NAMED = 4  # non-finite tensors (and ranks) a save's description names
 
@@ -129,17 +130,6 @@ def _replicas_unequal(divergences: Sequence[Dict[str, Any]]) -> Tuple[Optional[i
                    " holds is not known")
 
 
-def job_world_size(records: Sequence[Dict[str, Any]]) -> Optional[int]:
-    """The job's world size: the one most of its records name (the larger where two tie); a record claiming
-    another cannot make a save clean."""
-    counts: Dict[int, int] = {}
-    for record in records:
-        size = record["rank"].get("world_size")
-        if is_int(size) and size > 0:
-            counts[size] = counts.get(size, 0) + 1
-    return max(counts, key=lambda size: (counts[size], size)) if counts else None
-
-
 def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
     """Every save the run directory's checkpoint marks name, oldest first; a save counts the marks of the
     job's ranks (``job_world_size``), each once."""
@@ -154,9 +144,8 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
         for (number, *_), group in sorted(_by_save(marks).items(), key=lambda item: item[0][0]):
             group.sort(key=lambda record: record["rank"].get("global_rank", -1))
             first = group[0]
-            inside = [rank for rank, size in ((r["rank"].get("global_rank"), r["rank"].get("world_size"))
-                                              for r in group)
-                      if size == world and is_int(rank) and 0 <= rank < world]
+            inside = [record["rank"].get("global_rank") for record in group
+                      if world is not None and inside_job(record["rank"], world)]
             step = min((record["step"] for record in group if is_int(record.get("step"))), default=None)
             # a mark's step is the step about to run: that save holds the weights a check of its step reads
             suspect = bool(unequal) and (equal_until is None or step is None or step > equal_until)

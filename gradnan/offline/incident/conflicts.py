@@ -6,7 +6,7 @@ by hand, or a writer gone wrong, and no cause should be named from them (``decis
 
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, List, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Sequence, Tuple
 
 from ...formats.incident import RecordKind
 from ...formats.layout import peers_key
@@ -69,7 +69,73 @@ def _reductions(reruns: Sequence[Record]) -> List[Conflict]:
             for said in groups.values() if "collective" in said and "partial" in said]
 
 
-def conflicts_of(at_step: Sequence[Record], states: Sequence[Record], reruns: Sequence[Record]
+def _observations(at_step: Sequence[Record], reruns: Sequence[Record]) -> List[Conflict]:
+    """A rerun's ``observed`` (records version 2) is all-reduced over at least the rank's model-parallel
+    group (its data-parallel replica: equal ``dp`` and ``cp``), and Megatron's job verdict is the whole
+    job's: ranks of one replica that observed differently, or two job verdicts, cannot both be true; nor
+    can a replica whose own gradients were finite hold a rank whose pre-reduction check found its own
+    non-finite."""
+    found: List[Conflict] = []
+    seen: Dict[Tuple[Any, ...], Record] = {}
+    jobs: Dict[Any, int] = {}
+    wrote = {_rank(r) for r in at_step if r["kind"] == RecordKind.PRE_REDUCTION and r["params"]}
+    for record in reruns:
+        observed = record.get("observed")
+        if not isinstance(observed, dict):
+            continue
+        first = seen.setdefault((record["rank"].get("dp"), record["rank"].get("cp")), record)
+        if first["observed"] != observed:
+            found.append((f"ranks {_rank(first)} and {_rank(record)} ran the step again in one data-parallel"
+                          " replica, and their rerun records say it observed different things",
+                          (_rank(first), _rank(record))))
+        if observed.get("megatron_job") is not None:
+            jobs.setdefault(observed["megatron_job"], _rank(record))
+        if observed.get("own_gradients") == "finite" and _rank(record) in wrote:
+            found.append((f"rank {_rank(record)}'s rerun record says its replica's own gradients were"
+                          " finite before the data-parallel collective, and its pre_reduction record lists"
+                          " non-finite ones", (_rank(record),)))
+    if len(jobs) > 1:
+        (said, one), (other_said, other) = sorted(jobs.items())[:2]
+        found.append((f"Megatron's verdict on the job is {untrusted(said)} in rank {one}'s rerun record and"
+                      f" {untrusted(other_said)} in rank {other}'s", (one, other)))
+    return found
+
+
+def _divergences(divergences: Sequence[Record], ranks: Mapping[int, Mapping[str, Any]]) -> List[Conflict]:
+    """One replica check writes the same facts on every peer that differs, and the ranks it names are the
+    writer's data-parallel peers (the same tensor-parallel and pipeline coordinates) of this job."""
+    found: List[Conflict] = []
+    first = divergences[0] if divergences else None
+    for record in divergences:
+        writer = _rank(record)
+        if first is not None and any(record[key] != first[key] for key in ("replicas", "read_at_step")):
+            found.append((f"ranks {_rank(first)} and {writer} wrote one replica check with different facts"
+                          " (how many replicas, or when it was read)", (_rank(first), writer)))
+        for named in record["differing_ranks"]:
+            coords = ranks.get(named)
+            if coords is None or any(coords.get(axis) != record["rank"].get(axis) for axis in ("tp", "pp")):
+                why = "no rank of this job" if coords is None else "not a data-parallel peer of it"
+                found.append((f"rank {writer}'s replica check names rank {named} among the data-parallel"
+                              f" copies that differ, and rank {named} is {why}", (writer,)))
+                break
+    return found
+
+
+def _links_without_pipeline(records: Sequence[Record]) -> List[Conflict]:
+    """A stage's links are its sends to and receives from the neighbouring pipeline stages: a rank of a job
+    without pipeline parallelism (``pp_size`` 1) has none."""
+    return [(f"rank {_rank(record)}'s record lists pipeline transfers, and its rank is in no pipeline"
+             " (pp_size 1)", (_rank(record),))
+            for record in records
+            if (record["rank"].get("pp_size") or 1) == 1 and any(
+                direction.get("transfers") for direction in (record.get("pipeline_links") or {}).values())]
+
+
+def conflicts_of(at_step: Sequence[Record], states: Sequence[Record], reruns: Sequence[Record],
+                 divergences: Sequence[Record] = (), ranks: Mapping[int, Mapping[str, Any]] = {}
                  ) -> Tuple[Conflict, ...]:
-    """Every contradiction among the failing step's incident, ``state`` and ``rerun`` records."""
-    return tuple(_pre_reduction_claims(at_step) + _digests_and_weights(states) + _reductions(reruns))
+    """Every contradiction among the failing step's incident, ``state``, ``rerun`` and ``replica_divergence``
+    records (``ranks``: the job's ranks, by global rank)."""
+    return tuple(_pre_reduction_claims(at_step) + _digests_and_weights(states) + _reductions(reruns)
+                 + _observations(at_step, reruns) + _divergences(divergences, ranks)
+                 + _links_without_pipeline([*at_step, *states]))

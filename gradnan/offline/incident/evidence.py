@@ -245,7 +245,7 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
     the training loop they name: ``loop_terms.loop_of``) and the run directory's checkpoint marks
     (``saves``)."""
     basis, origin = gradient
-    conflicts = conflicts_of(at_step, states, reruns)
+    conflicts = conflicts_of(at_step, states, reruns, divergences, ranks)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
                 if any((record["rank"].get("dp_size") or 1) > 1 for record in states) else None)
     odd, split = replica_digests(states)
