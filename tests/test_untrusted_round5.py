@@ -260,3 +260,30 @@ def test_a_trace_naming_an_op_it_does_not_hold_is_refused(index):
     with pytest.raises(TraceError, match="its index that of one of the trace's ops"):
         Trace.from_json({**document, "first_nonfinite": {**document["first_nonfinite"], "index": index}},
                         trace.leaves)
+
+
+def test_a_replay_command_is_for_the_call_the_text_names(tmp_path):
+    """The fifth round's two ranks claiming the rerun's origin role: the replay command was for the other
+    rank's capture (another module) than the one the text names. Only a capture of the named call is
+    offered; here none, so no replay line."""
+    named, other = _rerun(0), _rerun(2, megatron_job=None)
+    other.update(role="origin", module="decoder.layers.1.mlp", bundle=str(tmp_path / "bundles" / "elsewhere"))
+    report = analyze(read_run(_write(tmp_path, [named, other])))
+    text = format_text(report)
+    assert report.incident.rerun.module == "decoder.layers.0.mlp" and report.incident.rerun.bundle is None
+    assert "gradnan replay" not in text
+    same = {**other, "module": "decoder.layers.0.mlp"}
+    assert analyze(read_run(_write(tmp_path / "same", [named, same]))).incident.rerun.bundle == other["bundle"]
+
+
+@pytest.mark.slow
+def test_a_file_claiming_another_ranks_place_is_a_conflict(real_runs, tmp_path):
+    """The fifth round's rank file claiming another rank: two devices for one rank in one report."""
+    def elsewhere(lines: Lines) -> Lines:
+        record = first(lines, "nonfinite_grad_norm")
+        return lines + [{**record, "rank": {**record["rank"], "global_rank": 0, "dp": 0, "host": "node-9",
+                                            "device": "cuda:7"}}]
+
+    incident = forged(real_runs, tmp_path, {RANK1: elsewhere}).incident
+    assert incident.verdict.rule == "records_conflict"
+    assert "rank 0's records at this step name 2 places for it" in incident.verdict.summary

@@ -131,6 +131,19 @@ def _links_without_pipeline(records: Sequence[Record]) -> List[Conflict]:
                 direction.get("transfers") for direction in (record.get("pipeline_links") or {}).values())]
 
 
+_PLACE = ("host", "device", "tp", "pp", "dp", "cp", "ep")
+
+
+def _two_places(records: Sequence[Record]) -> List[Conflict]:
+    """A rank runs in one place: two of its records at the step naming two hosts, devices or parallel
+    coordinates come from two runs (a file copied in under its name) or a file edited by hand."""
+    places: Dict[Any, set] = {}
+    for record in records:
+        places.setdefault(_rank(record), set()).add(tuple(record["rank"].get(key) for key in _PLACE))
+    return [(f"rank {rank}'s records at this step name {len(named)} places for it (hosts, devices or parallel"
+             " coordinates)", (rank,)) for rank, named in places.items() if len(named) > 1]
+
+
 def conflicts_of(at_step: Sequence[Record], states: Sequence[Record], reruns: Sequence[Record],
                  divergences: Sequence[Record] = (), ranks: Mapping[int, Mapping[str, Any]] = {}
                  ) -> Tuple[Conflict, ...]:
@@ -138,4 +151,5 @@ def conflicts_of(at_step: Sequence[Record], states: Sequence[Record], reruns: Se
     records (``ranks``: the job's ranks, by global rank)."""
     return tuple(_pre_reduction_claims(at_step) + _digests_and_weights(states) + _reductions(reruns)
                  + _observations(at_step, reruns) + _divergences(divergences, ranks)
-                 + _links_without_pipeline([*at_step, *states]))
+                 + _links_without_pipeline([*at_step, *states])
+                 + _two_places([*at_step, *states, *reruns, *divergences]))

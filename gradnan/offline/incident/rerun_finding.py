@@ -96,7 +96,7 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
             (r["micro_batch"] for r in at_step if r.get("micro_batch") is not None
              and conclusion_of(r).value == strongest.conclusion), None),
         output_abs_max=first.get("output_abs_max") if first else None,
-        bundle=next((r["bundle"] for r in origins if r.get("bundle")), None),
+        bundle=_bundle_of(origins),
         batch=batch["path"] if batch else None,
         origins=tuple({**rank_view(r["rank"]), "module": r.get("module"), "reduction": r.get("reduction")}
                       for r in origins),
@@ -109,6 +109,16 @@ def rerun_finding(records: List[Dict[str, Any]]) -> Optional[RerunFinding]:
                                         and loss_here_nonfinite(r.get("loss_here")) is False)),
         concluded_replicas=tuple(sorted({r["rank"]["dp"] for r in at_step if r["rank"].get("global_rank")
                                          in strongest.ranks and isinstance(r["rank"].get("dp"), int)})))
+
+
+def _bundle_of(origins: Sequence[Dict[str, Any]]) -> Optional[str]:
+    """The capture of the call the text names (the first origin's): its own, else a tied origin's of the same
+    module and call; never another call's, whose replay would answer another question."""
+    if not origins:
+        return None
+    first = origins[0]
+    return next((r["bundle"] for r in origins if r.get("bundle") and r.get("module") == first.get("module")
+                 and r.get("call") == first.get("call")), None)
 
 
 def _origins_absent(at_step: List[Dict[str, Any]]) -> Tuple[int, ...]:
