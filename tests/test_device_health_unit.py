@@ -79,6 +79,7 @@ def test_only_the_origin_devices_readings_count():
     records = _incident_records(None)
     records[0].pop("device_health")
     bystander = _record(2, "nonfinite_grad_norm", 1, device_health=HEALTHY)
+    bystander["rank"].update(host="node00001", device="cuda:1")  # where its rerun record puts it
     analysis = analyze(_files(*records + [bystander]))
     assert analysis.incident.health == () and "NVML" not in format_text(analysis)
 
