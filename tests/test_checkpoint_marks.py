@@ -286,3 +286,16 @@ def test_marks_that_do_not_cover_the_jobs_ranks_cannot_make_a_save_clean(marks, 
     job = [{**_mark_as(rank, 4, save=2, iteration=2), "kind": "pre_reduction"} for rank in range(4)]
     [save] = [save for save in saves_of(marks + job) if save.iteration == 1]
     assert not save.clean and save.condition() == f"not known clean: {why}"
+
+
+def test_a_save_whose_data_parallel_copies_differ_is_not_known_clean():
+    """Issue 60: every rank marked the save clean, yet rank 1's weights are not its data-parallel peer's (a
+    silent corruption of one replica): which copy the checkpoint holds is not known, so the advice names
+    the save before it."""
+    unequal = REGULAR[:3] + [{**REGULAR[3], "weights_digest": "another"}]
+    [first, second] = saves_of(unequal)
+    assert first.clean and not second.clean
+    assert second.condition() == ("not known clean: its data-parallel copies differ (the weight digests of"
+                                  " ranks 0, 1), and which copy is right is not known")
+    assert newest_clean(saves_of(unequal), 30.0, 3)[0].iteration == 1
+    assert newest_clean(saves_of(REGULAR), 30.0, 3)[0].iteration == 2

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...decision.evidence import KnownCheckpoint
 from ...formats.incident import RecordKind
-from ...formats.layout import vocabulary_token
+from ...formats.layout import peers_key, rank_ranges, vocabulary_token
 from ...formats.schema import NONFINITE_WORDS, is_int
 from ...formats.text import magnitude, untrusted
 from .runs import split_runs
@@ -149,6 +149,7 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
             step = min((record["step"] for record in group if is_int(record.get("step"))), default=None)
             # a mark's step is the step about to run: that save holds the weights a check of its step reads
             suspect = bool(unequal) and (equal_until is None or step is None or step > equal_until)
+            differ = _copies_differ([record for record in group if inside_job(record["rank"], world)])
             saves.append(Save(
                 launch=launch, number=number, iteration=first.get("saved_iteration"),
                 path=first.get("checkpoint"),
@@ -160,13 +161,27 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
                                 for record in group for entry in record["nonfinite"]),
                 unclean_ranks=tuple(record["rank"].get("global_rank") for record in group
                                     if not record["clean"]),
-                step=step, replicas_unequal=unequal if suspect else "",
+                step=step, replicas_unequal=differ or (unequal if suspect else ""),
                 outlying=tuple(_row_text(record, row) for record in group
                                for row in record.get("outlying_rows") or ()
                                if row["largest"] not in NONFINITE_WORDS),
                 negative=tuple((record["rank"].get("global_rank"), entry["name"]) for record in group
                                for entry in record.get("negative_moments") or ())))
     return sorted(saves, key=lambda save: save.time)
+
+
+def _copies_differ(marks: Sequence[Dict[str, Any]]) -> str:
+    """Where data-parallel peers' marks of one save give different digests of their weights (replicas hold
+    bitwise equal weights when a save returns: Megatron-LM syncs a distributed optimizer's overlapped
+    gather first), which ranks' copies differ; "" where every group agrees."""
+    groups: Dict[Tuple[Any, ...], Dict[str, List[int]]] = {}
+    for mark in marks:
+        groups.setdefault(peers_key(mark["rank"], "dp"), {}).setdefault(mark["weights_digest"], []).append(
+            mark["rank"].get("global_rank"))
+    ranks = sorted(rank for digests in groups.values() if len(digests) > 1
+                   for holders in digests.values() for rank in holders)
+    return (f"its data-parallel copies differ (the weight digests of ranks {rank_ranges(ranks)}), and which"
+            " copy is right is not known") if ranks else ""
 
 
 def _by_save(marks: Sequence[Dict[str, Any]]) -> Dict[Tuple[Any, ...], List[Dict[str, Any]]]:
