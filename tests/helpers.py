@@ -6,10 +6,12 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import struct
+import subprocess
 import zlib
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Sequence
 
 import pytest
 
@@ -18,6 +20,21 @@ from gradnan.offline.incident.read import read_run
 
 def environ_without_gradnan() -> Dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith("GRADNAN_")}
+
+
+def run_bounded(command: Sequence[str], timeout: float, **options: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a launcher (torchrun and its workers) in its own process group: past
+    ``timeout`` the whole group is killed (a hung worker left behind would slow every test after it) and
+    the result says so in its stderr, returncode -9, for the test's assertion to show."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **options) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            return subprocess.CompletedProcess(command, -9, out, f"{err}\n[killed after {timeout} s]")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,9 @@ from gradnan.patches.schedules import SCHEDULES
 from gradnan.patches.supported import MEGATRON_CORE
 from gradnan.patches.undo_log import WRAPPED_ATTR
 
+# what gradnan patches in megatron-core, on the installed release (CI runs it on each: setup.cfg)
+pytestmark = pytest.mark.megatron_surface
+
 PATCH_NAMES = ["param_groups", "optimizer", "loss_scale", "grad_sync", "grad_zeroing", "schedules",
                "result_validation", "module_hooks", "pipeline_links", "checkpoint", "bridge_loop"]
 OPTIMIZER_METHODS = ("__init__", "step", "get_grad_norm", "clip_grad_norm")

@@ -27,7 +27,7 @@ from gradnan.offline.incident.report import format_text, step_headline
 from gradnan.patches.instrumentor import megatron_version
 from gradnan.testing.gloo import free_port
 
-from .helpers import environ_without_gradnan, read_board
+from .helpers import environ_without_gradnan, read_board, run_bounded
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron_surface]
 
@@ -52,10 +52,14 @@ requires_bridge = pytest.mark.skipif(not _importable("megatron.bridge"), reason=
                                      " installed (CI's Python 3.12 leg installs 0.6.2)")
 
 
+# a launch takes under 40 s here: a hung one is killed with its workers, not left to slow the tests after it
+LAUNCH_SECONDS = 240
+
+
 def _launch(out: Path, script: str, *arguments: str, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "gradnan.run", str(HERE / script), *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=400, env={
+    return run_bounded(command, LAUNCH_SECONDS, env={
         **environ_without_gradnan(), "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(HERE),
         "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
         "GRADNAN_OUT_DIR": str(out), **(env or {})})

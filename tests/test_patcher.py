@@ -23,6 +23,9 @@ from gradnan.patches.names import prefix_renamer
 from gradnan.patches.reentrancy_guard import Outermost
 from gradnan.patches.undo_log import WRAPPED_ATTR, Patcher, is_gradnan_wrapper, patch_scope
 
+# what gradnan patches in megatron-core, on the installed release (CI runs it on each: setup.cfg)
+pytestmark = pytest.mark.megatron_surface
+
 
 def calls_through(original: Callable) -> Callable:
     """A wrapper factory in the shape the instrumentors use: call the original, tag the result."""

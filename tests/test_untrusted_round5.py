@@ -273,7 +273,8 @@ def test_a_replay_command_is_for_the_call_the_text_names(tmp_path):
     assert report.incident.rerun.module == "decoder.layers.0.mlp" and report.incident.rerun.bundle is None
     assert "gradnan replay" not in text
     same = {**other, "module": "decoder.layers.0.mlp"}
-    assert analyze(read_run(_write(tmp_path / "same", [named, same]))).incident.rerun.bundle == other["bundle"]
+    tied = analyze(read_run(_write(tmp_path / "same", [named, same]))).incident
+    assert tied.rerun.bundle == other["bundle"]
 
 
 @pytest.mark.slow
