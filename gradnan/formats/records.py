@@ -1,9 +1,9 @@
 """A rank's records (``gradnan.record``, one JSON object per line, appended): what each detection found.
 
 Kinds: ``nonfinite_grad_norm``, ``loss_scale_overflow``, ``pre_reduction``, ``frames``, ``probe``, ``rerun``,
-``nonfinite_loss``, ``state``, ``replica_divergence``
-``nonfinite_loss``, ``state``, ``checkpoint``
-(docs/formats.md has every field). A reader keeps the good lines of a file and names each bad one.
+``nonfinite_loss``, ``state``, ``replica_divergence``, ``checkpoint`` (docs/formats.md has every field; the
+fields of ``rerun``, ``state``/``checkpoint`` and ``replica_divergence`` are checked in their own modules).
+A reader keeps the good lines of a file and names each bad one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import (
 
 from ..errors import InputError
 from .divergence_record import check_divergence
-from .layout import MAX_VOCABULARY, ROW_OUTLIER, VOCABULARY_ROWS
 from .loop import LoopKind, is_loop
 from .magnitude import DTYPE_MAX as DTYPE_MAX  # where readers have always found it
 from .rerun_record import MAX_DIMS, check_rerun
@@ -34,6 +33,7 @@ from .schema import (
     Schema,
     check_rank,
     check_run,
+    is_bool,
     is_finite,
     is_int,
     is_number,
@@ -44,6 +44,8 @@ from .schema import (
     parse_json,
     read_if_small,
 )
+from .state_record import MAX_PARAMS_READ as MAX_PARAMS_READ  # where readers have always found it
+from .state_record import check_checkpoint, check_state
 
 SCHEMA = Schema("gradnan.record", 2)  # 2: a rerun record writes what it observed, not a conclusion
 FORWARD_SHARE = 0.9  # this share of a rank's gradients non-finite: the forward pass already was
@@ -103,7 +105,7 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
         raise InputError(f"{where}: '{key}' must be an integer")
     if not is_int(record.get("params_total", 0)):  # absent: the report counts the listed params
         raise InputError(f"{where}: 'params_total' must be an integer")
-    if not optional(record.get("time"), is_number) or _bad_key(record, _FLAGS, _is_bool) is not None:
+    if not optional(record.get("time"), is_number) or _bad_key(record, _FLAGS, is_bool) is not None:
         raise InputError(f"{where}: 'time' must be a number, 'scale_collapsed', 'warmup' and 'loss_finite'"
                          " booleans")
     check_run(record.get("run"), where)
@@ -131,17 +133,14 @@ def from_json(record: Any, where: str) -> Dict[str, Any]:
     elif record.get("kind") == "nonfinite_loss":
         _check_nonfinite_loss(record, where)
     elif record.get("kind") == "state":
-        _check_state(record, where)
+        check_state(record, where)
     elif record.get("kind") == "replica_divergence":
         check_divergence(record, where)
     elif record.get("kind") == "checkpoint":
-        _check_checkpoint(record, where)
+        check_checkpoint(record, where)
     return record
 
 
-# a record's offending parameters kept by a reader, in the order written (backward order: the first to go
-# bad); the writer lists 64 (max_params_per_record): a file listing 100,000 costs the report no more
-MAX_PARAMS_READ = 1024
 
 
 def _is_index(value: Any) -> bool:
@@ -154,15 +153,11 @@ def _is_param(entry: Any) -> bool:
             and all(optional(entry.get(key), is_int) for key in _PARAM_INTS)
             and all(is_int(entry.get(key)) and entry[key] >= 0 for key in ("nan", "inf"))
             and is_stat(entry.get("abs_max_finite")) and optional(entry.get("first_bad_index"), _is_index)
-            and optional(entry.get("near_limit"), _is_bool)
+            and optional(entry.get("near_limit"), is_bool)
             and all(optional(entry.get(key), is_text) for key in ("kind", "copy")))
 
 
 _FLAGS = ("scale_collapsed", "warmup", "loss_finite")
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
 
 
 def _bad_key(record: Dict[str, Any], keys: Sequence[str], accepts: Callable[[Any], bool]) -> Optional[str]:
@@ -173,80 +168,6 @@ def _bad_key(record: Dict[str, Any], keys: Sequence[str], accepts: Callable[[Any
         if value is not None and not accepts(value):
             return key
     return None
-
-
-WEIGHT_COPIES = ("model", "main")
-_STATE_COUNTS = ("nan", "inf", "negative")
-
-
-def _is_state_fault(entry: Any) -> bool:
-    return (isinstance(entry, dict) and is_text(entry.get("name")) and is_text(entry.get("state"))
-            and optional(entry.get("id"), is_int)
-            and all(is_int(entry.get(key)) and entry[key] >= 0 for key in _STATE_COUNTS))
-
-
-MAX_RATE_STEPS, MAX_RATE_GROUPS = 64, 4096  # far above what gradnan writes: 8 steps, a rate per group
-
-
-def _is_learning_rates(value: Any) -> bool:
-    """A ``state`` record's ``learning_rates`` (optional, added in place)."""
-    return isinstance(value, list) and len(value) <= MAX_RATE_STEPS and all(
-        isinstance(entry, dict) and is_int(entry.get("step")) and isinstance(entry.get("lr"), list)
-        and len(entry["lr"]) <= MAX_RATE_GROUPS and all(is_stat(rate) for rate in entry["lr"])
-        for entry in value)
-
-
-MAX_ROWS = 64  # far above what gradnan writes (8)
-
-
-def _is_row(entry: Any) -> bool:
-    """An outlying vocabulary row: its weight's name, the shard's row count, the row, its largest magnitude,
-    the rows' median and whether every step reads it."""
-    return (isinstance(entry, dict) and entry.get("name") in VOCABULARY_ROWS and is_int(entry.get("rows"))
-            and is_int(entry.get("row")) and 0 <= entry["row"] < entry["rows"] <= MAX_VOCABULARY
-            and is_stat(entry.get("largest")) and is_stat(entry.get("median"))
-            and optional(entry.get("every_step"), _is_bool)
-            and _out_of_line(entry["largest"], entry["median"]))
-
-
-def _out_of_line(largest: Any, median: Any) -> bool:
-    """What makes the writer list a row (``training.weights.outlying_rows``): non-finite, or ``ROW_OUTLIER``
-    times a positive median."""
-    if not is_finite(largest):
-        return True
-    return is_finite(median) and median > 0 and largest > ROW_OUTLIER * median
-
-
-def _is_rows(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= MAX_ROWS and all(map(_is_row, value))
-
-
-def _check_state(record: Dict[str, Any], where: str) -> None:
-    faults = record.get("optimizer_state")
-    if isinstance(faults, list) and len(faults) > MAX_PARAMS_READ:  # optimizer_state_total counts them
-        faults = record["optimizer_state"] = faults[:MAX_PARAMS_READ]
-    if (not all(entry.get("copy") in WEIGHT_COPIES for entry in record["params"])
-            or not is_text(record.get("weights_digest"))
-            or not optional(record.get("launch_weights_finite"), lambda v: isinstance(v, bool))
-            or not all(is_int(record.get(key)) for key in ("params_checked", "optimizer_state_total",
-                                                           "optimizer_state_checked"))
-            or not (isinstance(faults, list) and all(map(_is_state_fault, faults)))
-            or not optional(record.get("learning_rates"), _is_learning_rates)
-            or not optional(record.get("outlying_rows"), _is_rows)
-            or not optional(record.get("negative_total"), is_int)
-            or not optional(record.get("negative_moments"), lambda found: isinstance(found, list) and all(
-                map(_is_mark_entry, found)) and len(found) <= (record.get("negative_total") or 0))):
-        raise InputError(f"{where}: a state record needs each param's 'copy' one of"
-                         f" {', '.join(WEIGHT_COPIES)}, a text 'weights_digest', 'launch_weights_finite'"
-                         " null or a boolean, integer 'params_checked'/'optimizer_state_total'/"
-                         "'optimizer_state_checked', an 'optimizer_state' list of objects with text"
-                         " 'name'/'state' and counts 'nan'/'inf'/'negative', and 'learning_rates' absent,"
-                         f" null or a list of at most {MAX_RATE_STEPS} objects with an integer 'step' and an"
-                         f" 'lr' list of at most {MAX_RATE_GROUPS} numbers or nulls, and 'outlying_rows'"
-                         f" absent, null or a list of at most {MAX_ROWS} objects with a 'name' among"
-                         f" {', '.join(VOCABULARY_ROWS)}, integer 'rows' and 'row' (0 <= row < rows <="
-                         f" {MAX_VOCABULARY}), numeric 'largest' (non-finite, or over {ROW_OUTLIER:g} times a"
-                         " positive 'median') and 'every_step' absent, null or a boolean")
 
 
 def _is_links(links: Any) -> bool:
@@ -260,34 +181,6 @@ def _is_direction(seen: Any) -> bool:
     first = seen.get("first_nonfinite")
     return 0 <= seen["unchecked"] <= seen["transfers"] and (
         first is None or (is_int(first) and 0 <= first < seen["transfers"]))
-
-
-MARKED_TENSORS = ("weight", "main", "moment")  # what a checkpoint mark checks (``checked``'s keys)
-
-
-def _is_mark_entry(entry: Any) -> bool:
-    return isinstance(entry, dict) and is_text(entry.get("name")) and is_text(entry.get("tensor"))
-
-
-def _check_checkpoint(record: Dict[str, Any], where: str) -> None:
-    """A checkpoint mark: its fields as ``gradnan checkpoints`` and the restart advice read them."""
-    checked, bad = record.get("checked"), record.get("nonfinite")
-    if (not isinstance(record.get("clean"), bool) or not is_text(record.get("weights_digest"))
-            or not is_int(record.get("save")) or not is_int(record.get("nonfinite_total"))
-            or not all(optional(record.get(key), is_int) for key in ("saved_iteration", "after_incident"))
-            or not optional(record.get("checkpoint"), is_text)
-            or not (isinstance(checked, dict) and all(is_int(checked.get(key)) for key in MARKED_TENSORS))
-            or not (isinstance(bad, list) and all(map(_is_mark_entry, bad)))
-            or not optional(record.get("outlying_rows"), _is_rows)
-            or record["clean"] != (record["nonfinite_total"] == 0) or len(bad) > record["nonfinite_total"]):
-        raise InputError(f"{where}: a checkpoint record needs a boolean 'clean' (true exactly where"
-                         " 'nonfinite_total' is 0), a text 'weights_digest', integer"
-                         " 'save'/'nonfinite_total',"
-                         " 'saved_iteration'/'after_incident' null or integers, 'checkpoint' null or text, a"
-                         f" 'checked' object of integer {'/'.join(MARKED_TENSORS)}, a 'nonfinite' list of"
-                         " at most 'nonfinite_total' objects with text 'name'/'tensor', 'outlying_rows'"
-                         f" absent, null or a list of at most {MAX_ROWS} rows, and 'negative_moments' absent,"
-                         " null or a list of at most 'negative_total' such objects")
 
 
 def _check_largest(largest: Any, where: str) -> None:

@@ -83,6 +83,10 @@ def is_stat(value: Any) -> bool:
     return value is None or value in NONFINITE_WORDS or is_finite(value)
 
 
+def is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def optional(value: Any, check: Callable[[Any], bool]) -> bool:
     return value is None or check(value)
 
