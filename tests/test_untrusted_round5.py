@@ -288,3 +288,23 @@ def test_a_file_claiming_another_ranks_place_is_a_conflict(real_runs, tmp_path):
     incident = forged(real_runs, tmp_path, {RANK1: elsewhere}).incident
     assert incident.verdict.rule == "records_conflict"
     assert "rank 0's records at this step name 2 places for it" in incident.verdict.summary
+
+
+def _state(rank: int, rows: int) -> Dict[str, Any]:
+    row = {"name": "embedding.word_embeddings.weight", "rows": rows, "row": 3, "largest": 1e30,
+           "median": 0.05, "every_step": True}
+    return records.to_json("state", 2, 2, coords(rank), {}, [], 0, {
+        "weights_digest": f"d{rank}", "params_checked": 4, "optimizer_state_total": 0,
+        "optimizer_state_checked": 0, "optimizer_state": [], "outlying_rows": [row]})
+
+
+def test_tensor_parallel_shards_of_one_vocabulary_with_different_row_counts_are_a_conflict(tmp_path):
+    """The fifth round's TP shards with different row counts: the token a row holds is ``tp * rows + row``,
+    so no token can be named from them."""
+    norm = records.to_json("nonfinite_grad_norm", 2, 2, coords(0), {}, [], 0, {"grad_norm": "nan"})
+    incident = analyze(read_run(_write(tmp_path, [norm, _state(0, 64), _state(1, 32)]))).incident
+    assert incident.verdict.rule == "records_conflict"
+    assert "ranks 0 and 1 hold shards of embedding.word_embeddings.weight with different row counts" \
+        in incident.verdict.summary
+    even = analyze(read_run(_write(tmp_path / "even", [norm, _state(0, 64), _state(1, 64)]))).incident
+    assert even.verdict.rule == "embedding_row"

@@ -131,6 +131,20 @@ def _links_without_pipeline(records: Sequence[Record]) -> List[Conflict]:
                 direction.get("transfers") for direction in (record.get("pipeline_links") or {}).values())]
 
 
+def _row_counts(states: Sequence[Record]) -> List[Conflict]:
+    """Megatron splits the padded vocabulary evenly over the tensor-parallel ranks: every shard of one
+    vocabulary weight has the same row count, which a row's token is computed from."""
+    counts: Dict[Tuple[Any, ...], Dict[Any, int]] = {}
+    for record in states:
+        for row in record.get("outlying_rows") or ():
+            counts.setdefault((peers_key(record["rank"], "tp"), row["name"]), {}).setdefault(
+                row["rows"], _rank(record))
+    return [(f"ranks {' and '.join(str(rank) for rank in sorted(seen.values())[:2])} hold shards of"
+             f" {untrusted(name)} with different row counts, so no row's token is known",
+             tuple(sorted(seen.values())[:2]))
+            for (_, name), seen in counts.items() if len(seen) > 1]
+
+
 _PLACE = ("host", "device", "tp", "pp", "dp", "cp", "ep")
 
 
@@ -151,5 +165,5 @@ def conflicts_of(at_step: Sequence[Record], states: Sequence[Record], reruns: Se
     records (``ranks``: the job's ranks, by global rank)."""
     return tuple(_pre_reduction_claims(at_step) + _digests_and_weights(states) + _reductions(reruns)
                  + _observations(at_step, reruns) + _divergences(divergences, ranks)
-                 + _links_without_pipeline([*at_step, *states])
+                 + _links_without_pipeline([*at_step, *states]) + _row_counts(states)
                  + _two_places([*at_step, *states, *reruns, *divergences]))
