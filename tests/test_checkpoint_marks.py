@@ -299,3 +299,18 @@ def test_a_save_whose_data_parallel_copies_differ_is_not_known_clean():
                                   " ranks 0, 1), and which copy is right is not known")
     assert newest_clean(saves_of(unequal), 30.0, 3)[0].iteration == 1
     assert newest_clean(saves_of(REGULAR), 30.0, 3)[0].iteration == 2
+
+
+def test_a_save_marked_after_the_failing_step_is_after_the_failure_whatever_its_time_says():
+    """Issue 60: a save of the failing launch marked at step 5 (the failure is at step 3), its time stamp
+    earlier than the failure's, with no iteration to compare (the records name none): restarting from it
+    ("the checkpoint of iteration 99 ... --ckpt-step 99") would bring the failure back. The launch's steps
+    are what its records agree on; its time stamps are not."""
+    files = failing_run(REGULAR)
+    for record in files.records[Path("/run/records/r.jsonl")]:
+        record["iteration"] = None
+    late = [{**mark_record(3, 99, rank, 25.0), "step": 5} for rank in (0, 1)]
+    files.records[Path("/run/records/r.jsonl")] += late
+    step, text = resume_step(files)
+    assert step.text.startswith("restart from the checkpoint of iteration 2 ("), text
+    assert "99" not in step.text + " ".join(step.command or ()), text

@@ -35,7 +35,7 @@ from ...decision.replica import own_failure_of
 from ...errors import InputError
 from ...formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
 from ...formats.text import untrusted
-from .checkpoints import saves_of
+from .checkpoints import after_failure, saves_of
 from .conflicts import Conflict
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .evidence_lines import evidence_lines, health_lines, selftest_evidence, selftest_summary
@@ -175,9 +175,11 @@ def _origin_entries(decision: Decision, gradient_origin: Sequence[View], states:
 
 
 def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch: List[Dict[str, Any]],
-              ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]]) -> Incident:
+              ranks: Dict[int, Dict[str, Any]], selftests: Sequence[Dict[str, Any]],
+              launch_key: str) -> Incident:
     """``at_step``: the step's incident records; none where Megatron's validation ran the step again and
-    exited before any norm (only ``rerun`` records then)."""
+    exited before any norm (only ``rerun`` records then); ``launch_key``: the launch's
+    (``runs.split_runs``)."""
     unchecked = unchecked_ranks(at_step, ranks)
     gradient_basis, origin_records = decide_gradient_origin(at_step, unchecked)
     states = state_records(files, launch, step)
@@ -195,7 +197,8 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
                  else iterations[0] if iterations else None)
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
                            rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
-                           reruns_here, divergences, saves_of(files.all_records()), unchecked,
+                           reruns_here, divergences,
+                           after_failure(saves_of(files.all_records()), launch_key, step), unchecked,
                            _unmapped_divergences(files, divergences))
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
@@ -316,7 +319,7 @@ def analyze(files: RunFiles, serious_skips: int = SERIOUS_SKIPS, run: Optional[s
                          key=lambda r: (r["rank"].get("global_rank", -1),
                                         r["kind"] != RecordKind.PRE_REDUCTION))
         incident = _incident(files, first_step, at_step, launch, ranks,
-                             [doc for _, doc in sorted(files.selftests.items())])
+                             [doc for _, doc in sorted(files.selftests.items())], chosen or "")
         for record in incidents:
             if record["step"] > first_step:
                 later.setdefault(record["step"], set()).add(record["rank"].get("global_rank"))

@@ -15,7 +15,7 @@ tells the good one).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...decision.evidence import KnownCheckpoint
@@ -168,6 +168,14 @@ def saves_of(records: Sequence[Dict[str, Any]]) -> List[Save]:
                 negative=tuple((record["rank"].get("global_rank"), entry["name"]) for record in group
                                for entry in record.get("negative_moments") or ())))
     return sorted(saves, key=lambda save: save.time)
+
+
+def after_failure(saves: Sequence[Save], launch: str, step: int) -> List[Save]:
+    """``saves``, those of the failing ``launch`` marked after its failing ``step`` (a mark's step is the step
+    about to run) taken as written after that incident, whatever their time says: a step of one launch
+    is a fact its records agree on, a time stamp is not."""
+    return [replace(save, after_incident=step) if save.launch == launch and save.after_incident is None
+            and save.step is not None and save.step > step else save for save in saves]
 
 
 def _copies_differ(marks: Sequence[Dict[str, Any]]) -> str:
