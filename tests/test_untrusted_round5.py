@@ -308,22 +308,3 @@ def test_tensor_parallel_shards_of_one_vocabulary_with_different_row_counts_are_
         in incident.verdict.summary
     even = analyze(read_run(_write(tmp_path / "even", [norm, _state(0, 64), _state(1, 64)]))).incident
     assert even.verdict.rule == "embedding_row"
-
-
-@pytest.mark.slow
-def test_a_replica_check_naming_a_parameter_its_map_does_not_list_is_a_conflict(real_runs, tmp_path):
-    def divergence(name: str) -> Callable[[Lines], Lines]:
-        def edit(lines: Lines) -> Lines:
-            record = {**a_divergence_record(), "step": 2, "rank": first(lines, "state")["rank"],
-                      "run": first(lines, "state")["run"], "replicas": 2, "agreeing": None,
-                      "differing_ranks": [1], "differing_total": 1}
-            record["diverged"] = [{**record["diverged"][0], "name": name}]
-            return lines + [record]
-        return edit
-
-    incident = forged(real_runs, tmp_path / "forged", {RANK1: divergence("decoder.no_such.weight")}).incident
-    assert incident.verdict.rule == "records_conflict"
-    assert "rank 1's replica check names decoder.no_such.weight, which its parameter map does not list" \
-        in incident.verdict.summary
-    real = forged(real_runs, tmp_path / "real", {RANK1: divergence("decoder.layers.0.mlp.linear_fc1.weight")})
-    assert real.incident.verdict.rule != "records_conflict", real.incident.verdict.summary

@@ -34,9 +34,7 @@ from ...decision.origin import decide_gradient_origin, per_rank, unchecked_ranks
 from ...decision.replica import own_failure_of
 from ...errors import InputError
 from ...formats.incident import INCIDENT_KINDS, NORM_KINDS, OriginBasis, RecordKind
-from ...formats.text import untrusted
 from .checkpoints import after_failure, saves_of
-from .conflicts import Conflict
 from .evidence import counted, evidence_of, health_readings, iterations_of, overflow_recurs, state_records
 from .evidence_lines import evidence_lines, health_lines, selftest_evidence, selftest_summary
 from .frames_view import frames_summary, probes_summary, probes_total
@@ -104,28 +102,6 @@ def _parameters_by_module(entries: Sequence[View]) -> List[Dict[str, Any]]:
             entry["nan"], entry["inf"] = param["nan"], param["inf"]
         entry["near_limit"] = entry["near_limit"] or bool(param.get("near_limit"))
     return [{"module": m["module"], "params": list(m["params"].values())} for m in modules.values()]
-
-
-def _unmapped_divergences(files: RunFiles, divergences: Sequence[Dict[str, Any]]) -> Tuple[Conflict, ...]:
-    """A replica check names parameters of its writer's model: one its rank's parameter map does not list
-    (where the rank wrote one) cannot have differed."""
-    names: Dict[int, set] = {}
-    for path, document in files.maps_of({_writer(record) for record in divergences}):
-        names.setdefault(document["rank"]["global_rank"], set()).update(
-            param["name"] for param in files.params_of_map(path, document))
-    found = []
-    for record in divergences:
-        known = names.get(_writer(record))
-        unknown = next((entry["name"] for entry in record["diverged"]
-                        if known is not None and entry["name"] not in known), None)
-        if unknown is not None:
-            found.append((f"rank {_writer(record)}'s replica check names {untrusted(unknown)}, which its"
-                          " parameter map does not list", (_writer(record),)))
-    return tuple(found)
-
-
-def _writer(record: Dict[str, Any]) -> int:
-    return record["rank"].get("global_rank")
 
 
 def _rejected_entries(losses: List[Dict[str, Any]]) -> List[View]:
@@ -198,8 +174,7 @@ def _incident(files: RunFiles, step: int, at_step: List[Dict[str, Any]], launch:
     evidence = evidence_of(step, iteration, ranks, states, (gradient_basis, gradient_origin), pattern,
                            rerun, at_step, overflow_recurs(at_step, launch, step), iterations,
                            reruns_here, divergences,
-                           after_failure(saves_of(files.all_records()), launch_key, step), unchecked,
-                           _unmapped_divergences(files, divergences))
+                           after_failure(saves_of(files.all_records()), launch_key, step), unchecked)
     decision = decide(evidence)
     rejected = _rejected_entries([r for r in at_step if r["kind"] == RecordKind.NONFINITE_LOSS])
     origin = _origin_entries(decision, gradient_origin, states, rejected, reruns_here + divergences, dtypes,

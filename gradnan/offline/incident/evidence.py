@@ -31,7 +31,7 @@ from ...formats.layout import AXES, peers_key, rank_label, vocabulary_token
 from ...formats.rerun_record import loss_here_nonfinite
 from ...formats.schema import NONFINITE_WORDS
 from .checkpoints import Save, newest_clean
-from .conflicts import Conflict, conflicts_of
+from .conflicts import conflicts_of
 from .gradients import rank_view
 from .read import RunFiles
 from .verdict import Pattern, RerunFinding
@@ -239,13 +239,13 @@ def evidence_of(step: int, iteration: Optional[int], ranks: Dict[int, Dict[str, 
                 recurs: bool, iterations_seen: Tuple[int, ...] = (),
                 reruns: Sequence[Dict[str, Any]] = (),
                 divergences: Sequence[Dict[str, Any]] = (), saves: Sequence[Save] = (),
-                unchecked: Tuple[int, ...] = (), unmapped: Sequence[Conflict] = ()) -> Evidence:
+                unchecked: Tuple[int, ...] = ()) -> Evidence:
     """The typed facts the rules decide on, from the failing step's records (``reruns``: its ``rerun``
     records; ``divergences``: its ``replica_divergence`` records; ``unchecked``: its ``unchecked_ranks``;
     the training loop they name: ``loop_terms.loop_of``) and the run directory's checkpoint marks
-    (``saves``); ``unmapped``: conflicts of the records with the parameter maps."""
+    (``saves``)."""
     basis, origin = gradient
-    conflicts = conflicts_of(at_step, states, reruns, divergences, ranks) + tuple(unmapped)
+    conflicts = conflicts_of(at_step, states, reruns, divergences, ranks)
     compared = (any(len(group) > 1 for group in _peer_groups(states).values())
                 if any((record["rank"].get("dp_size") or 1) > 1 for record in states) else None)
     odd, split = replica_digests(states)
